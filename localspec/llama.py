@@ -1,0 +1,384 @@
+"""A small, owning wrapper over llama-cpp-python's low-level API.
+
+`LlamaModel` owns one `llama_model *`, `LlamaContext` owns one `llama_context *` plus one reusable
+`llama_batch`, and each frees its handle deterministically (`close()` or a `with` block). The context
+is the single owner of its position: `tokens` is exactly what sits in its KV cache, `n_past` is its
+length, `decode()` appends and `rollback()` trims with `llama_memory_seq_rm`.
+
+Nothing here knows about speculation; the engine composes two contexts.
+"""
+
+from __future__ import annotations
+
+import codecs
+import ctypes
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+import llama_cpp
+
+log = logging.getLogger("localspec.llama")
+
+GGUF_MAGIC = b"GGUF"
+_SEQ = 0  # one sequence per context
+
+
+class LlamaError(RuntimeError):
+    """A llama.cpp call failed."""
+
+
+class ModelLoadError(LlamaError):
+    """A GGUF file could not be loaded (missing, not GGUF, truncated, unsupported)."""
+
+
+class ContextFullError(LlamaError):
+    """The KV cache has no room for the tokens asked to be decoded."""
+
+
+# ---------------------------------------------------------------------------------------------
+# process-wide set-up: backend init once, llama.cpp's logging routed to Python logging
+
+
+_init_lock = threading.Lock()
+_initialised = False
+
+_LEVELS = {2: logging.ERROR, 3: logging.WARNING, 4: logging.INFO, 1: logging.DEBUG, 5: logging.DEBUG}
+_log_buffer: list[str] = []
+
+
+@llama_cpp.llama_log_callback
+def _log_callback(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
+    # llama.cpp emits lines in pieces; level 5 (CONT) continues the previous one.
+    _log_buffer.append(text.decode("utf-8", errors="replace"))
+    if _log_buffer[-1].endswith("\n"):
+        line = "".join(_log_buffer).rstrip()
+        _log_buffer.clear()
+        if line:
+            log.log(_LEVELS.get(level, logging.DEBUG), "%s", line)
+
+
+def _ensure_backend() -> None:
+    global _initialised
+    with _init_lock:
+        if not _initialised:
+            llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
+            llama_cpp.llama_backend_init()
+            _initialised = True
+
+
+def check_gguf(path: Path) -> None:
+    """Fail early and clearly on what llama.cpp would reject with a vague message (or worse)."""
+    if not path.exists():
+        raise ModelLoadError(f"model file not found: {path}")
+    if not path.is_file():
+        raise ModelLoadError(f"model path is not a file: {path}")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise ModelLoadError(f"not a GGUF file (bad magic {magic!r}): {path}")
+
+
+# ---------------------------------------------------------------------------------------------
+# model
+
+
+class LlamaModel:
+    """One loaded GGUF: weights (optionally offloaded to the GPU) and its vocabulary."""
+
+    def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0, use_mmap: bool = True) -> None:
+        _ensure_backend()
+        self.path = Path(path)
+        check_gguf(self.path)
+        params = llama_cpp.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers if n_gpu_layers >= 0 else 0x7FFFFFFF  # -1: offload all
+        params.use_mmap = use_mmap
+        # The CPU "extra buffer types" (AMX / repacked weights) crash llama_decode on Q4_1 on some
+        # x86 machines; plain CPU buffers are always correct, and GPU offload is unaffected.
+        params.use_extra_bufts = False
+        self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), params)
+        if not self._model:
+            raise ModelLoadError(f"llama.cpp could not load {self.path} (truncated, corrupt or unsupported GGUF)")
+        self._vocab = llama_cpp.llama_model_get_vocab(self._model)
+        self.n_vocab: int = llama_cpp.llama_vocab_n_tokens(self._vocab)
+        self.vocab_type: int = llama_cpp.llama_vocab_type(self._vocab)
+        self.bos: int = llama_cpp.llama_vocab_bos(self._vocab)
+        self.eos: int = llama_cpp.llama_vocab_eos(self._vocab)
+        self.add_bos: bool = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
+        self.add_eos: bool = bool(llama_cpp.llama_vocab_get_add_eos(self._vocab))
+        self.n_ctx_train: int = llama_cpp.llama_model_n_ctx_train(self._model)
+        self.n_params: int = llama_cpp.llama_model_n_params(self._model)
+        self.size_bytes: int = llama_cpp.llama_model_size(self._model)
+        self.name: str = self.metadata("general.name") or self.path.stem
+        self._pieces: dict[int, bytes] = {}
+        self._eog = np.zeros(self.n_vocab, dtype=bool)
+        for t in range(self.n_vocab):
+            self._eog[t] = llama_cpp.llama_vocab_is_eog(self._vocab, t)
+
+    # -- lifetime
+    def close(self) -> None:
+        if getattr(self, "_model", None):
+            llama_cpp.llama_model_free(self._model)
+            self._model = None
+
+    def __enter__(self) -> "LlamaModel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # last resort; close() is the contract
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    @property
+    def handle(self):
+        if not self._model:
+            raise LlamaError("model is closed")
+        return self._model
+
+    # -- metadata
+    def metadata(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(4096)
+        n = llama_cpp.llama_model_meta_val_str(self.handle, key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        if n >= len(buf):
+            buf = ctypes.create_string_buffer(n + 1)
+            llama_cpp.llama_model_meta_val_str(self.handle, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", errors="replace")
+
+    @property
+    def chat_template(self) -> str | None:
+        tmpl = llama_cpp.llama_model_chat_template(self.handle, None)
+        return tmpl.decode("utf-8", errors="replace") if tmpl else None
+
+    # -- vocabulary
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        data = text.encode("utf-8")
+        n_max = len(data) + 8
+        buf = (llama_cpp.llama_token * n_max)()
+        n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, n_max, add_special, parse_special)
+        if n < 0:
+            n_max = -n
+            buf = (llama_cpp.llama_token * n_max)()
+            n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, n_max, add_special, parse_special)
+            if n < 0:
+                raise LlamaError(f"tokenization failed ({n})")
+        return list(buf[:n])
+
+    def token_piece(self, token: int, *, special: bool = False) -> bytes:
+        """The bytes of one token (may be part of a UTF-8 character). Control tokens render empty
+        unless special=True."""
+        key = token if not special else -1 - token
+        piece = self._pieces.get(key)
+        if piece is None:
+            buf = ctypes.create_string_buffer(64)
+            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+            piece = buf.raw[:n]
+            self._pieces[key] = piece
+        return piece
+
+    def token_text(self, token: int) -> bytes:
+        """The raw vocabulary entry (as stored in the GGUF), for compatibility checks."""
+        text = llama_cpp.llama_vocab_get_text(self._vocab, token)
+        return text or b""
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return b"".join(self.token_piece(t) for t in tokens).decode("utf-8", errors="replace")
+
+    def is_eog(self, token: int) -> bool:
+        return bool(self._eog[token])
+
+    @property
+    def eog_mask(self) -> np.ndarray:
+        """[vocab] bool: end-of-generation tokens (EOS, EOT, <|im_end|>, ...)."""
+        return self._eog
+
+
+class Detokenizer:
+    """Incremental detokenizer: feed tokens, get text that is safe to show (never half a character)."""
+
+    def __init__(self, model: LlamaModel) -> None:
+        self._model = model
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token: int) -> str:
+        return self._decoder.decode(self._model.token_piece(token))
+
+    def flush(self) -> str:
+        return self._decoder.decode(b"", final=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# context
+
+
+@dataclass(frozen=True)
+class ContextParams:
+    n_ctx: int = 4096
+    n_batch: int = 512
+    n_threads: int | None = None  # None: all cores
+
+
+def default_threads() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS
+        return max(1, os.cpu_count() or 1)
+
+
+class LlamaContext:
+    """One llama.cpp context over a model, with one sequence and one reusable batch.
+
+    Invariant: `self.tokens` is exactly the token sequence held in the KV cache, at positions
+    0..n_past-1. Only `decode` and `rollback` change it.
+    """
+
+    def __init__(self, model: LlamaModel, *, n_ctx: int = 4096, n_batch: int = 512,
+                 n_threads: int | None = None) -> None:
+        self.model = model
+        threads = n_threads or default_threads()
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = n_batch
+        params.n_ubatch = n_batch
+        params.n_seq_max = 1
+        params.n_threads = threads
+        params.n_threads_batch = threads
+        params.no_perf = True
+        self._ctx = llama_cpp.llama_init_from_model(model.handle, params)
+        if not self._ctx:
+            raise LlamaError(f"could not create a context (n_ctx={n_ctx}) for {model.path.name}")
+        self._mem = llama_cpp.llama_get_memory(self._ctx)
+        self.n_ctx: int = llama_cpp.llama_n_ctx(self._ctx)
+        self.n_batch: int = llama_cpp.llama_n_batch(self._ctx)
+        self.n_vocab = model.n_vocab
+        self.tokens: list[int] = []
+
+        self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+        b = self._batch
+        # numpy views over the batch's arrays: filling them is a slice assignment, not a Python loop
+        self._b_token = np.ctypeslib.as_array(b.token, shape=(self.n_batch,))
+        self._b_pos = np.ctypeslib.as_array(b.pos, shape=(self.n_batch,))
+        self._b_logits = np.ctypeslib.as_array(b.logits, shape=(self.n_batch,))
+        n_seq_id = np.ctypeslib.as_array(b.n_seq_id, shape=(self.n_batch,))
+        n_seq_id[:] = 1
+        for i in range(self.n_batch):
+            b.seq_id[i][0] = _SEQ
+
+    # -- lifetime
+    def close(self) -> None:
+        if getattr(self, "_batch", None) is not None:
+            llama_cpp.llama_batch_free(self._batch)
+            self._batch = None
+        if getattr(self, "_ctx", None):
+            llama_cpp.llama_free(self._ctx)
+            self._ctx = None
+
+    def __enter__(self) -> "LlamaContext":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # -- position
+    @property
+    def n_past(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def n_free(self) -> int:
+        return self.n_ctx - len(self.tokens)
+
+    def rollback(self, n_past: int) -> None:
+        """Drop every cached token at position >= n_past."""
+        if n_past >= len(self.tokens):
+            return
+        if not llama_cpp.llama_memory_seq_rm(self._mem, _SEQ, n_past, -1):
+            # recurrent/hybrid caches cannot drop a partial suffix: clear and let the caller re-decode
+            llama_cpp.llama_memory_clear(self._mem, True)
+            n_past = 0
+        del self.tokens[n_past:]
+
+    def reset(self) -> None:
+        llama_cpp.llama_memory_clear(self._mem, True)
+        self.tokens.clear()
+
+    def common_prefix(self, tokens: Sequence[int]) -> int:
+        """Length of the longest prefix `tokens` shares with the cache."""
+        cached = self.tokens
+        n = min(len(cached), len(tokens))
+        if list(tokens[:n]) == cached[:n]:  # the usual case, at C speed
+            return n
+        diff = np.asarray(cached[:n]) != np.asarray(tokens[:n])
+        return int(diff.argmax())
+
+    # -- evaluation
+    def decode(self, tokens: Sequence[int], *, n_logits: int = 1) -> np.ndarray:
+        """Evaluate `tokens` at positions n_past.. and append them to the cache.
+
+        Logits are computed only for the last `n_logits` tokens. Returns a zero-copy, read-only view
+        [n_logits, vocab] into llama.cpp's output buffer, valid until the next decode on this context.
+        """
+        n = len(tokens)
+        n_logits = min(n_logits, n)
+        if n == 0:
+            return np.zeros((0, self.n_vocab), dtype=np.float32)
+        if len(self.tokens) + n > self.n_ctx:
+            raise ContextFullError(f"context full: {len(self.tokens)} + {n} tokens > n_ctx {self.n_ctx}")
+        tokens = np.asarray(tokens, dtype=np.int32)
+        start = len(self.tokens)
+        first_logit = n - n_logits
+        for lo in range(0, n, self.n_batch):
+            hi = min(n, lo + self.n_batch)
+            m = hi - lo
+            self._b_token[:m] = tokens[lo:hi]
+            self._b_pos[:m] = np.arange(start + lo, start + hi, dtype=np.int32)
+            self._b_logits[:m] = 0
+            if hi > first_logit:
+                self._b_logits[max(first_logit, lo) - lo:m] = 1
+            self._batch.n_tokens = m
+            rc = llama_cpp.llama_decode(self._ctx, self._batch)
+            if rc != 0:
+                # leave the cache exactly as `self.tokens` says
+                llama_cpp.llama_memory_seq_rm(self._mem, _SEQ, start + lo, -1)
+                del self.tokens[start + lo:]
+                if rc == 1:
+                    raise ContextFullError(f"no KV cache slot for {m} tokens (n_past={start + lo})")
+                raise LlamaError(f"llama_decode failed with code {rc}")
+            self.tokens.extend(tokens[lo:hi].tolist())
+        if n_logits == 0:
+            return np.zeros((0, self.n_vocab), dtype=np.float32)
+        ptr = llama_cpp.llama_get_logits(self._ctx)
+        view = np.ctypeslib.as_array(ptr, shape=(n_logits, self.n_vocab))
+        view.flags.writeable = False
+        return view
+
+    def sync(self, tokens: Sequence[int], *, n_logits: int = 1) -> tuple[np.ndarray, int]:
+        """Make the cache hold exactly `tokens`, reusing the longest cached prefix. Returns the logits
+        of the last `n_logits` tokens ([n_logits, vocab]) and how many tokens were evaluated.
+
+        Logits only exist for tokens decoded now, so the last `n_logits` tokens are always evaluated
+        (n_logits=0: a pure prefill that may evaluate nothing).
+        """
+        n_keep = min(self.common_prefix(tokens), len(tokens) - n_logits)
+        self.rollback(n_keep)
+        todo = tokens[len(self.tokens):]  # rollback may have cleared more (recurrent caches)
+        return self.decode(todo, n_logits=n_logits), len(todo)

@@ -1,0 +1,91 @@
+"""What a generation returns: text, tokens, why it stopped, and how speculation went."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Stats:
+    """Per-call counters. Times in seconds."""
+
+    prompt_tokens: int = 0  # tokens in the prompt
+    prompt_tokens_evaluated: int = 0  # of those, evaluated by the oracle (the rest came from its cache)
+    completion_tokens: int = 0
+    steps: int = 0  # oracle verify passes
+    drafted: int = 0  # draft tokens proposed
+    accepted: int = 0  # draft tokens the oracle accepted
+    prompt_time: float = 0.0  # evaluating the prompt on both models
+    draft_time: float = 0.0
+    verify_time: float = 0.0  # oracle passes plus acceptance
+    time_to_first_token: float = 0.0
+    total_time: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Draft tokens accepted per verify step."""
+        return self.accepted / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.completion_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Generation speed, prompt evaluation excluded."""
+        t = self.total_time - self.prompt_time
+        return self.completion_tokens / t if t > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(acceptance_rate=self.acceptance_rate, mean_accepted_length=self.mean_accepted_length,
+                 tokens_per_step=self.tokens_per_step, tokens_per_second=self.tokens_per_second)
+        return d
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    token: int
+    text: str
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The oracle's log-probability of an emitted token (from the verify pass), and its top rivals."""
+
+    token: int
+    text: str
+    bytes: bytes
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass
+class Chunk:
+    """A piece of a streamed generation: the text released after one speculative step.
+    The last chunk has `finish_reason` and `stats` set (its text may be empty)."""
+
+    text: str
+    tokens: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None  # "stop" | "length"
+    stats: Stats | None = None
+
+
+@dataclass
+class Result:
+    text: str
+    tokens: list[int]
+    finish_reason: str
+    stats: Stats
+    logprobs: list[TokenLogprob] | None = None
+    prompt_tokens: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "finish_reason": self.finish_reason, "tokens": self.tokens,
+                "stats": self.stats.to_dict()}
