@@ -1,0 +1,13 @@
+"""localspec: speculative decoding for local GGUF models on llama.cpp."""
+
+from .outputs import Chunk, Result, Stats
+
+__all__ = ["Engine", "Result", "Stats", "Chunk"]
+
+
+def __getattr__(name: str):
+    if name == "Engine":  # imports llama_cpp: keep `import localspec` light for the pure-numpy parts
+        from .engine import Engine
+
+        return Engine
+    raise AttributeError(name)
