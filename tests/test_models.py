@@ -503,6 +503,19 @@ def test_derived_file_without_sidecar_is_adopted(fake_pypi, fake_quantize, cache
     assert fake_quantize == []
 
 
+def test_derive_gguf_failure_is_a_model_error(tmp_path, capfd):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF but not really")
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(ModelError, match=r"x: llama.cpp could not quantize .*bad.gguf to Q2_K: .*fail"):
+        M.derive_gguf(bad, out / "x.gguf", "Q2_K", label="x")
+    assert list(out.iterdir()) == []
+    assert "llama_model_loader" not in capfd.readouterr().err  # llama.cpp's log was captured, not printed
+    with pytest.raises(ModelError, match="unknown ftype 'Q9_K'"):
+        M.derive_gguf(bad, out / "x.gguf", "Q9_K")
+
+
 def _spec_dict(spec: ModelSpec) -> dict:
     src = spec.source
     if isinstance(src, PyPISource):
