@@ -48,19 +48,23 @@ class ContextFullError(LlamaError):
 _init_lock = threading.Lock()
 _initialised = False
 
-_LEVELS = {2: logging.ERROR, 3: logging.WARNING, 4: logging.INFO, 1: logging.DEBUG, 5: logging.DEBUG}
+# ggml_log_level: 1 DEBUG, 2 INFO, 3 WARN, 4 ERROR, 5 CONT (continues the previous line)
+_LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
 _log_buffer: list[str] = []
+_log_level = [logging.DEBUG]
 
 
 @llama_cpp.llama_log_callback
 def _log_callback(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
     # llama.cpp emits lines in pieces; level 5 (CONT) continues the previous one.
+    if level != 5:
+        _log_level[0] = _LEVELS.get(level, logging.DEBUG)
     _log_buffer.append(text.decode("utf-8", errors="replace"))
     if _log_buffer[-1].endswith("\n"):
         line = "".join(_log_buffer).rstrip()
         _log_buffer.clear()
         if line:
-            log.log(_LEVELS.get(level, logging.DEBUG), "%s", line)
+            log.log(_log_level[0], "%s", line)
 
 
 def _ensure_backend() -> None:
