@@ -170,8 +170,10 @@ def test_context_full_finishes_with_length_and_stays_usable(pair_paths):
     with Engine(oracle, draft, n_ctx=96) as small:
         r = small.generate(chat("Write a long story about a dragon and a knight."), max_tokens=500)
         assert r.finish_reason == "length"
-        assert r.stats.prompt_tokens + len(r.tokens) <= 96 + 1
-        assert small.oracle.n_past <= 96
+        n_ctx = small.n_ctx  # llama.cpp may round the size up
+        assert n_ctx < 41 + 500
+        assert r.stats.prompt_tokens + len(r.tokens) <= n_ctx + 1
+        assert small.oracle.n_past <= n_ctx
         again = small.generate(chat("Say hi."), max_tokens=8)
         assert again.tokens and again.finish_reason in ("stop", "length")
 
