@@ -24,11 +24,12 @@ import numpy as np
 
 from . import chat
 from .acceptance import accept_draft, accept_greedy
-from .compat import check_compatible
+from .compat import check_compatible, first_difference
 from .llama import Detokenizer, LlamaContext, LlamaModel
 from .outputs import Chunk, Result, Stats, TokenLogprob, TopLogprob
-from .policy import FixedLength, LengthPolicy
-from .proposers import EMPTY_DRAFT, Draft, DraftModelProposer, Proposer
+from .policy import AdaptiveLength, FixedLength, LengthPolicy
+from .proposers import (EMPTY_DRAFT, CrossTokenizerProposer, Draft, DraftModelProposer, HybridProposer,
+                        PromptLookupProposer, Proposer)
 from .sampling import SamplingParams, log_softmax, logits_to_probs
 from .text import TextStream
 
@@ -36,7 +37,9 @@ log = logging.getLogger("localspec.engine")
 
 Prompt = str | Sequence[Mapping[str, Any]]
 
-DEFAULT_DRAFT_MAX = 8
+DEFAULT_DRAFT_MAX = 16
+DEFAULT_P_MIN = 0.0
+NGRAM = "ngram"  # draft=NGRAM: prompt lookup instead of a draft model
 
 
 class PromptTooLongError(ValueError):
@@ -73,37 +76,67 @@ class Engine:
     def __init__(self, oracle: str | os.PathLike, draft: str | os.PathLike | None = None, *,
                  n_ctx: int = 4096, n_batch: int = 512, n_threads: int | None = None,
                  gpu_layers: int = -1, draft_gpu_layers: int = -1,
-                 draft_max: int = DEFAULT_DRAFT_MAX, p_min: float = 0.0,
+                 draft_length: int | None = None, draft_max: int = DEFAULT_DRAFT_MAX,
+                 p_min: float = DEFAULT_P_MIN, lookup: bool = False, cross_tokenizer: bool = False,
                  policy: LengthPolicy | None = None,
                  progress: Callable[[str], None] | None = None) -> None:
+        """`draft`: a model (name or path), "ngram" (prompt lookup, no model) or None (oracle alone).
+        `draft_length`: a fixed k; None chooses k per step from measured costs and acceptance
+        (capped by `draft_max`). `p_min`: the draft stops when its top probability falls below it.
+        `lookup`: try prompt lookup first and the draft model when it finds nothing.
+        `cross_tokenizer`: allow a draft whose vocabulary differs (re-tokenizes text between them)."""
         from .models import Registry  # models pulls in the registry file; keep it lazy
 
-        registry = Registry.load()
         self._closers: list[Callable[[], None]] = []
         try:
+            registry = Registry.load()
             oracle_path = registry.resolve(str(oracle), progress=progress)
-            draft_path = registry.resolve(str(draft), progress=progress) if draft is not None else None
             self.oracle_model = self._own(LlamaModel(oracle_path, n_gpu_layers=gpu_layers))
             self.oracle = self._own(LlamaContext(self.oracle_model, n_ctx=n_ctx, n_batch=n_batch,
                                                  n_threads=n_threads))
             self.draft_model: LlamaModel | None = None
+            self.draft_ctx: LlamaContext | None = None
             self.proposer: Proposer | None = None
-            if draft_path is not None:
-                self.draft_model = self._own(LlamaModel(draft_path, n_gpu_layers=draft_gpu_layers))
-                check_compatible(self.oracle_model, self.draft_model)
-                draft_ctx = self._own(LlamaContext(self.draft_model, n_ctx=self.oracle.n_ctx,
-                                                   n_batch=n_batch, n_threads=n_threads))
-                self.proposer = DraftModelProposer(draft_ctx, p_min=p_min)
+            if draft == NGRAM:
+                self.proposer = PromptLookupProposer()
+            elif draft is not None:
+                self.proposer = self._draft_model_proposer(
+                    registry.resolve(str(draft), progress=progress), gpu_layers=draft_gpu_layers,
+                    n_batch=n_batch, n_threads=n_threads, p_min=p_min, cross_tokenizer=cross_tokenizer)
+                if lookup:
+                    self.proposer = HybridProposer(PromptLookupProposer(), self.proposer)
         except BaseException:
             self.close()
             raise
-        self.policy: LengthPolicy = policy or FixedLength(draft_max if self.proposer else 0)
+        if policy is None:
+            if self.proposer is None:
+                policy = FixedLength(0)
+            elif draft_length is not None:
+                policy = FixedLength(min(draft_length, draft_max))
+            else:
+                policy = AdaptiveLength(k_max=draft_max)
+        self.policy: LengthPolicy = policy
+
+    def _draft_model_proposer(self, path, *, gpu_layers: int, n_batch: int, n_threads: int | None,
+                              p_min: float, cross_tokenizer: bool) -> Proposer:
+        self.draft_model = self._own(LlamaModel(path, n_gpu_layers=gpu_layers))
+        self.draft_ctx = self._own(LlamaContext(self.draft_model, n_ctx=self.oracle.n_ctx, n_batch=n_batch,
+                                                n_threads=n_threads))
+        proposer = DraftModelProposer(self.draft_ctx, p_min=p_min)
+        difference = first_difference(self.oracle_model, self.draft_model)
+        if difference is None:
+            return proposer
+        if not cross_tokenizer:
+            check_compatible(self.oracle_model, self.draft_model)  # raises, naming the difference
+        log.info("draft and oracle vocabularies differ (%s): drafting through text", difference)
+        return CrossTokenizerProposer(proposer, oracle=self.oracle_model, draft=self.draft_model)
 
     @classmethod
     def from_pair(cls, name: str | None = None, **kwargs) -> "Engine":
         from .models import Registry
 
         pair = Registry.load().pair(name)
+        kwargs.setdefault("cross_tokenizer", pair.cross_tokenizer)
         return cls(pair.oracle, pair.draft, **kwargs)
 
     def _own(self, obj):
@@ -223,11 +256,40 @@ class Engine:
                 yield Chunk(piece, emitted, logprobs)
 
     def _prefill(self, history: list[int], stats: Stats) -> None:
-        """Bring both caches to history[:-1], reusing what they already hold."""
+        """Bring the oracle's cache (and a same-vocabulary draft's) to history[:-1], reusing what
+        they already hold."""
         _, n_eval = self.oracle.sync(history[:-1], n_logits=0)
         stats.prompt_tokens_evaluated = n_eval + 1  # the last prompt token is evaluated in step one
-        if isinstance(self.proposer, DraftModelProposer):
-            self.proposer.ctx.sync(history[:-1], n_logits=0)
+        if isinstance(self.proposer, (DraftModelProposer, HybridProposer)) and self.draft_ctx is not None:
+            self.draft_ctx.sync(history[:-1], n_logits=0)
+        if isinstance(self.policy, AdaptiveLength) and not self.policy.calibrated:
+            self._calibrate(history)
+
+    def _calibrate(self, history: list[int]) -> None:
+        """Time oracle passes of a few sizes and one draft token, at the current position; the
+        caches are rolled back afterwards. Runs once per engine."""
+        def timed(ctx: LlamaContext, n: int) -> float:
+            base = ctx.n_past
+            vocab_safe = [t % ctx.n_vocab for t in history]  # a cross-tokenizer draft has another vocabulary
+            tokens = (vocab_safe * (n // len(vocab_safe) + 1))[:n]
+            best = float("inf")
+            for _ in range(2):
+                t0 = time.perf_counter()
+                ctx.decode(tokens, n_logits=n)
+                best = min(best, time.perf_counter() - t0)
+                ctx.rollback(base)
+            return best
+
+        sizes = tuple(n for n in (1, 2, 4, 8, 16) if self.oracle.n_past + n <= self.n_ctx)
+        if len(sizes) < 2:
+            return
+        draft_ctx = self.draft_ctx
+        if draft_ctx is None or draft_ctx.n_past + 1 > draft_ctx.n_ctx:
+            time_draft = lambda: 0.0  # noqa: E731  (prompt lookup costs next to nothing)
+        else:
+            time_draft = lambda: timed(draft_ctx, 1)  # noqa: E731
+        timed(self.oracle, 1)  # warm-up
+        self.policy.calibrate(lambda n: timed(self.oracle, n), time_draft, sizes)
 
     def _draft_limit(self, history: list[int], request: Request, remaining: int) -> int:
         """Most draft tokens worth proposing now: each step emits up to k+1 tokens, and the oracle

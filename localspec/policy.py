@@ -1,12 +1,25 @@
 """Draft-length policies: how many tokens to draft in the next step.
 
 The engine asks `draft_length(limit)` before each step and reports the outcome with `update(...)`,
-so a policy can hide any schedule (fixed, heuristic, cost-aware) behind two calls.
+so a policy can hide any schedule (fixed, cost-aware) behind two calls.
+
+`AdaptiveLength` (the default) picks the k that maximises expected tokens per second:
+
+    expected tokens per step   E(k) = 1 + sum_{i=1..k} prod_{j<=i} alpha_j
+    time per step              T(k) = k * draft_cost + verify_cost(k + 1)        (T(0) = verify_cost(1))
+
+where alpha_j is the running acceptance rate at draft position j (given the ones before it were
+accepted), draft_cost the draft's cost per token and verify_cost(n) the oracle's cost of an n-token
+pass, all measured (at start-up by `calibrate`, then online). k = 0 is plain oracle decoding; when
+that wins, the policy still probes with a short draft now and then, so a better-matched stretch of
+text is noticed.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
+
+import numpy as np
 
 
 class LengthPolicy(Protocol):
@@ -30,3 +43,94 @@ class FixedLength:
 
     def update(self, *, n_drafted: int, n_accepted: int, draft_time: float, verify_time: float) -> None:
         pass
+
+
+class VerifyCost:
+    """The oracle's time for an n-token pass: a running mean per n, and a least-squares line
+    t = a + b*n through the sizes seen, for sizes not seen yet."""
+
+    def __init__(self, decay: float = 0.8) -> None:
+        self.decay = decay
+        self.mean: dict[int, float] = {}
+
+    def observe(self, n: int, seconds: float) -> None:
+        old = self.mean.get(n)
+        self.mean[n] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+
+    def __call__(self, n: int) -> float:
+        if n in self.mean:
+            return self.mean[n]
+        if not self.mean:
+            return float(n)  # no data: any monotone guess; calibrate() replaces it
+        sizes = np.array(sorted(self.mean), dtype=np.float64)
+        times = np.array([self.mean[int(s)] for s in sizes])
+        if len(sizes) == 1:
+            return float(times[0] * n / sizes[0])  # proportional: the pessimistic guess
+        b, a = np.polyfit(sizes, times, 1)
+        return float(max(a + b * n, times.min()))
+
+
+class AdaptiveLength:
+    """Cost-aware draft length (see the module docstring)."""
+
+    def __init__(self, *, k_max: int = 16, prior_acceptance: float = 0.7, decay: float = 0.9,
+                 probe_every: int = 16, probe_length: int = 2) -> None:
+        self.k_max = k_max
+        self.alpha = np.full(k_max, prior_acceptance)  # [k_max] acceptance at each draft position
+        self.decay = decay
+        self.verify_cost = VerifyCost()
+        self.draft_cost: float | None = None  # seconds per draft token
+        self.probe_every = probe_every
+        self.probe_length = probe_length
+        self._idle = 0  # consecutive k = 0 steps
+        self._probing = False
+        self.last_k = 0
+
+    @property
+    def calibrated(self) -> bool:
+        return self.draft_cost is not None and len(self.verify_cost.mean) >= 2
+
+    def calibrate(self, time_verify: Callable[[int], float], time_draft: Callable[[], float],
+                  sizes: tuple[int, ...] = (1, 2, 4, 8, 16)) -> None:
+        """Measure the oracle's pass cost at a few sizes and the draft's per-token cost."""
+        for n in sizes:
+            if n <= self.k_max + 1:
+                self.verify_cost.mean[n] = time_verify(n)
+        self.draft_cost = time_draft()
+
+    def expected_tokens(self, k: int) -> float:
+        return 1.0 + float(np.cumprod(self.alpha[:k]).sum()) if k else 1.0
+
+    def step_time(self, k: int) -> float:
+        return (k * (self.draft_cost or 0.0) if k else 0.0) + self.verify_cost(k + 1)
+
+    def best_length(self, limit: int) -> int:
+        ks = range(0, min(limit, self.k_max) + 1)
+        return max(ks, key=lambda k: self.expected_tokens(k) / self.step_time(k))
+
+    def draft_length(self, limit: int) -> int:
+        self._probing = False
+        if limit <= 0:
+            return 0
+        k = self.best_length(limit)
+        if k == 0:
+            self._idle += 1
+            if self._idle >= self.probe_every:
+                self._idle = 0
+                self._probing = True
+                k = min(self.probe_length, limit)
+        else:
+            self._idle = 0
+        self.last_k = k
+        return k
+
+    def update(self, *, n_drafted: int, n_accepted: int, draft_time: float, verify_time: float) -> None:
+        d = self.decay
+        self.alpha[:n_accepted] = d * self.alpha[:n_accepted] + (1 - d)
+        if n_accepted < n_drafted:
+            self.alpha[n_accepted] *= d
+        self.verify_cost.observe(n_drafted + 1, verify_time)
+        # a probe after idle steps pays for the draft catching up: not a fair per-token cost sample
+        if n_drafted and not self._probing:
+            per_token = draft_time / n_drafted
+            self.draft_cost = per_token if self.draft_cost is None else d * self.draft_cost + (1 - d) * per_token

@@ -90,3 +90,94 @@ class DraftModelProposer:
 
     def observe(self, n_proposed: int, n_accepted: int) -> None:
         pass  # the cache is re-synced on the next propose
+
+
+class PromptLookupProposer:
+    """Prompt lookup (n-gram) drafting, no model: find the latest earlier occurrence of the
+    history's last n tokens (longest n first) and propose what followed it. Pays off when the output
+    copies from the input (rewrite, summarise, extract, edit code)."""
+
+    def __init__(self, *, max_ngram: int = 4, min_ngram: int = 1) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError("need 1 <= min_ngram <= max_ngram")
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def propose(self, history: Sequence[int], max_len: int, sampling: SamplingParams | None = None,
+                rng: np.random.Generator | None = None) -> Draft:
+        if max_len <= 0:
+            return EMPTY_DRAFT
+        tokens = np.asarray(history, dtype=np.int32)  # [n]
+        for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
+            suffix = tokens[-n:]
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)  # [len-n, n], excludes the suffix itself
+            starts = np.flatnonzero((windows == suffix).all(axis=1))
+            if starts.size:
+                follow = starts[-1] + n  # the most recent match
+                return Draft(tokens[follow:follow + max_len].copy(), None)
+        return EMPTY_DRAFT
+
+    def observe(self, n_proposed: int, n_accepted: int) -> None:
+        pass
+
+
+class HybridProposer:
+    """Prompt lookup when the history's tail matches earlier text (free), the draft model otherwise."""
+
+    def __init__(self, lookup: PromptLookupProposer, model: Proposer) -> None:
+        self.lookup = lookup
+        self.model = model
+
+    def propose(self, history: Sequence[int], max_len: int, sampling: SamplingParams,
+                rng: np.random.Generator) -> Draft:
+        draft = self.lookup.propose(history, max_len, sampling, rng)
+        return draft if len(draft) else self.model.propose(history, max_len, sampling, rng)
+
+    def observe(self, n_proposed: int, n_accepted: int) -> None:
+        self.model.observe(n_proposed, n_accepted)
+
+
+class CrossTokenizerProposer:
+    """A draft model with a different vocabulary (HF transformers' "universal assisted generation").
+
+    The oracle's history is turned into text and re-tokenized for the draft; the draft's tokens are
+    turned into text and re-tokenized for the oracle. The oracle still verifies every token, so
+    greedy output is exactly the oracle's. The drafted oracle tokens are not samples from a
+    distribution over the oracle's vocabulary, so they are verified as point masses (probs=None):
+    accept d with probability target_probs[d], else sample from target_probs with d removed. That
+    keeps sampled output exactly the oracle's distribution too; it only accepts less often than
+    same-vocabulary speculative sampling would.
+    """
+
+    def __init__(self, inner: DraftModelProposer, *, oracle, draft) -> None:
+        self.inner = inner
+        self.oracle = oracle  # LlamaModel
+        self.draft = draft  # LlamaModel
+        self._pieces: list[bytes] = []  # oracle-side bytes per history token, reused across steps
+        self._history: list[int] = []
+
+    def _text(self, history: Sequence[int]) -> str:
+        n = 0
+        limit = min(len(self._history), len(history))
+        while n < limit and self._history[n] == history[n]:
+            n += 1
+        del self._history[n:], self._pieces[n:]
+        for token in history[n:]:
+            self._history.append(token)
+            self._pieces.append(self.oracle.token_piece(token, special=True))
+        return b"".join(self._pieces).decode("utf-8", errors="ignore")
+
+    def propose(self, history: Sequence[int], max_len: int, sampling: SamplingParams,
+                rng: np.random.Generator) -> Draft:
+        if max_len <= 0:
+            return EMPTY_DRAFT
+        draft_history = self.draft.tokenize(self._text(history), add_special=True, parse_special=True)
+        proposal = self.inner.propose(draft_history, max_len, sampling, rng)
+        if not len(proposal):
+            return EMPTY_DRAFT
+        text = self.draft.detokenize(proposal.tokens.tolist())
+        tokens = self.oracle.tokenize(text, add_special=False, parse_special=False)[:max_len]
+        return Draft(np.asarray(tokens, dtype=np.int32), None)
+
+    def observe(self, n_proposed: int, n_accepted: int) -> None:
+        pass
