@@ -1,0 +1,12 @@
+"""`localspec serve`: an OpenAI-compatible HTTP server over the engine (FastAPI + uvicorn).
+
+    schemas.py  OpenAI request/response bodies (pydantic)
+    worker.py   the one thread that owns the engine, and its job queue
+    metrics.py  Prometheus metrics (/metrics)
+    app.py      the FastAPI app: create_app(engine_or_worker, model_name=..., ...)
+"""
+
+from .app import create_app
+from .worker import EngineWorker
+
+__all__ = ["create_app", "EngineWorker"]

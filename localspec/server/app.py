@@ -1,0 +1,556 @@
+"""The FastAPI app: OpenAI's /v1/chat/completions, /v1/completions and /v1/models over one engine
+worker, plus /health, /metrics and the OpenAPI docs (/docs, /openapi.json)."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import secrets
+import signal
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, AsyncIterator, Iterable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..outputs import Chunk, Stats, TokenLogprob
+from . import schemas as S
+from .worker import CANCELLED, DEFAULT_MAX_QUEUE, STARTED, EngineWorker, Failed, Job, QueueFull, WorkerClosed
+
+log = logging.getLogger("localspec.server")
+
+DEFAULT_MAX_BODY = 4 * 1024 * 1024
+GRACEFUL_SHUTDOWN = 5  # seconds in-flight requests get after SIGINT/SIGTERM
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+                499: "invalid_request_error",
+                503: "server_error"}
+_SERVER_ERROR = "The server had an error while processing your request."
+_MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+class APIError(Exception):
+    """An OpenAI-shaped error response: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+# ---------------------------------------------------------------- ASGI middleware
+
+
+class _Gate:
+    """Before the app: the bearer token on /v1 routes (constant-time compare), the body size
+    limit (413), JSON bodies on /v1 whatever their Content-Type (curl -d sends form-urlencoded);
+    around it: request counts by endpoint and status, and latency."""
+
+    def __init__(self, app, *, api_key: str | None, max_body: int, metrics) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.max_body = max_body
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        endpoint = path if path in ENDPOINTS else ("/v1/models" if path.startswith("/v1/models/") else "other")
+        t0 = time.perf_counter()
+        status = 500
+
+        async def send_status(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self._handle(scope, receive, send_status, path)
+        finally:
+            self.metrics.requests.labels(endpoint, str(status)).inc()
+            self.metrics.request_latency.labels(endpoint).observe(time.perf_counter() - t0)
+
+    async def _handle(self, scope, receive, send, path: str) -> None:
+        headers = dict(scope["headers"])  # lower-case byte names; the last value of a repeated header wins
+        if path.startswith("/v1") and self.expected is not None:
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                await _send(send, APIError(
+                    401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}).response(), scope, receive)
+                return
+        try:
+            length = int(headers.get(b"content-length", b"0"))
+        except ValueError:
+            length = 0
+        if length > self.max_body:
+            await _send(send, _too_large(self.max_body).response(), scope, receive)
+            return
+        if path.startswith("/v1") and scope["method"] == "POST" and b"json" not in headers.get(b"content-type", b""):
+            scope = dict(scope, headers=[(k, v) for k, v in scope["headers"] if k != b"content-type"]
+                         + [(b"content-type", b"application/json")])
+        received = 0
+        limit = self.max_body
+
+        async def receive_limited():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise StarletteHTTPException(413, _too_large(limit).message)
+            return message
+
+        await self.app(scope, receive_limited, send)
+
+
+async def _send(send, response: Response, scope, receive) -> None:
+    await response(scope, receive, send)
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"The request body is larger than the server's limit of {limit} bytes.",
+                    code="request_too_large")
+
+
+# ---------------------------------------------------------------- error handlers
+
+
+def _param(loc: Iterable[Any]) -> str | None:
+    out = ""
+    for part in loc:
+        if part == "body":
+            continue
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out or None
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    err = errors[0] if errors else {"type": "", "loc": (), "msg": "invalid request"}
+    param = _param(err.get("loc", ()))
+    kind = err.get("type", "")
+    if kind == "json_invalid":
+        reason = (err.get("ctx") or {}).get("error", "")
+        message, param = f"The request body is not valid JSON ({reason}).", None
+    elif kind == "extra_forbidden":
+        message = f"Unrecognized request argument supplied: {param}"
+    elif kind == "missing":
+        message = f"Missing required parameter: '{param}'."
+    elif param:
+        message = f"Invalid value for '{param}': {err.get('msg')}."
+    else:
+        message = f"Invalid request: {err.get('msg')}."
+    return APIError(400, message, param=param).response()
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    if exc.status_code == 404:
+        message = f"Unknown endpoint: {request.method} {request.url.path}"
+    elif exc.status_code == 405:
+        message = f"Method {request.method} is not allowed on {request.url.path}"
+    else:
+        message = str(exc.detail)
+    return APIError(exc.status_code, message, headers=getattr(exc, "headers", None)).response()
+
+
+async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    return exc.response()
+
+
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    log.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
+    return APIError(500, _SERVER_ERROR).response()
+
+
+# ---------------------------------------------------------------- conversions
+
+
+def _usage(stats: Stats) -> S.Usage:
+    return S.Usage(prompt_tokens=stats.prompt_tokens, completion_tokens=stats.completion_tokens,
+                   total_tokens=stats.prompt_tokens + stats.completion_tokens,
+                   prompt_tokens_details=S.PromptTokensDetails(
+                       cached_tokens=max(0, stats.prompt_tokens - stats.prompt_tokens_evaluated)),
+                   drafted=stats.drafted, accepted=stats.accepted,
+                   acceptance_rate=round(stats.acceptance_rate, 4))
+
+
+def _lp(x: float) -> float:
+    return max(x, _MIN_LOGPROB)
+
+
+def _chat_logprobs(logprobs: list[TokenLogprob]) -> S.ChoiceLogprobs:
+    return S.ChoiceLogprobs(content=[
+        S.LogprobEntry(token=lp.text, logprob=_lp(lp.logprob), bytes=list(lp.bytes),
+                       top_logprobs=[S.TopLogprobEntry(token=t.text, logprob=_lp(t.logprob),
+                                                       bytes=list(t.text.encode())) for t in lp.top])
+        for lp in logprobs])
+
+
+def _completion_logprobs(logprobs: list[TokenLogprob], offset: int, top_n: int) -> S.CompletionLogprobs:
+    offsets = []
+    for lp in logprobs:
+        offsets.append(offset)
+        offset += len(lp.text)
+    return S.CompletionLogprobs(
+        tokens=[lp.text for lp in logprobs], token_logprobs=[_lp(lp.logprob) for lp in logprobs],
+        top_logprobs=[{t.text: _lp(t.logprob) for t in lp.top} for lp in logprobs] if top_n > 0 else None,
+        text_offset=offsets)
+
+
+def _sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+class _JobStream(StreamingResponse):
+    """A streaming response that cancels its job however the response ends (finished, client
+    gone, server shutting down): the engine stops within one speculative step."""
+
+    def __init__(self, job: Job, content: AsyncIterator[str]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.job = job
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancel()
+
+
+async def _watch_disconnect(receive, job: Job) -> None:
+    """Cancel `job` when the client disconnects (while it is queued, or a non-streaming request runs)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            job.cancel()
+            return
+
+
+# ---------------------------------------------------------------- the app
+
+
+def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = (), api_key: str | None = None,
+               max_queue: int | None = None, max_body: int = DEFAULT_MAX_BODY, log_prompts: bool = False) -> FastAPI:
+    """An OpenAI-compatible app over an Engine (the app then owns a worker for it, stopped at
+    shutdown) or an EngineWorker (the caller owns it). `model_name` is what /v1/models lists;
+    requests may also name any of `aliases` (e.g. the oracle's registry name)."""
+    if isinstance(engine_or_worker, EngineWorker):
+        worker, owns_worker = engine_or_worker, False
+        if max_queue is not None:
+            worker.max_queue = max_queue
+    else:
+        worker = EngineWorker(engine_or_worker, max_queue=DEFAULT_MAX_QUEUE if max_queue is None else max_queue)
+        owns_worker = True
+    metrics = worker.metrics
+    n_ctx = worker.engine.n_ctx
+    names = {model_name, *aliases}
+    started = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        log.info("serving %s (n_ctx %d, max queue %d)", model_name, n_ctx, worker.max_queue)
+        try:
+            yield
+        finally:
+            if owns_worker:
+                await asyncio.to_thread(worker.close)
+
+    app = FastAPI(
+        title="localspec", version=_version(), lifespan=lifespan,
+        description="OpenAI-compatible API over localspec's speculative-decoding engine. "
+                    "Extension: `\"speculative\": {\"enabled\": false, \"draft_max\": 6}` per request; "
+                    "`usage` also reports drafted/accepted tokens and the acceptance rate.")
+    app.state.worker = worker
+    app.state.metrics = metrics
+    app.add_middleware(_Gate, api_key=api_key, max_body=max_body, metrics=metrics)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(Exception, _internal_error)
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model not in names:
+            raise APIError(404, f"The model '{model}' does not exist (this server serves '{model_name}').",
+                           param="model", code="model_not_found")
+
+    async def start(request: Request, prompt: Any, options: dict[str, Any], rid: str) -> tuple[Job, asyncio.Queue]:
+        """Queue the job and wait until the engine has accepted it (errors are still HTTP errors here)."""
+        try:
+            job, events = worker.submit_async(prompt, options)
+        except QueueFull as e:
+            raise APIError(429, f"The server is busy ({worker.max_queue} requests queued); retry later.",
+                           code="rate_limit_exceeded", headers={"Retry-After": str(e.retry_after)}) from None
+        except WorkerClosed:
+            raise APIError(503, "The server is shutting down.") from None
+        if log_prompts:
+            log.info("%s prompt: %r", rid, prompt)
+        watcher = asyncio.create_task(_watch_disconnect(request.receive, job))
+        try:
+            event = await events.get()
+        except BaseException:
+            job.cancel()
+            raise
+        finally:
+            watcher.cancel()
+        if isinstance(event, Failed):
+            if event.client_error:
+                param = "messages" if isinstance(prompt, list) else "prompt"
+                code = "context_length_exceeded" if type(event.error).__name__ == "PromptTooLongError" else None
+                raise APIError(400, str(event.error), param=param, code=code)
+            if isinstance(event.error, WorkerClosed):
+                raise APIError(503, "The server is shutting down.")
+            raise APIError(500, _SERVER_ERROR)
+        if event is CANCELLED:  # the client went away while queued; nobody reads this
+            raise APIError(499, "The request was cancelled.", code="cancelled")
+        assert event is STARTED, event
+        return job, events
+
+    async def chunks(job: Job, events: asyncio.Queue, request: Request | None) -> AsyncIterator[Chunk | Failed]:
+        """The job's chunks until the last one (or a failure). With `request`, a disconnect cancels the job."""
+        watcher = asyncio.create_task(_watch_disconnect(request.receive, job)) if request is not None else None
+        try:
+            while True:
+                event = await events.get()
+                if event is CANCELLED:
+                    return
+                yield event
+                if isinstance(event, Failed) or event.finish_reason is not None:
+                    return
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+            job.cancel()  # no-op once finished
+
+    def log_done(rid: str, endpoint: str, job: Job, text: str | None) -> None:
+        s = job.stats
+        if s is None:
+            log.info("%s %s: %s after %d tokens", rid, endpoint, job.outcome or "stopped", job.tokens)
+            return
+        log.info("%s %s: %d prompt (%d cached) + %d completion tokens, acceptance %.0f%% (%d/%d), %.2f s",
+                 rid, endpoint, s.prompt_tokens, max(0, s.prompt_tokens - s.prompt_tokens_evaluated),
+                 s.completion_tokens, 100 * s.acceptance_rate, s.accepted, s.drafted, s.total_time)
+        if log_prompts and text is not None:
+            log.info("%s completion: %r", rid, text)
+
+    # ---------------------------------------------------------------- routes
+
+    @app.get("/health", tags=["server"])
+    async def health() -> JSONResponse:
+        body = {"status": "ok" if worker.alive else "unavailable", "model": model_name,
+                "busy": worker.busy, "queue_depth": worker.queue_depth, "max_queue": worker.max_queue,
+                "completed": worker.completed, "cancelled": worker.cancelled}
+        return JSONResponse(body, status_code=200 if worker.alive else 503)
+
+    @app.get("/metrics", tags=["server"], response_class=Response)
+    async def metrics_endpoint() -> Response:
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    @app.get("/v1/models", response_model=S.ModelList, tags=["openai"])
+    async def list_models() -> S.ModelList:
+        return S.ModelList(data=[S.Model(id=model_name, created=started)])
+
+    @app.get("/v1/models/{model_id:path}", response_model=S.Model, tags=["openai"],
+             responses={404: {"model": S.ErrorResponse}})
+    async def get_model(model_id: str) -> S.Model:
+        check_model(model_id)
+        return S.Model(id=model_name, created=started)
+
+    errors = {code: {"model": S.ErrorResponse} for code in (400, 401, 404, 413, 429, 500)}
+
+    @app.post("/v1/chat/completions", response_model=S.ChatCompletion, tags=["openai"], responses=errors)
+    async def chat_completions(body: S.ChatCompletionRequest, request: Request):
+        """Chat completion; `stream: true` answers with server-sent `chat.completion.chunk`s."""
+        check_model(body.model)
+        try:
+            body.check_supported()
+            prompt = body.engine_messages()
+        except S.InvalidParam as e:
+            raise APIError(400, str(e), param=e.param) from None
+        options = body.engine_options(n_ctx)
+        rid = f"chatcmpl-{secrets.token_hex(12)}"
+        created = int(time.time())
+        job, events = await start(request, prompt, options, rid)
+
+        def chunk(delta: S.Delta, finish=None, logprobs=None) -> S.ChatCompletionChunk:
+            return S.ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[
+                S.ChatChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs)])
+
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            exclude = None if include_usage else {"usage"}
+
+            async def sse() -> AsyncIterator[str]:
+                text = [] if log_prompts else None
+                yield _sse(chunk(S.Delta(role="assistant", content="")).model_dump_json(exclude=exclude))
+                async for event in chunks(job, events, None):
+                    if isinstance(event, Failed):
+                        yield _sse(_stream_error(event))
+                        break
+                    lp = _chat_logprobs(event.logprobs) if event.logprobs else None
+                    if event.text or lp:
+                        if text is not None:
+                            text.append(event.text)
+                        yield _sse(chunk(S.Delta(content=event.text), logprobs=lp).model_dump_json(exclude=exclude))
+                    if event.finish_reason is not None:
+                        yield _sse(chunk(S.Delta(), finish=event.finish_reason).model_dump_json(exclude=exclude))
+                        if include_usage:
+                            yield _sse(S.ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[],
+                                                             usage=_usage(event.stats)).model_dump_json())
+                yield "data: [DONE]\n\n"
+                log_done(rid, "chat", job, None if text is None else "".join(text))
+
+            return _JobStream(job, sse())
+
+        parts, logprobs, final = [], [], None
+        async for event in chunks(job, events, request):
+            if isinstance(event, Failed):
+                raise APIError(500, _SERVER_ERROR)
+            parts.append(event.text)
+            logprobs.extend(event.logprobs or ())
+            final = event
+        if final is None or final.finish_reason is None:  # the client went away: nobody reads this
+            return Response(status_code=499)
+        text = "".join(parts)
+        log_done(rid, "chat", job, text)
+        resp = S.ChatCompletion(id=rid, created=created, model=model_name, usage=_usage(final.stats), choices=[
+            S.ChatChoice(message=S.AssistantMessage(content=text), finish_reason=final.finish_reason,
+                         logprobs=_chat_logprobs(logprobs) if body.logprobs else None)])
+        return JSONResponse(resp.model_dump(mode="json"))
+
+    @app.post("/v1/completions", response_model=S.Completion, tags=["openai"], responses=errors)
+    async def completions(body: S.CompletionRequest, request: Request):
+        """Text completion of a raw prompt (no chat template); `stream: true` for server-sent events."""
+        check_model(body.model)
+        try:
+            body.check_supported()
+        except S.InvalidParam as e:
+            raise APIError(400, str(e), param=e.param) from None
+        prompt = body.prompt_text()
+        options = body.engine_options(n_ctx)
+        top_n = body.logprobs or 0
+        rid = f"cmpl-{secrets.token_hex(12)}"
+        created = int(time.time())
+        job, events = await start(request, prompt, options, rid)
+
+        def completion(text: str, finish=None, logprobs=None, usage=None) -> S.Completion:
+            return S.Completion(id=rid, created=created, model=model_name, usage=usage, choices=[
+                S.CompletionChoice(text=text, finish_reason=finish, logprobs=logprobs)])
+
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            exclude = None if include_usage else {"usage"}
+
+            async def sse() -> AsyncIterator[str]:
+                offset = len(prompt)
+                text = [] if log_prompts else None
+                async for event in chunks(job, events, None):
+                    if isinstance(event, Failed):
+                        yield _sse(_stream_error(event))
+                        break
+                    lp = None
+                    if event.logprobs is not None and body.logprobs is not None:
+                        lp = _completion_logprobs(event.logprobs, offset, top_n)
+                    offset += sum(len(t.text) for t in event.logprobs or ())
+                    if text is not None:
+                        text.append(event.text)
+                    if event.text or lp or event.finish_reason:
+                        yield _sse(completion(event.text, event.finish_reason, lp).model_dump_json(exclude=exclude))
+                    if event.finish_reason is not None and include_usage:
+                        yield _sse(S.Completion(id=rid, created=created, model=model_name, choices=[],
+                                                usage=_usage(event.stats)).model_dump_json())
+                yield "data: [DONE]\n\n"
+                log_done(rid, "completion", job, None if text is None else "".join(text))
+
+            return _JobStream(job, sse())
+
+        parts, logprobs, final = [], [], None
+        async for event in chunks(job, events, request):
+            if isinstance(event, Failed):
+                raise APIError(500, _SERVER_ERROR)
+            parts.append(event.text)
+            logprobs.extend(event.logprobs or ())
+            final = event
+        if final is None or final.finish_reason is None:
+            return Response(status_code=499)
+        text = "".join(parts)
+        log_done(rid, "completion", job, text)
+        lp = _completion_logprobs(logprobs, len(prompt), top_n) if body.logprobs is not None else None
+        resp = completion(text, final.finish_reason, lp, usage=_usage(final.stats))
+        return JSONResponse(resp.model_dump(mode="json"))
+
+    return app
+
+
+# ---------------------------------------------------------------- running it (localspec serve)
+
+
+def served_names(pair: str | None, oracle: str | None, model_name: str | None) -> tuple[str, list[str]]:
+    """The name the server answers to (--model-name, else the pair's name, else the oracle's) and
+    its aliases (the oracle's registry name, or its file name without .gguf)."""
+    from ..models import Registry
+
+    chosen = Registry.load().pair(pair)
+    oracle_name = oracle or chosen.oracle
+    if oracle_name.endswith(".gguf") or "/" in oracle_name or os.sep in oracle_name:
+        oracle_name = Path(oracle_name).stem
+    name = model_name or (oracle_name if oracle else chosen.name)
+    return name, [oracle_name]
+
+
+def run_server(engine, *, host: str = "127.0.0.1", port: int = 8080, **app_options) -> None:
+    """Serve `engine` until SIGINT/SIGTERM (uvicorn shuts down gracefully: in-flight streams get
+    a few seconds, then are cancelled; the worker thread is joined before this returns)."""
+    import uvicorn
+
+    app = create_app(engine, **app_options)
+    logging.getLogger("localspec.server").setLevel(logging.INFO)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info",
+                                           timeout_graceful_shutdown=GRACEFUL_SHUTDOWN))
+
+    def leave(signum, frame):  # uvicorn re-raises the signal that stopped it once it has shut down
+        raise SystemExit(0)
+
+    previous = signal.signal(signal.SIGTERM, leave)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # SIGINT, re-raised the same way
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _stream_error(event: Failed) -> str:
+    """An error after the response started: a `data: {"error": ...}` event (the openai client raises it)."""
+    return json.dumps(APIError(500, _SERVER_ERROR).body())
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("localspec")
+    except Exception:
+        return "0"

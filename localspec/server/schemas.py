@@ -1,0 +1,324 @@
+"""OpenAI request and response bodies (the subset localspec serves), as pydantic models.
+
+Requests are strict: an unknown field is a 400 ("Unrecognized request argument supplied"), as
+with OpenAI, and a parameter the engine cannot honour (n > 1, penalties, logit_bias, tools, ...)
+is a 400 rather than silently ignored. Responses follow OpenAI's schema; `usage` also carries
+the speculative-decoding counters (drafted, accepted, acceptance_rate).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+
+MAX_STOP = 16  # OpenAI allows 4; more costs nothing here
+
+
+class InvalidParam(ValueError):
+    """A well-formed request asking for something unsupported: a 400 naming the parameter."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+# ---------------------------------------------------------------- requests
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
+    include_obfuscation: bool | None = None  # accepted, nothing to obfuscate
+
+
+class Speculative(BaseModel):
+    """localspec's per-request extension: `"speculative": {"enabled": false, "draft_max": 6}`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(True, description="false: the oracle alone for this request (same output, no draft).")
+    draft_max: int | None = Field(None, ge=0, le=64, description="Most tokens drafted per step for this request.")
+
+
+class _Common(BaseModel):
+    """Sampling and control parameters shared by /v1/chat/completions and /v1/completions."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(None, description="The served model name (or the oracle's registry name).")
+    max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate.")
+    temperature: float | None = Field(None, ge=0, le=2, description="0 is greedy; omitted means 1, as with OpenAI.")
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0, description="Extension: keep the k most likely tokens (0 disables).")
+    min_p: float | None = Field(None, ge=0, le=1, description="Extension: min-p filtering (0 disables).")
+    seed: int | None = Field(None, description="Makes sampled output reproducible.")
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, description="Only 1 is supported.")
+    presence_penalty: float = Field(0.0, description="Only 0 is supported.")
+    frequency_penalty: float = Field(0.0, description="Only 0 is supported.")
+    logit_bias: dict[str, float] | None = Field(None, description="Not supported (only empty).")
+    user: str | None = Field(None, description="Ignored.")
+    speculative: Speculative | bool | None = Field(
+        None, description="Extension: `{\"enabled\": false}` runs the oracle alone; `draft_max` caps the draft.")
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        if isinstance(v, list) and len(v) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences")
+        return v
+
+    def check_supported(self) -> None:
+        if self.n != 1:
+            raise InvalidParam("n: only n=1 is supported", "n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise InvalidParam(f"{name}: not supported (only 0)", name)
+        if self.logit_bias:
+            raise InvalidParam("logit_bias: not supported", "logit_bias")
+
+    def stop_list(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+        return [s for s in stops if s]
+
+    def speculative_options(self) -> dict[str, Any]:
+        spec = self.speculative
+        if spec is None:
+            return {}
+        if isinstance(spec, bool):
+            return {"speculative": spec}
+        return {"speculative": spec.enabled, "draft_max": spec.draft_max}
+
+    def sampling_options(self) -> dict[str, Any]:
+        return dict(temperature=1.0 if self.temperature is None else self.temperature,
+                    top_p=1.0 if self.top_p is None else self.top_p,
+                    top_k=self.top_k or 0, min_p=self.min_p or 0.0, seed=self.seed,
+                    stop=self.stop_list() or None, **self.speculative_options())
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_calls, tool_call_id, refusal, ...
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+    def text(self, index: int) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        out = []
+        for j, part in enumerate(self.content):
+            if part.type != "text" or part.text is None:
+                raise InvalidParam(f"messages[{index}].content[{j}]: only text content is supported (got {part.type!r})",
+                                   f"messages[{index}].content")
+            out.append(part.text)
+        return "".join(out)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="Most tokens to generate (wins over max_tokens).")
+    logprobs: bool = Field(False, description="Return the oracle's log-probability of each emitted token.")
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: dict[str, Any] | None = Field(None, description="Only {\"type\": \"text\"}.")
+    tools: list[dict[str, Any]] | None = Field(None, description="Not supported (only empty).")
+    tool_choice: str | dict[str, Any] | None = Field(None, description="Only \"none\" / \"auto\" without tools.")
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = Field(None, description="Not supported (only empty).")
+    function_call: str | dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None  # ignored
+    store: bool | None = None  # ignored: nothing is stored
+    service_tier: str | None = None  # ignored
+    reasoning_effort: str | None = None  # ignored
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs: true")
+        return self
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tools or self.functions:
+            raise InvalidParam("tools: function calling is not supported", "tools")
+        if isinstance(self.tool_choice, dict) or self.tool_choice not in (None, "none", "auto"):
+            raise InvalidParam("tool_choice: function calling is not supported", "tool_choice")
+        if self.response_format and self.response_format.get("type") != "text":
+            raise InvalidParam("response_format: only {\"type\": \"text\"} is supported", "response_format")
+
+    def engine_messages(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
+
+    def engine_options(self, n_ctx: int) -> dict[str, Any]:
+        limit = self.max_completion_tokens or self.max_tokens or n_ctx  # default: until the context is full
+        return dict(max_tokens=limit, logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+                    **self.sampling_options())
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] = Field(..., description="A string (a list holding one string is accepted too).")
+    max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate (default 16, as with OpenAI).")
+    logprobs: int | None = Field(None, ge=0, le=20, description="Return the oracle's logprobs and this many top tokens.")
+    echo: bool = Field(False, description="Only false.")
+    best_of: int | None = Field(None, description="Only 1.")
+    suffix: str | None = Field(None, description="Not supported.")
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if isinstance(self.prompt, list) and len(self.prompt) != 1:
+            raise InvalidParam("prompt: exactly one prompt per request is supported", "prompt")
+        if self.echo:
+            raise InvalidParam("echo: not supported", "echo")
+        if self.best_of not in (None, 1):
+            raise InvalidParam("best_of: only 1 is supported", "best_of")
+        if self.suffix:
+            raise InvalidParam("suffix: not supported", "suffix")
+
+    def prompt_text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+    def engine_options(self, n_ctx: int) -> dict[str, Any]:
+        return dict(max_tokens=self.max_tokens or 16, logprobs=self.logprobs, **self.sampling_options())
+
+
+# ---------------------------------------------------------------- responses
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(0, description="Prompt tokens reused from the previous request's cache.")
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+    drafted: int = Field(0, description="Draft tokens proposed.")
+    accepted: int = Field(0, description="Draft tokens the oracle accepted.")
+    acceptance_rate: float = Field(0.0, description="accepted / drafted.")
+
+
+class TopLogprobEntry(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class LogprobEntry(TopLogprobEntry):
+    top_logprobs: list[TopLogprobEntry] = []
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[LogprobEntry] | None = None
+    refusal: list[LogprobEntry] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: Literal["stop", "length"]
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(BaseModel):
+    """A streamed message delta: only the fields it carries ({} on the finishing chunk), as OpenAI sends them."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None = None
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class Model(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "localspec"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Model]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+AnyCompletionRequest = Union[ChatCompletionRequest, CompletionRequest]
