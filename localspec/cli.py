@@ -207,5 +207,32 @@ def pull(names: tuple[str, ...]) -> None:
             click.echo(f"{target}: {path}")
 
 
+
+@main.command()
+@model_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
+@click.option("--model-name", default=None,
+              help="The model name clients send and /v1/models lists (default: the pair's name, or the oracle's).")
+@click.option("--api-key", default=None, envvar="LOCALSPEC_API_KEY",
+              help="Require 'Authorization: Bearer KEY' on /v1 routes (also $LOCALSPEC_API_KEY).")
+@click.option("--max-queue", type=click.IntRange(0), default=32, show_default=True,
+              help="Requests that may wait while one generates; more get 429.")
+@click.option("--max-body", type=click.IntRange(1024), default=4 * 1024 * 1024, show_default=True,
+              help="Largest request body in bytes; larger gets 413.")
+@click.option("--log-prompts", is_flag=True, help="Log prompt and completion text (never logged otherwise).")
+@friendly_errors
+def serve(host: str, port: int, model_name: str | None, api_key: str | None, max_queue: int, max_body: int,
+          log_prompts: bool, **kw) -> None:
+    """Serve an OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models
+    (plus /health, /metrics and the docs at /docs)."""
+    from .server.app import run_server, served_names
+
+    name, aliases = served_names(kw["pair"], kw["oracle"], model_name)
+    with open_engine(**kw) as engine:
+        run_server(engine, host=host, port=port, model_name=name, aliases=aliases, api_key=api_key,
+                   max_queue=max_queue, max_body=max_body, log_prompts=log_prompts)
+
+
 if __name__ == "__main__":
     main()
