@@ -1,0 +1,595 @@
+"""`localspec chat`: an interactive (or piped) multi-turn chat over `Engine.stream`.
+
+The conversation is kept as chat messages and rendered with the model's template every turn; the
+engine keeps the evaluated prefix in its KV cache, so a turn only evaluates the tokens it adds.
+Assistant turns are stored exactly as generated. No generation logic lives here.
+
+Ctrl-C during a reply stops it between two speculative steps (the engine's generator is closed,
+so its caches stay consistent); the partial reply stays in the history. A second Ctrl-C before the
+step finishes leaves the chat. Ctrl-C at the prompt clears the line; Ctrl-D or /exit leaves.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable, Iterable, TextIO
+
+import click
+
+from .outputs import Stats
+
+PROMPT = ">>> "
+TIMING_TOKENS = 6  # one-token oracle steps timed by /stats for the speedup estimate
+
+HELP = """\
+commands:
+  /help                 this help
+  /reset                forget the conversation (the system message stays)
+  /system [TEXT|none]   show, set or clear the system message
+  /set [NAME VALUE]     show the settings, or set one: temperature, top_p, top_k, min_p,
+                        seed (none: random), max_tokens, draft_max (none: the engine's)
+  /stats                last reply and session: acceptance, tokens/s, prompt tokens evaluated, speedup
+  /exit                 leave (or Ctrl-D)
+Ctrl-C stops the current reply (the partial reply stays in the conversation).
+A line starting with // sends a message that starts with /."""
+
+
+class SettingError(ValueError):
+    pass
+
+
+# ---------------------------------------------------------------- settings
+
+
+def _parse_float(lo: float, hi: float, lo_open: bool = False) -> Callable[[str], float]:
+    def parse(s: str) -> float:
+        try:
+            v = float(s)
+        except ValueError:
+            v = math.nan
+        ok = math.isfinite(v) and (v > lo if lo_open else v >= lo) and v <= hi
+        if not ok:
+            interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]" if math.isfinite(hi) else f">= {lo:g}"
+            raise SettingError(f"expected a number {'in ' if math.isfinite(hi) else ''}{interval}, got {s!r}")
+        return v
+    return parse
+
+
+def _parse_int(lo: int, hi: int | None = None, none_ok: bool = False) -> Callable[[str], int | None]:
+    def parse(s: str) -> int | None:
+        if none_ok and s.lower() in ("none", "off", "default"):
+            return None
+        try:
+            v = int(s)
+        except ValueError:
+            v = None
+        if v is None or v < lo or (hi is not None and v > hi):
+            rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+            raise SettingError(f"expected an integer {rng}{' or none' if none_ok else ''}, got {s!r}")
+        return v
+    return parse
+
+
+def _parse_seed(s: str) -> int | None:
+    if s.lower() in ("none", "off", "random"):
+        return None
+    try:
+        return int(s)
+    except ValueError:
+        raise SettingError(f"expected an integer or none, got {s!r}") from None
+
+
+@dataclass
+class Settings:
+    """Per-reply generation options; `/set NAME VALUE` changes one."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    draft_max: int | None = None  # None: the engine's policy decides
+    stop: tuple[str, ...] = ()
+
+    PARSERS = {
+        "temperature": _parse_float(0, math.inf),
+        "top_p": _parse_float(0, 1, lo_open=True),
+        "top_k": _parse_int(0),
+        "min_p": _parse_float(0, 1),
+        "seed": _parse_seed,
+        "max_tokens": _parse_int(1),
+        "draft_max": _parse_int(0, 64, none_ok=True),
+    }
+
+    def set(self, name: str, value: str) -> None:
+        key = name.lower().replace("-", "_")
+        parser = self.PARSERS.get(key)
+        if parser is None:
+            raise SettingError(f"unknown setting {name!r} (one of {', '.join(self.PARSERS)})")
+        setattr(self, key, parser(value))
+
+    def describe(self) -> str:
+        return "  ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self) if f.name != "stop")
+
+    def stream_kwargs(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)} | {"stop": list(self.stop) or None}
+
+
+# ---------------------------------------------------------------- conversation
+
+
+@dataclass
+class Conversation:
+    """The system message (optional) and alternating user/assistant turns."""
+
+    system: str | None = None
+    turns: list[dict[str, str]] = field(default_factory=list)
+
+    def messages(self) -> list[dict[str, str]]:
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + self.turns
+
+    def add(self, role: str, content: str) -> None:
+        self.turns.append({"role": role, "content": content})
+
+    def reset(self) -> None:
+        self.turns.clear()
+
+    def drop_oldest(self) -> bool:
+        """Drop the oldest exchange (a user message and its reply), never the last message."""
+        if len(self.turns) <= 1:
+            return False
+        n = 2 if len(self.turns) > 2 and self.turns[1]["role"] == "assistant" else 1
+        del self.turns[:n]
+        return True
+
+
+@dataclass
+class Totals:
+    """Stats summed over the session's completed replies."""
+
+    replies: int = 0
+    prompt_tokens: int = 0
+    prompt_tokens_evaluated: int = 0
+    completion_tokens: int = 0
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    generation_time: float = 0.0
+    interrupted: int = 0
+
+    def add(self, s: Stats) -> None:
+        self.replies += 1
+        self.prompt_tokens += s.prompt_tokens
+        self.prompt_tokens_evaluated += s.prompt_tokens_evaluated
+        self.completion_tokens += s.completion_tokens
+        self.steps += s.steps
+        self.drafted += s.drafted
+        self.accepted += s.accepted
+        self.draft_time += s.draft_time
+        self.verify_time += s.verify_time
+        self.generation_time += max(0.0, s.total_time - s.prompt_time)
+
+
+def speedup(tokens: int, draft_time: float, verify_time: float, oracle_step: float | None) -> float | None:
+    """Estimated speedup over the oracle alone: the time the oracle would need for `tokens`
+    one-token steps, over the time the speculative steps took (prompt evaluation excluded)."""
+    spent = draft_time + verify_time
+    if oracle_step is None or spent <= 0 or tokens <= 0:
+        return None
+    return tokens * oracle_step / spent
+
+
+# ---------------------------------------------------------------- terminal
+
+
+class Console:
+    """Where the chat writes. `color=False` (piped input, or not a terminal) writes no escape codes;
+    in piped mode stdout carries only the replies and command output, the rest goes to stderr."""
+
+    def __init__(self, out: TextIO, err: TextIO, *, color: bool) -> None:
+        self.out, self.err, self.color = out, err, color
+
+    def _style(self, text: str, **style) -> str:
+        return click.style(text, **style) if self.color else text
+
+    def write(self, text: str) -> None:
+        self.out.write(text)
+        self.out.flush()
+
+    def line(self, text: str = "") -> None:
+        self.write(text + "\n")
+
+    def info(self, text: str) -> None:
+        """A dim status line (reply summary, notices)."""
+        self.err.write(self._style(text, dim=True) + "\n")
+        self.err.flush()
+
+    def error(self, text: str) -> None:
+        self.err.write(self._style(f"error: {text}", fg="red") + "\n")
+        self.err.flush()
+
+    def prompt(self) -> str:
+        if not self.color:
+            return PROMPT
+        # \001..\002 tell readline the escape codes take no room on screen
+        return f"\001{click.style('', bold=True, fg='green', reset=False)}\002{PROMPT}\001{click.style('', reset=True)}\002"
+
+
+class _Interrupts:
+    """While active, the first Ctrl-C only sets `.hit` (the reply stops at the next chunk); a second
+    one raises KeyboardInterrupt. Outside, Ctrl-C behaves as before."""
+
+    def __init__(self) -> None:
+        self.hit = False
+        self._previous: Any = None
+
+    def _handler(self, signum, frame) -> None:
+        if self.hit:
+            raise KeyboardInterrupt
+        self.hit = True
+
+    def __enter__(self) -> "_Interrupts":
+        self.hit = False
+        try:
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+        except ValueError:  # not the main thread: no signal handling
+            self._previous = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+def history_file() -> Path | None:
+    """$LOCALSPEC_CHAT_HISTORY (empty: no history file), else chat_history in the localspec cache."""
+    env = os.environ.get("LOCALSPEC_CHAT_HISTORY")
+    if env is not None:
+        return Path(env).expanduser() if env else None
+    from .models import cache_dir
+
+    return cache_dir() / "chat_history"
+
+
+class _LineEditor:
+    """Terminal input with the stdlib readline: editing, history (kept in a file), Tab-completed
+    slash commands. Without readline, plain input()."""
+
+    COMMANDS = ("/help", "/reset", "/system ", "/set ", "/stats", "/exit")
+
+    def __init__(self) -> None:
+        self.path = history_file()
+        try:
+            import readline
+        except ImportError:  # e.g. Windows without pyreadline
+            self.readline = None
+            return
+        self.readline = readline
+        readline.set_history_length(1000)
+        readline.set_completer_delims(" \t\n")
+        readline.set_completer(self._complete)
+        readline.parse_and_bind("tab: complete")
+        if self.path is not None and self.path.exists():
+            try:
+                readline.read_history_file(str(self.path))
+            except OSError:
+                pass
+
+    def _complete(self, text: str, state: int) -> str | None:
+        matches = [c for c in self.COMMANDS if c.startswith(text)] if text.startswith("/") else []
+        return matches[state] if state < len(matches) else None
+
+    def save(self) -> None:
+        if self.readline is None or self.path is None:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.readline.write_history_file(str(self.path))
+        except OSError:
+            pass
+
+
+# ---------------------------------------------------------------- the chat
+
+
+class Chat:
+    """Conversation state, slash commands and rendering over one engine."""
+
+    def __init__(self, engine, console: Console, settings: Settings | None = None,
+                 system: str | None = None) -> None:
+        self.engine = engine
+        self.console = console
+        self.settings = settings or Settings()
+        self.conversation = Conversation(system=system or None)
+        self.totals = Totals()
+        self.last: Stats | None = None
+        self.speculative = getattr(engine, "proposer", None) is not None
+
+    # -- input
+
+    def handle(self, line: str) -> bool:
+        """One line of input: a slash command or a message. False: leave the chat."""
+        line = line.strip()
+        if not line:
+            return True
+        if line.startswith("//"):
+            line = line[1:]
+        elif line.startswith("/"):
+            return self.command(line)
+        self.reply(line)
+        return True
+
+    def command(self, line: str) -> bool:
+        name, _, arg = line.partition(" ")
+        arg = arg.strip()
+        c = self.console
+        if name in ("/exit", "/quit", "/bye"):
+            return False
+        if name in ("/help", "/?"):
+            c.line(HELP)
+        elif name == "/reset":
+            self.conversation.reset()
+            c.info("conversation cleared")
+        elif name == "/system":
+            if not arg:
+                c.line(f"system message: {self.conversation.system!r}" if self.conversation.system
+                       else "no system message (the model's template default applies)")
+            elif arg.lower() == "none":
+                self.conversation.system = None
+                c.info("system message cleared")
+            else:
+                self.conversation.system = arg
+                c.info("system message set")
+        elif name == "/set":
+            parts = arg.split(None, 1)
+            if not parts:
+                c.line(self.settings.describe())
+            elif len(parts) != 2:
+                c.error(f"/set {parts[0]}: missing value (usage: /set NAME VALUE)")
+            else:
+                try:
+                    self.settings.set(parts[0], parts[1].strip())
+                except SettingError as e:
+                    c.error(f"/set {parts[0]}: {e}")
+                else:
+                    key = parts[0].lower().replace("-", "_")
+                    c.info(f"{key} = {getattr(self.settings, key)}")
+        elif name == "/stats":
+            for text in self.stats_lines():
+                c.line(text)
+        else:
+            c.error(f"unknown command {name} (/help lists them)")
+        return True
+
+    # -- replies
+
+    def _fit(self, max_tokens: int) -> tuple[list[dict[str, str]], int] | None:
+        """The messages to send and the reply budget: drop the oldest exchanges (keeping the system
+        message) until prompt + max_tokens fits the context. None: the message cannot fit at all."""
+        n_ctx = self.engine.n_ctx
+        dropped = 0
+        while True:
+            messages = self.conversation.messages()
+            n_prompt = len(self.engine.tokenize_prompt(messages))
+            if n_prompt + max_tokens <= n_ctx or not self.conversation.drop_oldest():
+                break
+            dropped += 1
+        if dropped:
+            self.console.info(f"context full ({n_ctx} tokens): dropped the {dropped} oldest "
+                              f"exchange{'s' if dropped > 1 else ''}")
+        if n_prompt >= n_ctx:
+            self.console.error(f"the message is too long: {n_prompt} prompt tokens, the context holds {n_ctx}")
+            return None
+        if n_prompt + max_tokens > n_ctx:
+            max_tokens = n_ctx - n_prompt
+            self.console.info(f"this reply is limited to {max_tokens} tokens by the context")
+        return messages, max_tokens
+
+    def reply(self, text: str) -> None:
+        c = self.console
+        self.conversation.add("user", text)
+        kwargs = self.settings.stream_kwargs()
+        try:
+            fitted = self._fit(kwargs["max_tokens"])
+            if fitted is None:
+                self.conversation.turns.pop()
+                return
+            messages, kwargs["max_tokens"] = fitted
+            it = self.engine.stream(messages, **kwargs)  # raises eagerly on bad input
+        except ValueError as e:  # PromptTooLongError, ChatTemplateError, bad sampling values
+            self.conversation.turns.pop()
+            c.error(str(e))
+            return
+
+        parts: list[str] = []
+        n_tokens = 0
+        final = None
+        t0 = time.perf_counter()
+        try:
+            with _Interrupts() as interrupts:
+                for chunk in it:
+                    if chunk.text:
+                        c.write(chunk.text)
+                        parts.append(chunk.text)
+                    n_tokens += len(chunk.tokens)
+                    if chunk.finish_reason is not None:
+                        final = chunk
+                    if interrupts.hit:
+                        break
+        finally:
+            it.close()  # stops between steps; the engine's caches stay consistent
+        reply = "".join(parts)
+        if reply and not reply.endswith("\n"):
+            c.write("\n")
+
+        if final is None:  # interrupted
+            self.totals.interrupted += 1
+            if parts:
+                self.conversation.add("assistant", reply)  # kept as far as it got
+            else:
+                self.conversation.turns.pop()  # nothing generated: forget the message too
+            dt = time.perf_counter() - t0
+            c.info(f"[interrupted after {n_tokens} tokens, {dt:.1f} s]")
+            return
+        self.conversation.add("assistant", reply)
+        s = final.stats
+        self.last = s
+        self.totals.add(s)
+        summary = f"[{s.completion_tokens} tokens · {s.tokens_per_second:.1f} tok/s · "
+        summary += f"acceptance {s.acceptance_rate:.0%}" if s.drafted else "oracle alone"
+        if final.finish_reason == "length":
+            summary += " · stopped at max_tokens"
+        c.info(summary + "]")
+
+    # -- /stats
+
+    def _oracle_step_time(self) -> tuple[float, int] | None:
+        """Time one-token oracle steps now, at the conversation's current length (the prefix is
+        cached, so this evaluates only a few tokens). Returns (seconds per step, steps)."""
+        messages = self.conversation.messages()
+        if not messages:
+            return None
+        try:
+            it = self.engine.stream(messages, max_tokens=TIMING_TOKENS, speculative=False)
+        except ValueError:
+            return None
+        final = None
+        try:
+            with _Interrupts() as interrupts:
+                for chunk in it:
+                    if chunk.finish_reason is not None:
+                        final = chunk
+                    if interrupts.hit:
+                        break
+        finally:
+            it.close()
+        if final is None or not final.stats.steps:
+            return None
+        return final.stats.verify_time / final.stats.steps, final.stats.steps
+
+    def stats_lines(self) -> list[str]:
+        s, t = self.last, self.totals
+        if s is None:
+            return ["no completed reply yet"]
+        policy = self.engine.policy
+        k = getattr(policy, "k", None)
+        if not self.speculative:
+            draft = "none (the oracle runs alone)"
+        else:
+            if k is not None:
+                draft = f"{k} ({type(policy).__name__})"
+            else:
+                k_max = getattr(policy, "k_max", None)
+                draft = f"{type(policy).__name__} (chosen per step{f', up to {k_max}' if k_max else ''})"
+            if self.settings.draft_max is not None:
+                draft += f", capped at {self.settings.draft_max} by /set draft_max"
+            draft += f"; drafted per step: {s.drafted / s.steps if s.steps else 0:.2f} last reply"
+
+        def acc(drafted: int, accepted: int, steps: int) -> str:
+            if not drafted:
+                return "acceptance n/a (nothing drafted)"
+            return f"acceptance {accepted / drafted:.0%} ({accepted}/{drafted}), " \
+                   f"mean accepted length {accepted / steps if steps else 0:.2f}"
+
+        session_tps = t.completion_tokens / t.generation_time if t.generation_time > 0 else 0.0
+        lines = [
+            f"last reply: {s.completion_tokens} tokens in {s.steps} step{'s' if s.steps != 1 else ''}, {acc(s.drafted, s.accepted, s.steps)}, "
+            f"{s.tokens_per_second:.1f} tok/s",
+            f"  prompt tokens evaluated: {s.prompt_tokens_evaluated} of {s.prompt_tokens} "
+            f"({s.prompt_tokens - s.prompt_tokens_evaluated} reused from the cache)",
+            f"session: {t.replies} replies"
+            + (f" (+{t.interrupted} interrupted, not counted)" if t.interrupted else "")
+            + f", {t.completion_tokens} tokens, {acc(t.drafted, t.accepted, t.steps)}, {session_tps:.1f} tok/s",
+            f"  prompt tokens evaluated: {t.prompt_tokens_evaluated} of {t.prompt_tokens}",
+            f"draft length: {draft}",
+        ]
+        if not self.speculative:
+            lines.append("speedup vs oracle alone: 1.00x (this is the oracle alone)")
+            return lines
+        timed = self._oracle_step_time()
+        if timed is None:
+            lines.append("speedup vs oracle alone: n/a (could not time the oracle's one-token step)")
+            return lines
+        step, n = timed
+        last = speedup(s.completion_tokens, s.draft_time, s.verify_time, step)
+        sess = speedup(t.completion_tokens, t.draft_time, t.verify_time, step)
+
+        def fmt(x: float | None) -> str:
+            return f"{x:.2f}x" if x is not None else "n/a"
+
+        per_step = (s.draft_time + s.verify_time) / s.steps if s.steps else 0.0
+        lines.append(
+            f"speedup vs oracle alone (estimate): {fmt(last)} last reply, {fmt(sess)} session; "
+            f"oracle one-token step {step * 1000:.1f} ms (timed now over {n} steps), "
+            f"speculative step {per_step * 1000:.1f} ms for {s.tokens_per_step:.2f} tokens")
+        return lines
+
+    # -- loops
+
+    def banner(self) -> str:
+        e = self.engine
+        oracle = e.oracle_model.path.name
+        if getattr(e, "draft_model", None) is not None:
+            draft = f"draft {e.draft_model.path.name}"
+        elif getattr(e, "proposer", None) is not None:
+            draft = f"draft: {type(e.proposer).__name__}"
+        else:
+            draft = "no draft (oracle alone)"
+        return (f"localspec chat · oracle {oracle} · {draft} · ctx {e.n_ctx}\n"
+                "/help for commands · Ctrl-C stops a reply · Ctrl-D or /exit leaves")
+
+    def run_interactive(self, editor: _LineEditor) -> None:
+        c = self.console
+        c.info(self.banner())
+        try:
+            while True:
+                try:
+                    line = input(c.prompt())
+                except KeyboardInterrupt:  # at the prompt: drop the line
+                    c.write("\n")
+                    continue
+                except EOFError:  # Ctrl-D
+                    c.write("\n")
+                    return
+                if not self.handle(line):
+                    return
+        finally:
+            editor.save()
+
+    def run_lines(self, lines: Iterable[str]) -> None:
+        for line in lines:
+            if not self.handle(line.rstrip("\r\n")):
+                return
+
+
+def run_chat(engine, *, settings: Settings, system: str | None = None,
+             stdin: TextIO | None = None, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
+    """Run the chat until /exit, Ctrl-D or end of input. Interactive when stdin is a terminal;
+    otherwise one message per input line and no escape codes. Returns the exit code."""
+    stdin = stdin or sys.stdin
+    stdout = stdout or sys.stdout
+    stderr = stderr or sys.stderr
+    interactive = stdin.isatty()
+    console = Console(stdout, stderr, color=interactive and stdout.isatty())
+    chat = Chat(engine, console, settings, system)
+    try:
+        if interactive:
+            chat.run_interactive(_LineEditor())
+        else:
+            chat.run_lines(stdin)
+    except KeyboardInterrupt:  # a second Ctrl-C during a reply
+        console.write("\n")
+        console.error("interrupted")
+        return 130
+    return 0
+
