@@ -166,6 +166,22 @@ def generate(prompt: str | None, system: str | None, raw: bool, as_json: bool, *
             dim=True), err=True)
 
 
+@main.command()
+@model_options
+@sampling_options
+@click.option("--system", default=None, help="System message.")
+@friendly_errors
+def chat(system: str | None, **kw) -> None:
+    """Chat in the terminal; replies stream as drafts are accepted (/help inside for commands).
+    With piped input: one message per line, replies on stdout."""
+    from .repl import Settings, run_chat
+
+    settings = Settings(**{k: v for k, v in sampling_kwargs(kw).items() if k != "stop"}, stop=tuple(kw["stop"]))
+    with open_engine(**kw) as engine:
+        code = run_chat(engine, settings=settings, system=system)
+    sys.exit(code)
+
+
 @main.command("models")
 @click.option("--json", "as_json", is_flag=True)
 @friendly_errors
