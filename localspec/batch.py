@@ -1,0 +1,312 @@
+"""`localspec generate --input requests.jsonl --output results.jsonl`: scripted batch generation.
+
+Input, one JSON object per line:
+    {"id": ..., "prompt": "..." | "messages": [...], "raw": false,
+     "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop"}   (all optional but id)
+A "prompt" is sent as a chat user message (after --system, if given) unless "raw" is true (or the
+--raw flag is given and the line does not say otherwise); sampling fields override the command line.
+
+Output, one JSON object per line, in input order:
+    {"id", "text", "finish_reason", "stats"}   or   {"id", "error"}
+
+Resumable: ids already in the output file are skipped. Each record is one whole line written with a
+single write + fsync, so an interrupted run loses at most the record in flight; a truncated last
+line (a crash mid-write) is cut off before appending.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import click
+
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop")
+FIELDS = frozenset(("id", "prompt", "messages", "raw") + SAMPLING_FIELDS)
+
+
+class BadRequest(ValueError):
+    def __init__(self, record_id: Any, message: str) -> None:
+        super().__init__(message)
+        self.record_id = record_id
+
+
+@dataclass
+class Item:
+    """One input line: a request to run, or the error to record for it."""
+
+    lineno: int
+    id: Any
+    prompt: Any = None  # str (raw completion) or chat messages
+    options: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def key(self) -> str:
+        return id_key(self.id)
+
+
+def id_key(record_id: Any) -> str:
+    """Ids compare as JSON values: 1 and "1" are different ids."""
+    return json.dumps(record_id, sort_keys=True, ensure_ascii=False)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "max_tokens": (_is_int, "an integer"),
+    "temperature": (_is_number, "a number"),
+    "top_p": (_is_number, "a number"),
+    "top_k": (_is_int, "an integer"),
+    "min_p": (_is_number, "a number"),
+    "seed": (lambda x: x is None or _is_int(x), "an integer or null"),
+    "stop": (lambda x: x is None or isinstance(x, str) or (isinstance(x, list) and all(isinstance(s, str) for s in x)),
+             "a string or a list of strings"),
+}
+
+
+def parse_line(line: str, lineno: int, *, defaults: dict[str, Any], system: str | None, raw: bool) -> Item:
+    """One input line -> an Item (with `error` set when the line is malformed). Value ranges are
+    left to the engine, which rejects them with a clear message."""
+    fallback_id = f"line-{lineno}"
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        return Item(lineno, fallback_id, error=f"line {lineno}: not valid JSON ({e.msg} at column {e.colno})")
+    if not isinstance(obj, dict):
+        return Item(lineno, fallback_id, error=f"line {lineno}: expected a JSON object")
+    record_id = obj.get("id")
+    if record_id is None or isinstance(record_id, bool) or not isinstance(record_id, (str, int)):
+        return Item(lineno, fallback_id,
+                    error=f"line {lineno}: \"id\" must be a string or an integer" if "id" in obj
+                    else f"line {lineno}: missing \"id\"")
+    try:
+        prompt, options = _request(obj, defaults=defaults, system=system, raw=raw)
+    except BadRequest as e:
+        return Item(lineno, record_id, error=str(e))
+    return Item(lineno, record_id, prompt=prompt, options=options)
+
+
+def _request(obj: dict[str, Any], *, defaults: dict[str, Any], system: str | None, raw: bool):
+    rid = obj["id"]
+    unknown = sorted(set(obj) - FIELDS)
+    if unknown:
+        raise BadRequest(rid, f"unknown field {unknown[0]!r} (expected: {', '.join(sorted(FIELDS))})")
+    has_prompt, has_messages = "prompt" in obj, "messages" in obj
+    if has_prompt == has_messages:
+        raise BadRequest(rid, "give exactly one of \"prompt\" and \"messages\"")
+    line_raw = obj.get("raw")
+    if line_raw is not None and not isinstance(line_raw, bool):
+        raise BadRequest(rid, "\"raw\" must be true or false")
+    if has_prompt:
+        prompt = obj["prompt"]
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise BadRequest(rid, "\"prompt\" must be a non-empty string")
+        if (raw if line_raw is None else line_raw):
+            request: Any = prompt
+        else:
+            request = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    else:
+        if line_raw:
+            raise BadRequest(rid, "\"raw\" applies to \"prompt\", not to \"messages\"")
+        messages = obj["messages"]
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise BadRequest(rid, "\"messages\" must be a non-empty list of objects")
+        request = messages
+    options = dict(defaults)
+    for name in SAMPLING_FIELDS:
+        if name in obj:
+            check, expected = _CHECKS[name]
+            if not check(obj[name]):
+                raise BadRequest(rid, f"\"{name}\" must be {expected}, got {json.dumps(obj[name])}")
+            options[name] = obj[name]
+    return request, options
+
+
+# ---------------------------------------------------------------- output
+
+
+def read_done(path: str, warn: Callable[[str], None]) -> set[str]:
+    """The ids already in the output file. A truncated last line (no newline: a crash mid-write)
+    is cut off so appending starts on a fresh line; unreadable complete lines are ignored."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return set()
+    if data and not data.endswith(b"\n"):
+        keep = data.rfind(b"\n") + 1
+        with open(path, "r+b") as f:
+            f.truncate(keep)
+            f.flush()
+            os.fsync(f.fileno())
+        warn(f"{path}: dropped a truncated last line ({len(data) - keep} bytes) from an interrupted run")
+        data = data[:keep]
+    done, bad = set(), 0
+    for line in data.splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            done.add(id_key(record["id"]))
+        except (ValueError, KeyError, TypeError):
+            bad += 1
+    if bad:
+        warn(f"{path}: ignored {bad} unreadable line{'s' if bad > 1 else ''}")
+    return done
+
+
+class RecordWriter:
+    """Appends one JSON record per line: one write, flush and fsync each (a file), or to stdout."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self.fd = None if path is None else os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def write(self, record: dict[str, Any]) -> None:
+        data = (json.dumps(record, ensure_ascii=False) + "\n").encode()
+        if self.fd is None:
+            sys.stdout.buffer.write(data)
+            sys.stdout.buffer.flush()
+            return
+        view = memoryview(data)
+        while view:  # a regular file takes it in one write; loop for the pathological case
+            n = os.write(self.fd, view)
+            view = view[n:]
+        os.fsync(self.fd)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+# ---------------------------------------------------------------- the run
+
+
+@dataclass
+class Summary:
+    written: int = 0
+    failed: int = 0
+    skipped: int = 0
+    duplicates: int = 0
+    tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    seconds: float = 0.0
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    def line(self) -> str:
+        acc = f"acceptance {self.acceptance:.0%}" if self.acceptance is not None else "acceptance n/a"
+        tps = self.tokens / self.seconds if self.seconds > 0 else 0.0
+        text = (f"{self.written} records written ({self.failed} failed)")
+        if self.skipped:
+            text += f", {self.skipped} skipped (already in the output)"
+        if self.duplicates:
+            text += f", {self.duplicates} repeated id{'s' if self.duplicates > 1 else ''} skipped"
+        return text + f"; {self.tokens} tokens in {self.seconds:.1f} s ({tps:.1f} tok/s), {acc}"
+
+
+def read_lines(path: str) -> list[tuple[int, str]]:
+    """Non-blank input lines with their 1-based line numbers ('-': stdin)."""
+    if path == "-":
+        text = sys.stdin.read()
+    else:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    return [(i, line) for i, line in enumerate(text.splitlines(), 1) if line.strip()]
+
+
+def run_batch(input_path: str, output_path: str | None, *, open_engine: Callable[[], Any],
+              defaults: dict[str, Any], system: str | None = None, raw: bool = False,
+              progress: Callable[[str], None], show_bar: bool | None = None) -> Summary:
+    """Run every request in `input_path` not already in `output_path` (None or '-': stdout)."""
+    if output_path == "-":
+        output_path = None
+    items = [parse_line(line, n, defaults=defaults, system=system, raw=raw) for n, line in read_lines(input_path)]
+    done = read_done(output_path, progress) if output_path else set()
+    summary = Summary()
+    pending: list[Item] = []
+    queued: set[str] = set()
+    for item in items:
+        if item.key in done:
+            summary.skipped += 1
+        elif item.key in queued:
+            summary.duplicates += 1
+        else:
+            queued.add(item.key)
+            pending.append(item)
+    if not pending:
+        progress(f"nothing to do: every id in the input is already in {output_path}" if items
+                 else "no requests in the input")
+        return summary
+
+    needs_engine = any(item.error is None for item in pending)
+    writer = RecordWriter(output_path)
+    t_start = time.perf_counter()
+    try:
+        with (open_engine() if needs_engine else nullcontext()) as engine:
+            t_start = time.perf_counter()
+            for item in _with_bar(pending, summary, show_bar):
+                writer.write(_run_one(engine, item, summary))
+    except KeyboardInterrupt:
+        summary.seconds = time.perf_counter() - t_start
+        progress(f"interrupted: {summary.line()}")
+        progress("run the same command again to resume")
+        raise
+    finally:
+        writer.close()
+    summary.seconds = time.perf_counter() - t_start
+    progress(summary.line())
+    return summary
+
+
+def _run_one(engine, item: Item, summary: Summary) -> dict[str, Any]:
+    if item.error is None:
+        try:
+            result = engine.generate(item.prompt, **item.options)
+        except ValueError as e:  # bad sampling values, prompt too long, template errors
+            item.error = str(e)
+        else:
+            s = result.stats
+            summary.written += 1
+            summary.tokens += s.completion_tokens
+            summary.drafted += s.drafted
+            summary.accepted += s.accepted
+            return {"id": item.id, "text": result.text, "finish_reason": result.finish_reason, "stats": s.to_dict()}
+    summary.written += 1
+    summary.failed += 1
+    return {"id": item.id, "error": item.error}
+
+
+def _with_bar(items: list[Item], summary: Summary, show_bar: bool | None) -> Iterator[Item]:
+    """A progress bar on stderr (ETA, running acceptance) when stderr is a terminal."""
+    if show_bar is None:
+        show_bar = sys.stderr.isatty()
+    if not show_bar:
+        yield from items
+        return
+
+    def status(_item: Any) -> str:
+        acc = summary.acceptance
+        return f"acceptance {acc:.0%}" if acc is not None else ""
+
+    with click.progressbar(length=len(items), label="generating", file=sys.stderr, show_eta=True,
+                           show_pos=True, item_show_func=status) as bar:
+        for item in items:
+            yield item
+            bar.update(1, item)
