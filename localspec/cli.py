@@ -138,9 +138,25 @@ def main(debug: bool) -> None:
 @click.option("--system", default=None, help="System message.")
 @click.option("--raw", is_flag=True, help="Send PROMPT as plain text, without the chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, finish_reason, tokens, stats.")
+@click.option("--input", "input_path", type=click.Path(exists=True, dir_okay=False, allow_dash=True), default=None,
+              help="Batch: a JSONL file of requests ({\"id\", \"prompt\" | \"messages\", sampling fields}).")
+@click.option("--output", "output_path", type=click.Path(dir_okay=False, allow_dash=True), default=None,
+              help="Batch: the JSONL results file (appended; ids already in it are skipped). Default: stdout.")
 @friendly_errors
-def generate(prompt: str | None, system: str | None, raw: bool, as_json: bool, **kw) -> None:
-    """Generate a reply to PROMPT (read from stdin when omitted or '-')."""
+def generate(prompt: str | None, system: str | None, raw: bool, as_json: bool, input_path: str | None,
+             output_path: str | None, **kw) -> None:
+    """Generate a reply to PROMPT (read from stdin when omitted or '-'), or run a JSONL batch (--input)."""
+    if input_path is not None or output_path is not None:
+        if input_path is None:
+            raise UserError("--output needs --input")
+        if prompt is not None:
+            raise UserError("give either PROMPT or --input, not both")
+        from .batch import run_batch
+
+        defaults = sampling_kwargs(kw) | {"stop": list(kw["stop"]) or None}
+        run_batch(input_path, output_path, open_engine=lambda: open_engine(**kw), defaults=defaults,
+                  system=system, raw=raw, progress=progress)
+        return
     if prompt is None or prompt == "-":
         prompt = sys.stdin.read()
     if not prompt.strip():
