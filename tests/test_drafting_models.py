@@ -1,0 +1,71 @@
+"""Drafting on real models: prompt lookup, adaptive length, and a draft with another tokenizer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from localspec.compat import IncompatibleModels
+from localspec.engine import Engine
+from localspec.policy import AdaptiveLength
+from localspec.proposers import CrossTokenizerProposer, PromptLookupProposer
+
+pytestmark = pytest.mark.model
+
+PASSAGE = ("The museum opens at nine in the morning and closes at six in the evening. Tickets cost twelve "
+           "euros for adults and six euros for children. Guided tours start every hour from the main hall.")
+
+
+def grounded():
+    return [{"role": "user", "content": f"Repeat this notice exactly:\n\n{PASSAGE}"}]
+
+
+def test_prompt_lookup_on_a_grounded_prompt(pair_paths):
+    with Engine(pair_paths[0], "ngram", n_ctx=1024) as engine:
+        assert isinstance(engine.proposer, PromptLookupProposer)
+        spec = engine.generate(grounded(), max_tokens=60)
+        base = engine.generate(grounded(), max_tokens=60, speculative=False)
+    assert spec.stats.accepted >= 10  # the copied stretches are drafted from the prompt, for free
+    assert spec.stats.steps < len(spec.tokens) - 8
+    assert spec.text == base.text
+
+
+def test_adaptive_is_the_default_and_calibrates(engine):
+    assert isinstance(engine.policy, AdaptiveLength)
+    engine.generate([{"role": "user", "content": "Name three fruits."}], max_tokens=24)
+    assert engine.policy.calibrated
+    assert engine.policy.verify_cost(1) > 0 and engine.policy.draft_cost is not None
+
+
+def test_incompatible_pair_refused_without_cross_tokenizer(registry, pair_paths):
+    with pytest.raises(IncompatibleModels, match="cannot draft for oracle"):
+        Engine(registry.resolve("gemma-3-270m-q4_k_m"), pair_paths[1], n_ctx=512)
+
+
+def test_cross_tokenizer_draft_keeps_greedy_output_the_oracles(registry, pair_paths, monkeypatch):
+    gemma = registry.resolve("gemma-3-270m-q4_k_m")
+    prompts = ["The capital of France is Paris. The capital of Germany is",
+               "Once upon a time, there was a little girl who",
+               "def fibonacci(n):\n"]
+    with Engine(gemma, pair_paths[1], n_ctx=1024, cross_tokenizer=True, draft_length=4) as cross:
+        assert isinstance(cross.proposer, CrossTokenizerProposer)
+        steps = []
+        original = cross._accept
+
+        def recording(draft, logits, sampling, rng):
+            out, n = original(draft, logits, sampling, rng)
+            steps.append((logits.argmax(axis=1).copy(), out.copy()))
+            return out, n
+
+        monkeypatch.setattr(cross, "_accept", recording)
+        same = 0
+        accepted = 0
+        for p in prompts:
+            spec = cross.generate(p, max_tokens=32)
+            base = cross.generate(p, max_tokens=32, speculative=False)
+            same += spec.text == base.text
+            accepted += spec.stats.accepted
+        for argmax, out in steps:
+            assert out.tolist() == argmax[:len(out)].tolist()
+    assert accepted > 0  # the re-tokenized drafts do get accepted
+    assert same >= len(prompts) - 1

@@ -1,0 +1,90 @@
+"""Draft-length policies on synthetic costs and acceptance."""
+
+import pytest
+
+from localspec.policy import AdaptiveLength, FixedLength, VerifyCost
+
+
+def calibrated(verify, draft_cost, k_max=16, **kw):
+    policy = AdaptiveLength(k_max=k_max, **kw)
+    policy.calibrate(verify, lambda: draft_cost)
+    return policy
+
+
+def test_fixed_length_caps_at_limit():
+    p = FixedLength(8)
+    assert p.draft_length(20) == 8 and p.draft_length(3) == 3 and p.draft_length(0) == 0
+    with pytest.raises(ValueError):
+        FixedLength(-1)
+
+
+def test_expected_tokens_formula():
+    p = AdaptiveLength(k_max=4, prior_acceptance=0.5)
+    assert p.expected_tokens(0) == 1
+    assert p.expected_tokens(1) == pytest.approx(1.5)
+    assert p.expected_tokens(3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+
+
+def test_useless_draft_gives_k0():
+    verify = lambda n: 0.024 + 0.002 * n  # noqa: E731  cheap-ish verify
+    p = calibrated(verify, draft_cost=0.010)
+    for _ in range(40):  # every draft token rejected
+        p.update(n_drafted=4, n_accepted=0, draft_time=0.04, verify_time=verify(5))
+    assert p.best_length(16) == 0
+    assert p.draft_length(16) == 0
+
+
+def test_high_acceptance_and_cheap_verify_gives_large_k():
+    verify = lambda n: 0.020 + 0.0005 * n  # noqa: E731  GPU-like: a wide pass costs little more
+    p = calibrated(verify, draft_cost=0.001)
+    for _ in range(60):
+        p.update(n_drafted=16, n_accepted=16, draft_time=0.016, verify_time=verify(17))
+    assert p.best_length(16) >= 12
+
+
+def test_expensive_verify_keeps_k_small_even_with_good_acceptance():
+    verify = lambda n: 0.010 * n  # noqa: E731  compute-bound: a pass costs in proportion to its size
+    p = calibrated(verify, draft_cost=0.004)
+    for _ in range(60):
+        p.update(n_drafted=4, n_accepted=4, draft_time=0.016, verify_time=verify(5))
+    assert p.best_length(16) == 0  # speculation can never win when verify is linear from zero
+
+
+def test_k_is_capped_by_limit_and_k_max():
+    p = calibrated(lambda n: 0.02 + 0.0001 * n, draft_cost=0.0001, k_max=6, prior_acceptance=0.99)
+    assert p.draft_length(100) == 6
+    assert p.draft_length(3) == 3
+    assert p.draft_length(0) == 0
+
+
+def test_probes_now_and_then_when_k0_wins():
+    verify = lambda n: 0.024 + 0.002 * n  # noqa: E731
+    p = calibrated(verify, draft_cost=0.010, probe_every=5, probe_length=2)
+    for _ in range(40):
+        p.update(n_drafted=4, n_accepted=0, draft_time=0.04, verify_time=verify(5))
+    ks = [p.draft_length(16) for _ in range(15)]
+    assert ks.count(2) == 3 and ks.count(0) == 12
+
+
+def test_recovers_when_acceptance_improves():
+    verify = lambda n: 0.024 + 0.002 * n  # noqa: E731
+    p = calibrated(verify, draft_cost=0.003, probe_every=4)
+    for _ in range(40):
+        p.update(n_drafted=4, n_accepted=0, draft_time=0.012, verify_time=verify(5))
+    assert p.best_length(16) == 0
+    for _ in range(30):  # a well-matched stretch: probes get fully accepted
+        k = max(p.draft_length(16), 2)
+        p.update(n_drafted=k, n_accepted=k, draft_time=0.003 * k, verify_time=verify(k + 1))
+    assert p.best_length(16) >= 4
+
+
+def test_verify_cost_interpolates_a_line():
+    v = VerifyCost()
+    v.observe(1, 0.02)
+    v.observe(9, 0.04)
+    assert v(1) == pytest.approx(0.02)
+    assert v(5) == pytest.approx(0.03)
+    assert v(17) == pytest.approx(0.06)
+    single = VerifyCost()
+    single.observe(2, 0.02)
+    assert single(4) == pytest.approx(0.04)
