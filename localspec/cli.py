@@ -63,10 +63,18 @@ def model_options(fn: Callable) -> Callable:
     options = [
         click.option("--pair", default=None, help="Model pair from models.toml (default: the default pair)."),
         click.option("--oracle", default=None, help="Oracle model: a name from models.toml or a GGUF path."),
-        click.option("--draft", default=None, help="Draft model: a name or a GGUF path."),
+        click.option("--draft", default=None,
+                     help="Draft model: a name or a GGUF path, or 'ngram' for prompt lookup (no model)."),
         click.option("--no-draft", is_flag=True, help="Run the oracle alone (the baseline)."),
         click.option("--draft-max", type=click.IntRange(0, 64), default=None,
-                     help="Most tokens drafted per step."),
+                     help="Most tokens drafted per step (default 16)."),
+        click.option("--draft-length", type=click.IntRange(0, 64), default=None,
+                     help="Draft exactly this many tokens per step (default: adaptive, from measured costs)."),
+        click.option("--p-min", type=click.FloatRange(0, 1), default=None,
+                     help="The draft stops when its top probability falls below this."),
+        click.option("--lookup", is_flag=True, help="Prompt lookup first, the draft model when it finds nothing."),
+        click.option("--cross-tokenizer", is_flag=True,
+                     help="Allow a draft with a different vocabulary (text is re-tokenized between them)."),
         click.option("--gpu-layers", type=int, default=-1, show_default=True,
                      help="Oracle layers offloaded to the GPU (-1: all; ignored by CPU builds)."),
         click.option("--draft-gpu-layers", type=int, default=-1, show_default=True,
@@ -100,9 +108,10 @@ def sampling_kwargs(kw: dict[str, Any]) -> dict[str, Any]:
     return {k: kw[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop")}
 
 
-def open_engine(*, pair, oracle, draft, no_draft, draft_max, gpu_layers, draft_gpu_layers, n_ctx, threads, **_):
+def open_engine(*, pair, oracle, draft, no_draft, draft_max, draft_length, p_min, lookup, cross_tokenizer,
+                gpu_layers, draft_gpu_layers, n_ctx, threads, **_):
     """Resolve the models (fetching them on first use) and load them."""
-    from .engine import DEFAULT_DRAFT_MAX, Engine
+    from .engine import DEFAULT_DRAFT_MAX, DEFAULT_P_MIN, Engine
     from .models import Registry
 
     registry = Registry.load()
@@ -114,9 +123,12 @@ def open_engine(*, pair, oracle, draft, no_draft, draft_max, gpu_layers, draft_g
         draft = chosen.draft if (oracle == chosen.oracle) else None
         if draft is None:
             progress("no --draft given for this oracle: running it alone")
+        cross_tokenizer = cross_tokenizer or chosen.cross_tokenizer
     return Engine(oracle, draft, n_ctx=n_ctx, n_threads=threads, gpu_layers=gpu_layers,
-                  draft_gpu_layers=draft_gpu_layers,
-                  draft_max=DEFAULT_DRAFT_MAX if draft_max is None else draft_max, progress=progress)
+                  draft_gpu_layers=draft_gpu_layers, draft_length=draft_length,
+                  draft_max=DEFAULT_DRAFT_MAX if draft_max is None else draft_max,
+                  p_min=DEFAULT_P_MIN if p_min is None else p_min, lookup=lookup,
+                  cross_tokenizer=cross_tokenizer, progress=progress)
 
 
 # ---------------------------------------------------------------- commands
