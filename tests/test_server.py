@@ -1,0 +1,601 @@
+"""`localspec serve`: the OpenAI-compatible server, for real: uvicorn on a free 127.0.0.1 port, the
+official `openai` client for the happy paths, raw HTTP (httpx) for every error.
+
+One engine and one in-process server for the module (uvicorn in a thread), plus one real
+`localspec serve` subprocess (--api-key, --max-queue 0) started at the top so that it loads while
+the other tests run. A fake engine covers what real models cannot trigger (server errors)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from localspec.outputs import Chunk, Stats
+from localspec.server import EngineWorker, create_app
+
+MODEL = "smollm2"
+N_CTX = 1024
+MAX_BODY = 64 * 1024
+API_KEY = "s3cret-key"
+COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"  # greedy SmolLM2 keeps counting: a long generation
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ThreadedServer:
+    """uvicorn serving `app` in a thread on a free port (no signal handlers: not the main thread)."""
+
+    def __init__(self, app) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+        assert not self.thread.is_alive()
+
+
+def metric(url: str, name: str, **labels) -> float:
+    """A sample's value from /metrics (0 when absent)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+def sse_events(response: httpx.Response) -> list:
+    """The `data:` payloads of a server-sent-event stream (JSON decoded; "[DONE]" as is)."""
+    out = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            out.append(payload if payload == "[DONE]" else json.loads(payload))
+        else:
+            assert line == "", line
+    return out
+
+
+def chat(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+# ---------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def cli_server(pair_paths):
+    """The real command, started early (it loads while other tests run); waited for on first use."""
+    port = free_port()
+    script = os.path.join(os.path.dirname(sys.executable), "localspec")  # the installed console script
+    command = [script] if os.path.exists(script) else [sys.executable, "-m", "localspec.cli"]
+    proc = subprocess.Popen(
+        command + ["serve", "--port", str(port), "--api-key", API_KEY, "--max-queue", "0", "--ctx", "512",
+                   "--threads", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    handle = {"proc": proc, "url": f"http://127.0.0.1:{port}", "ready": False}
+    yield handle
+    if proc.poll() is None:
+        proc.kill()
+    proc.communicate(timeout=10)
+
+
+def wait_ready(handle) -> str:
+    if not handle["ready"]:
+        deadline = time.monotonic() + 90
+        while True:
+            assert handle["proc"].poll() is None, handle["proc"].communicate()[1][-3000:]
+            try:
+                if httpx.get(handle["url"] + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "localspec serve did not come up"
+            time.sleep(0.2)
+        handle["ready"] = True
+    return handle["url"]
+
+
+@pytest.fixture(scope="module")
+def worker(pair_paths, cli_server):
+    from localspec.engine import Engine
+
+    oracle, draft = pair_paths
+    with Engine(oracle, draft, n_ctx=N_CTX, n_threads=1, draft_length=4) as engine:
+        w = EngineWorker(engine, max_queue=16)
+        yield w
+        w.close()
+        assert not w._thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def server(worker, registry):
+    app = create_app(worker, model_name=MODEL, aliases=[registry.pair(None).oracle], max_body=MAX_BODY)
+    s = ThreadedServer(app)
+    yield s.url
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server, timeout=60) as c:
+        yield c
+
+
+# ---------------------------------------------------------------- the openai client
+
+
+@pytest.mark.model
+def test_models_list_and_retrieve(client, registry):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].object == "model"
+    assert client.models.retrieve(MODEL).id == MODEL
+    assert client.models.retrieve(registry.pair(None).oracle).id == MODEL  # the oracle's registry name too
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+
+
+@pytest.mark.model
+def test_chat_completion_and_stream_agree(client):
+    kw = dict(model=MODEL, messages=chat("What is the capital of France?"), max_tokens=8, temperature=0)
+    r = client.chat.completions.create(**kw)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-") and r.model == MODEL
+    choice = r.choices[0]
+    assert choice.message.role == "assistant" and "Paris" in choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    u = r.usage
+    assert u.prompt_tokens > 0 and 0 < u.completion_tokens <= 8
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    assert u.drafted > 0 and 0 <= u.accepted <= u.drafted  # the speculative stats inside usage
+    assert u.acceptance_rate == pytest.approx(u.accepted / u.drafted, abs=1e-3)
+
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.id == chunks[0].id and c.object == "chat.completion.chunk" for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert text == choice.message.content  # greedy: the stream is the same answer
+    assert finishes == [choice.finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == u.completion_tokens
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0  # the same prompt: prefix reuse
+
+
+@pytest.mark.model
+def test_completion_and_stream(client):
+    r = client.completions.create(model=MODEL, prompt=COUNTING, max_tokens=8, temperature=0)
+    assert r.object == "text_completion" and r.choices[0].finish_reason == "length"
+    assert r.choices[0].text.startswith(" 11, 12")
+    assert r.usage.completion_tokens == 8
+    chunks = list(client.completions.create(model=MODEL, prompt=COUNTING, max_tokens=8, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.usage is None for c in chunks)  # no usage chunk unless asked
+
+
+@pytest.mark.model
+def test_stop_strings(client):
+    r = client.completions.create(model=MODEL, prompt="1, 2, 3, 4, 5,", max_tokens=20, temperature=0, stop=", 8")
+    assert r.choices[0].text == " 6, 7" and r.choices[0].finish_reason == "stop"
+    r = client.chat.completions.create(model=MODEL, messages=chat("What is the capital of France?"),
+                                       max_tokens=20, temperature=0, stop=["Paris", "zzz"])
+    assert "Paris" not in r.choices[0].message.content and r.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.model
+def test_seed_reproducible(client):
+    def sample(seed):
+        return client.chat.completions.create(model=MODEL, messages=chat("Write a word."), max_tokens=5,
+                                              temperature=1.0, seed=seed).choices[0].message.content
+
+    first = sample(7)
+    assert sample(7) == first
+    assert len({first, sample(8), sample(9)}) > 1  # sampling does vary with the seed
+
+
+@pytest.mark.model
+def test_logprobs(client):
+    r = client.chat.completions.create(model=MODEL, messages=chat("Say hello."), max_tokens=6, temperature=0,
+                                       logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+    for t in content:
+        assert t.logprob <= 0 and len(t.top_logprobs) == 3 and bytes(t.bytes).decode() == t.token
+        assert t.top_logprobs[0].token == t.token  # greedy emits the oracle's argmax
+        assert t.top_logprobs[0].logprob == pytest.approx(t.logprob)
+        assert t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob >= t.top_logprobs[2].logprob
+    no = client.chat.completions.create(model=MODEL, messages=chat("Say hello."), max_tokens=6, temperature=0)
+    assert no.choices[0].logprobs is None
+
+    c = client.completions.create(model=MODEL, prompt=COUNTING, max_tokens=5, temperature=0, logprobs=2)
+    lp = c.choices[0].logprobs
+    assert "".join(lp.tokens) == c.choices[0].text and len(lp.token_logprobs) == 5
+    assert all(len(top) == 2 and max(top.values()) == pytest.approx(v) for top, v in zip(lp.top_logprobs, lp.token_logprobs))
+    assert lp.text_offset[0] == len(COUNTING)
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=chat("Say hello."), max_tokens=6,
+                                                 temperature=0, logprobs=True, stream=True))
+    streamed = [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+    assert [t.token for t in streamed] == [t.token for t in content]
+
+
+@pytest.mark.model
+def test_speculative_extension(client):
+    kw = dict(model=MODEL, messages=chat("Name a fruit."), max_tokens=8, temperature=0)
+    spec = client.chat.completions.create(**kw)
+    plain = client.chat.completions.create(**kw, extra_body={"speculative": {"enabled": False}})
+    undrafted = client.chat.completions.create(**kw, extra_body={"speculative": {"draft_max": 0}})
+    assert spec.usage.drafted > 0
+    assert plain.usage.drafted == plain.usage.accepted == undrafted.usage.drafted == 0
+    assert plain.choices[0].message.content == spec.choices[0].message.content  # the oracle's greedy answer
+
+
+@pytest.mark.model
+def test_eight_simultaneous_streams(client, server):
+    prompts = ["Hi", "What is 2+2?", "Name a color.", "Tell me a joke.", "What is the capital of France?",
+               "Say yes.", "Count to three.", "Name a fruit."]
+    alone = {p: client.chat.completions.create(model=MODEL, messages=chat(p), max_tokens=4,
+                                               temperature=0).choices[0].message.content for p in prompts[:2]}
+    results: dict[str, list] = {}
+    errors: list[BaseException] = []
+
+    def run(p):
+        try:
+            results[p] = list(client.chat.completions.create(model=MODEL, messages=chat(p), max_tokens=4,
+                                                             temperature=0, stream=True))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and len(results) == 8
+    assert len({chunks[0].id for chunks in results.values()}) == 8
+    for p, chunks in results.items():
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+        assert text.strip()
+        if p in alone:
+            assert text == alone[p]  # queued behind others, the same answer: no cross-talk
+    assert metric(server, "localspec_queue_depth") == 0
+
+
+@pytest.mark.model
+def test_disconnect_mid_stream_frees_the_engine(server, http, worker):
+    cancelled = worker.cancelled
+    generated = metric(server, "localspec_tokens_generated_total")
+    body = {"model": MODEL, "prompt": COUNTING, "max_tokens": 400, "temperature": 0, "stream": True}
+    with httpx.Client(base_url=server, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            seen = 0
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    seen += 1
+                    if seen == 3:
+                        break  # leave mid-stream: closing the response drops the connection
+    deadline = time.monotonic() + 20
+    while worker.cancelled == cancelled:
+        assert time.monotonic() < deadline, "the disconnected generation was not cancelled"
+        time.sleep(0.05)
+    wasted = metric(server, "localspec_tokens_generated_total") - generated
+    assert wasted < 100, wasted  # stopped within a step or so of the disconnect, not 400 tokens
+    assert metric(server, "localspec_generations_total", outcome="cancelled") >= 1
+
+    t0 = time.monotonic()
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "The sea is", "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    assert time.monotonic() - t0 < 15  # the engine was free: not behind ~390 more tokens
+    assert not worker.busy and worker.queue_depth == 0
+
+
+@pytest.mark.model
+def test_metrics(server, http):
+    http.post("/v1/chat/completions", json={"messages": chat("Hi"), "max_tokens": 4, "temperature": 0})
+    text = http.get("/metrics").text
+    assert http.get("/metrics").headers["content-type"].startswith("text/plain")
+    assert metric(server, "localspec_requests_total", endpoint="/v1/chat/completions", status="200") >= 1
+    assert metric(server, "localspec_tokens_generated_total") >= 4
+    drafted = metric(server, "localspec_tokens_drafted_total")
+    accepted = metric(server, "localspec_tokens_accepted_total")
+    assert drafted > 0 and 0 <= accepted <= drafted
+    assert metric(server, "localspec_acceptance_rate") == pytest.approx(accepted / drafted)
+    assert metric(server, "localspec_time_to_first_token_seconds_count") >= 1
+    assert metric(server, "localspec_request_latency_seconds_count", endpoint="/v1/chat/completions") >= 1
+    assert "localspec_queue_depth" in text
+
+
+@pytest.mark.model
+def test_health_docs_and_no_prompts_in_logs(server, http, worker, caplog):
+    h = http.get("/health").json()
+    assert h["status"] == "ok" and h["model"] == MODEL
+    assert http.get("/openapi.json").json()["paths"].keys() >= {"/v1/chat/completions", "/v1/completions", "/v1/models"}
+    assert http.get("/docs").status_code == 200
+    marker = "zebra-crossing-marker"
+    body = {"messages": chat(f"Repeat: {marker}"), "max_tokens": 6, "temperature": 0}
+    with caplog.at_level("DEBUG"):
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200
+    reply = r.json()["choices"][0]["message"]["content"]
+    assert "chat:" in caplog.text  # the request was logged...
+    assert marker not in caplog.text and reply not in caplog.text  # ...not its text
+    caplog.clear()
+
+    from starlette.testclient import TestClient
+
+    with caplog.at_level("INFO"):  # the same worker behind an app with --log-prompts
+        r = TestClient(create_app(worker, model_name=MODEL, log_prompts=True)).post("/v1/chat/completions", json=body)
+        assert r.status_code == 200
+    assert marker in caplog.text and repr(r.json()["choices"][0]["message"]["content"]) in caplog.text
+
+
+# ---------------------------------------------------------------- errors, raw HTTP
+
+
+def error_of(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["message"]
+    return body["error"]
+
+
+BAD_CHAT = [
+    ({"n": 2}, "n"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"frequency_penalty": -1}, "frequency_penalty"),
+    ({"temperature": -1}, "temperature"),
+    ({"temperature": 3}, "temperature"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": "ten"}, "max_tokens"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_logprobs": 2}, None),  # needs logprobs: true
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"stop": ["a"] * 17}, "stop"),
+    ({"logit_bias": {"50256": -100}}, "logit_bias"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"speculative": {"draft_max": -1}}, "speculative"),
+    ({"frobnicate": True}, "frobnicate"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
+]
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("change,param", BAD_CHAT, ids=[json.dumps(c)[:40] for c, _ in BAD_CHAT])
+def test_invalid_chat_parameters_are_400(http, change, param):
+    body = {"model": MODEL, "messages": chat("Hi"), "max_tokens": 4, **change}
+    err = error_of(http.post("/v1/chat/completions", json=body), 400)
+    assert err["type"] == "invalid_request_error"
+    if param is not None:
+        assert err["param"] is not None and err["param"].startswith(param), err
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("change,param", [({"prompt": ["a", "b"]}, "prompt"), ({"logprobs": 21}, "logprobs"),
+                                          ({"echo": True}, "echo"), ({"best_of": 3}, "best_of"), ({"n": 3}, "n"),
+                                          ({"prompt": None}, "prompt")])
+def test_invalid_completion_parameters_are_400(http, change, param):
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 4, **change}
+    err = error_of(http.post("/v1/completions", json=body), 400)
+    assert err["param"].startswith(param)
+
+
+@pytest.mark.model
+def test_missing_and_malformed_bodies_are_400(http):
+    err = error_of(http.post("/v1/chat/completions", json={"model": MODEL}), 400)
+    assert err["param"] == "messages" and "Missing" in err["message"]
+    err = error_of(http.post("/v1/chat/completions", content=b'{"messages": [', headers={"content-type": "application/json"}), 400)
+    assert "JSON" in err["message"]
+    error_of(http.post("/v1/completions", content=b"[1, 2]", headers={"content-type": "application/json"}), 400)
+    # curl -d sends form-urlencoded: the body is still read as JSON
+    r = http.post("/v1/completions", content=json.dumps({"prompt": "Hi", "max_tokens": 2}),
+                  headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.model
+def test_prompt_longer_than_the_context_is_400(http):
+    err = error_of(http.post("/v1/chat/completions", json={"messages": chat("hello " * 1500), "max_tokens": 4}), 400)
+    assert err["code"] == "context_length_exceeded" and err["param"] == "messages"
+    err = error_of(http.post("/v1/completions", json={"prompt": "hello " * 1500, "max_tokens": 4}), 400)
+    assert err["code"] == "context_length_exceeded" and err["param"] == "prompt"
+
+
+@pytest.mark.model
+def test_unknown_model_is_404(http):
+    err = error_of(http.post("/v1/chat/completions", json={"model": "gpt-4o", "messages": chat("Hi")}), 404)
+    assert err["code"] == "model_not_found" and err["param"] == "model"
+    error_of(http.post("/v1/completions", json={"model": "gpt-4o", "prompt": "Hi"}), 404)
+    error_of(http.get("/v1/models/gpt-4o"), 404)
+    error_of(http.get("/v1/nothing-here"), 404)
+
+
+@pytest.mark.model
+def test_oversized_body_is_413(http):
+    big = {"model": MODEL, "messages": chat("x" * (MAX_BODY + 10)), "max_tokens": 1}
+    err = error_of(http.post("/v1/chat/completions", json=big), 413)
+    assert err["code"] == "request_too_large"
+
+    def chunked():  # no Content-Length: the limit is enforced while reading
+        data = json.dumps(big).encode()
+        for i in range(0, len(data), 8192):
+            yield data[i:i + 8192]
+
+    error_of(http.post("/v1/chat/completions", content=chunked(), headers={"content-type": "application/json"}), 413)
+
+
+# ---------------------------------------------------------------- the real command
+
+
+@pytest.mark.model
+def test_cli_serve_api_key_queue_full_and_sigterm(cli_server):
+    url = wait_ready(cli_server)
+    assert httpx.get(url + "/health").status_code == 200  # /health and /metrics need no key
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        err = error_of(httpx.get(url + "/v1/models", headers=headers), 401)
+        assert err["code"] == "invalid_api_key"
+    error_of(httpx.post(url + "/v1/chat/completions", content=b"{not json"), 401)  # auth comes first
+    with openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0) as bad:
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    with openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=120) as good:
+        assert [m.id for m in good.models.list().data] == [MODEL]
+        r = good.chat.completions.create(model=MODEL, messages=chat("Say hi"), max_tokens=4, temperature=0)
+        assert r.choices[0].message.content and r.usage.completion_tokens <= 4
+
+    # --max-queue 0: while one generation runs, the next request gets 429 with Retry-After
+    with httpx.Client(base_url=url, headers=auth, timeout=60) as c:
+        body = {"model": MODEL, "prompt": COUNTING, "max_tokens": 300, "temperature": 0, "stream": True}
+        with c.stream("POST", "/v1/completions", json=body) as slow:
+            assert slow.status_code == 200
+            lines = slow.iter_lines()  # keep it referenced: a dropped iterator closes the connection
+            assert next(lines).startswith("data: ")  # it is running
+            busy = httpx.post(url + "/v1/completions", headers=auth, json={"prompt": "Hi", "max_tokens": 2})
+            err = error_of(busy, 429)
+            assert int(busy.headers["Retry-After"]) >= 1 and err["type"] == "rate_limit_error"
+    deadline = time.monotonic() + 20  # the disconnect frees the engine
+    while httpx.get(url + "/health").json()["busy"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert httpx.post(url + "/v1/completions", headers=auth, json={"prompt": "Hi", "max_tokens": 2},
+                      timeout=60).status_code == 200
+
+    proc = cli_server["proc"]
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err[-2000:]
+    assert "Traceback" not in err and "Application shutdown complete" in err
+    assert "Say hi" not in err + out and COUNTING not in err + out  # no prompt text without --log-prompts
+
+
+# ---------------------------------------------------------------- server errors (a fake engine)
+
+
+class FakeEngine:
+    """Just enough engine to make the server fail in the ways real models do not."""
+
+    n_ctx = 64
+
+    def __init__(self, fail: str) -> None:
+        self.fail = fail
+
+    def stream(self, prompt, **options):
+        if self.fail == "start":
+            raise RuntimeError("secret detail at /home/user/model.gguf")
+
+        def gen():
+            yield Chunk("Hello", [1])
+            raise RuntimeError("secret detail mid-stream")
+
+        return gen()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_server_errors_never_leak(stream):
+    s = ThreadedServer(create_app(FakeEngine("start"), model_name="fake"))
+    try:
+        r = httpx.post(s.url + "/v1/chat/completions", json={"messages": chat("Hi"), "stream": stream}, timeout=10)
+        err = error_of(r, 500)
+        assert err["type"] == "server_error" and "secret" not in r.text and "Traceback" not in r.text
+    finally:
+        s.stop()
+
+
+def test_error_mid_stream_is_an_error_event():
+    s = ThreadedServer(create_app(FakeEngine("mid"), model_name="fake"))
+    try:
+        with httpx.stream("POST", s.url + "/v1/completions", json={"prompt": "Hi", "stream": True}, timeout=10) as r:
+            assert r.status_code == 200
+            events = sse_events(r)
+        assert events[0]["choices"][0]["text"] == "Hello"
+        assert events[1]["error"]["type"] == "server_error" and events[-1] == "[DONE]"
+        assert "secret" not in json.dumps(events)
+        with openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0) as c:
+            with pytest.raises(openai.APIError):
+                list(c.completions.create(model="fake", prompt="Hi", stream=True))
+    finally:
+        s.stop()
+
+
+def test_worker_queue_limit_and_shutdown():
+    """Without models: a job blocks, max_queue=1 lets one more wait, the third is refused; close()
+    cancels the running job within a step and fails the waiting one."""
+    release = threading.Event()
+
+    class Slow:
+        n_ctx = 64
+
+        def stream(self, prompt, **options):
+            def gen():
+                while True:
+                    release.wait(0.01)
+                    yield Chunk("x", [1])
+            return gen()
+
+    from localspec.server.worker import CANCELLED, QueueFull, WorkerClosed, Failed
+
+    w = EngineWorker(Slow(), max_queue=1)
+    events: list = []
+    first = w.submit("a", {}, events.append)
+    w.submit("b", {}, events.append)
+    with pytest.raises(QueueFull) as e:
+        w.submit("c", {}, events.append)
+    assert e.value.retry_after >= 1
+    deadline = time.monotonic() + 5
+    while first.tokens < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    w.close(timeout=5)
+    assert not w._thread.is_alive() and first.outcome == "cancelled"
+    assert CANCELLED in events and any(isinstance(ev, Failed) and isinstance(ev.error, WorkerClosed) for ev in events)
+    with pytest.raises(WorkerClosed):
+        w.submit("d", {}, events.append)
+
+
+def test_stats_usage_shape():
+    from localspec.server.app import _usage
+
+    u = _usage(Stats(prompt_tokens=10, prompt_tokens_evaluated=4, completion_tokens=5, drafted=8, accepted=6))
+    assert u.model_dump() == {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15,
+                              "prompt_tokens_details": {"cached_tokens": 6}, "drafted": 8, "accepted": 6,
+                              "acceptance_rate": 0.75}
