@@ -1,0 +1,118 @@
+"""The ceiling: the speedup speculative decoding should give, from acceptance and measured costs.
+
+Standard model (Leviathan et al. 2023; Chen et al. 2023): each draft token is accepted with
+probability a, independently, given the ones before it were. A step drafts K tokens and verifies
+them in one oracle pass over K+1 positions; it yields the accepted prefix plus one oracle token:
+
+    E(a, K)         = 1 + a + a^2 + ... + a^K = (1 - a^(K+1)) / (1 - a)     tokens per step
+    step time       = K * c_draft + c_verify(K + 1)
+    predicted speed = E * c_verify(1) / step time                            (the oracle alone: 1 token per c_verify(1))
+
+`c_draft` is the draft's cost per token and `c_verify(n)` the oracle's cost of an n-token pass, both
+measured on the real contexts. Measured speedup / predicted speedup is the efficiency: how much of
+the possible gain the implementation keeps (Python overhead, sampling, cache bookkeeping, ...).
+Pure Python, no model needed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Mapping, Sequence
+
+
+def expected_tokens(a: float, k: float) -> float:
+    """Expected tokens per step, E = (1 - a^(k+1)) / (1 - a); k may be fractional (a mean draft length)."""
+    if not 0.0 <= a <= 1.0:
+        raise ValueError("the acceptance a must be in [0, 1]")
+    if k < 0:
+        raise ValueError("the draft length k must be >= 0")
+    if a == 1.0:
+        return k + 1.0
+    return (1.0 - a ** (k + 1.0)) / (1.0 - a)
+
+
+def acceptance_from_tokens_per_step(tokens_per_step: float, k: float) -> float:
+    """The per-token acceptance a for which E(a, k) equals a measured tokens-per-step (bisection)."""
+    if k <= 0 or tokens_per_step <= 1.0:
+        return 0.0
+    if tokens_per_step >= k + 1.0:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if expected_tokens(mid, k) < tokens_per_step:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def step_time(k: float, c_draft: float, c_verify: Callable[[float], float]) -> float:
+    """Time of one step drafting k tokens: k * c_draft + c_verify(k + 1)."""
+    return k * c_draft + c_verify(k + 1.0)
+
+
+def predicted_speedup(a: float, k: float, c_draft: float, c_verify: Callable[[float], float]) -> float:
+    """E(a, k) * c_verify(1) / (k * c_draft + c_verify(k + 1))."""
+    t = step_time(k, c_draft, c_verify)
+    if t <= 0:
+        raise ValueError("the step time must be positive")
+    return expected_tokens(a, k) * c_verify(1.0) / t
+
+
+def cost_curve(points: Mapping[int | float, float]) -> Callable[[float], float]:
+    """c_verify(n) from measured {n: seconds}: the measurement itself at a measured n, linear
+    interpolation between measured sizes, a least-squares line beyond them."""
+    if not points:
+        raise ValueError("no cost measurements")
+    xs = sorted(float(n) for n in points)
+    ys = [float(points[n if n in points else int(n)]) for n in xs]
+    by_n = dict(zip(xs, ys))
+
+    def line() -> tuple[float, float]:
+        if len(xs) == 1:
+            return 0.0, ys[0] / xs[0]  # proportional: the pessimistic guess
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        sxx = sum((x - mx) ** 2 for x in xs)
+        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+        return my - b * mx, b
+
+    intercept, slope = line()
+
+    def c(n: float) -> float:
+        n = float(n)
+        if n in by_n:
+            return by_n[n]
+        if xs[0] < n < xs[-1]:
+            for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+                if x0 <= n <= x1:
+                    return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
+        return max(intercept + slope * n, min(ys))
+
+    return c
+
+
+def median(values: Sequence[float]) -> float:
+    v = sorted(values)
+    if not v:
+        return math.nan
+    m = len(v) // 2
+    return v[m] if len(v) % 2 else (v[m - 1] + v[m]) / 2
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolation percentile (numpy's default), q in [0, 100]."""
+    v = sorted(values)
+    if not v:
+        return math.nan
+    pos = (len(v) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def geomean(values: Sequence[float]) -> float:
+    v = [x for x in values if x > 0]
+    if not v:
+        return math.nan
+    return math.exp(sum(math.log(x) for x in v) / len(v))

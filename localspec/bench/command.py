@@ -1,0 +1,55 @@
+"""What `localspec bench` does once click has parsed its options (the command itself is in cli.py)."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import Callable
+
+from . import report as rep
+from . import workloads as wl
+from .runner import BenchConfig, run_bench
+from .systems import parse_systems
+
+
+def run(*, pair: str | None, oracle: str | None, draft: str | None, workload: str | None, systems: str | None,
+        reps: int, max_prompts: int | None, max_tokens: int | None, threads: int | None, n_ctx: int,
+        json_path: str | None, charts_dir: str | None, markdown_path: str | None, anchor_bin: str | None,
+        progress: Callable[[str], None], echo: Callable[[str], None]) -> dict:
+    from localspec.models import Registry
+
+    registry = Registry.load()
+    chosen = registry.pair(pair)
+    if oracle is None:
+        oracle = chosen.oracle
+        draft = draft or chosen.draft
+    elif draft is None and oracle == chosen.oracle:
+        draft = chosen.draft
+    if draft is None:
+        progress("no --draft for this oracle: systems that need a draft model are skipped")
+    names = [w.strip() for w in workload.split(",") if w.strip()] if workload else None
+    prompts = wl.load(names, max_prompts=max_prompts, max_tokens=max_tokens)
+    config = BenchConfig(oracle=oracle, draft=draft, prompts=prompts, systems=parse_systems(systems), reps=reps,
+                         threads=threads, n_ctx=n_ctx, pair=chosen.name if oracle == chosen.oracle else None,
+                         anchor_bin=anchor_bin, progress=progress)
+    report = run_bench(config)
+
+    charts: dict[str, str] = {}
+    if charts_dir:
+        charts, why_not = rep.write_charts(report, charts_dir)
+        if why_not:
+            report["notes"].append(why_not)
+            progress(why_not)
+    if json_path:
+        rep.write_json(report, json_path)
+        progress(f"wrote {json_path}")
+    if markdown_path:
+        base = Path(markdown_path).resolve().parent
+        rel = {title: os.path.relpath(Path(p).resolve(), base) for title, p in charts.items()}
+        command = "localspec bench " + shlex.join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None
+        Path(markdown_path).write_text(rep.results_document(rep.clean(report), rel, command=command), "utf-8")
+        progress(f"wrote {markdown_path}")
+    echo(rep.summary(rep.clean(report)))
+    return report

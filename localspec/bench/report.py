@@ -1,0 +1,364 @@
+"""Turn a bench run into figures: per system and workload aggregates, a markdown table, a results
+document and PNG charts (matplotlib, optional: ``pip install 'localspec[bench]'``).
+
+Aggregates (one row per system and workload, plus an "all" row per system):
+
+    tokens_per_second     generated tokens / generation time (prompt evaluation excluded), per prompt
+                          the median over repetitions, summed over prompts
+    speedup               tokens/s over the baseline's on the same prompt in the same repetition; the
+                          median over repetitions per prompt, then the geometric mean over prompts
+    acceptance_rate       accepted / drafted draft tokens
+    mean_accepted_length  accepted draft tokens per verify step (tokens_per_step = 1 + that)
+    per_token_acceptance  a with E(a, K) = tokens_per_step, K = mean draft length (see ceiling.py)
+    ceiling               the speedup predicted from that acceptance and the measured draft and verify
+                          costs; efficiency = speedup / ceiling
+    ttft                  time to first token (prompt evaluation included), median over runs
+    latency_p50/p95       per-token latency: chunk inter-arrival time / tokens in the chunk
+    peak_rss              per system (see the systems' peak_rss_scope)
+    greedy_match          output agreement with the baseline's in the same repetition (1.0 = identical)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from .ceiling import (acceptance_from_tokens_per_step, cost_curve, geomean, median, percentile,
+                      predicted_speedup)
+
+ALL = "all"
+RESULT_FIELDS = (
+    "system", "workload", "n_prompts", "n_runs", "tokens_per_second", "speedup", "speedup_per_prompt",
+    "acceptance_rate", "per_token_acceptance", "mean_accepted_length", "tokens_per_step", "mean_draft_length",
+    "ceiling", "efficiency", "ttft", "latency_p50", "latency_p95", "peak_rss", "greedy_match", "mismatched_runs",
+    "costs",
+)
+
+
+def _uses_draft_model(system: dict) -> bool:
+    return system.get("params", {}).get("draft") == "model" or system.get("kind") == "llama.cpp"
+
+
+def _costs(runs: list[dict]) -> dict | None:
+    """Pooled cost model of a set of runs: c_verify(n) and c_draft, medians over measurements."""
+    verify: dict[int, list[float]] = defaultdict(list)
+    draft: list[float] = []
+    for r in runs:
+        c = r.get("costs")
+        if not c:
+            continue
+        for n, t in c["verify"].items():
+            if t == t:  # not NaN
+                verify[int(n)].append(t)
+        if c.get("draft"):
+            draft.append(c["draft"])
+    if not verify or 1 not in verify:
+        return None
+    return {"verify": {n: median(v) for n, v in sorted(verify.items())}, "draft": median(draft) if draft else None}
+
+
+def _row(system: dict, workload: str, runs: list[dict], base: dict[tuple[str, int], dict], costs: dict | None) -> dict:
+    name = system["name"]
+    by_prompt: dict[str, list[dict]] = defaultdict(list)
+    for r in runs:
+        by_prompt[r["prompt_id"]].append(r)
+
+    tokens = time = 0.0
+    speedups: dict[str, float] = {}
+    for pid, rs in by_prompt.items():
+        tokens += median([r["completion_tokens"] for r in rs])
+        time += median([r["completion_tokens"] / r["tokens_per_second"] for r in rs if r["tokens_per_second"] > 0]
+                       or [math.inf])
+        ratios = [r["tokens_per_second"] / b["tokens_per_second"] for r in rs
+                  if (b := base.get((pid, r["rep"]))) and b["tokens_per_second"] > 0]
+        if ratios:
+            speedups[pid] = median(ratios)
+
+    drafted = sum(r["drafted"] or 0 for r in runs)
+    accepted = sum(r["accepted"] or 0 for r in runs)
+    steps = sum(r["steps"] or 0 for r in runs)
+    tokens_per_step = 1.0 + accepted / steps if steps else None
+    k_mean = drafted / steps if steps else 0.0
+    a = acceptance_from_tokens_per_step(tokens_per_step, k_mean) if tokens_per_step and k_mean > 0 else None
+
+    ceiling = None
+    if system["name"] == "baseline":
+        ceiling = 1.0
+    elif costs and a is not None:
+        c_draft = costs["draft"] if _uses_draft_model(system) else 0.0  # prompt lookup: no model to run
+        if c_draft is not None:
+            c_verify = cost_curve(costs["verify"])
+            ceiling = predicted_speedup(a, k_mean, c_draft, c_verify)
+    speedup = geomean(list(speedups.values())) if speedups else None
+
+    latencies = [x for r in runs for x in (r.get("latencies") or [])]
+    ttfts = [r["ttft"] for r in runs if r.get("ttft") is not None]
+    matches = [r["match"] for r in runs if r.get("match") is not None]
+    return {
+        "system": name,
+        "workload": workload,
+        "n_prompts": len(by_prompt),
+        "n_runs": len(runs),
+        "tokens_per_second": tokens / time if time > 0 else None,
+        "speedup": speedup,
+        "speedup_per_prompt": speedups,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "per_token_acceptance": a,
+        "mean_accepted_length": accepted / steps if steps else None,
+        "tokens_per_step": tokens_per_step,
+        "mean_draft_length": k_mean if steps else None,
+        "ceiling": ceiling,
+        "efficiency": speedup / ceiling if speedup and ceiling else None,
+        "ttft": median(ttfts) if ttfts else None,
+        "latency_p50": percentile(latencies, 50) if latencies else None,
+        "latency_p95": percentile(latencies, 95) if latencies else None,
+        "peak_rss": system.get("peak_rss"),
+        "greedy_match": sum(matches) / len(matches) if matches else None,
+        "mismatched_runs": sum(1 for m in matches if m < 1.0),
+        "costs": ({"draft": costs["draft"], "verify": {str(n): t for n, t in costs["verify"].items()}}
+                  if costs else None),
+    }
+
+
+def aggregate(report: dict) -> list[dict]:
+    runs = report["runs"]
+    workloads = [w for w in _workload_order(report)]
+    base = {(r["workload"], r["prompt_id"], r["rep"]): r for r in runs if r["system"] == "baseline"}
+    rows = []
+    for system in report["systems"]:
+        mine = [r for r in runs if r["system"] == system["name"]]
+        if not mine:
+            continue
+        for workload in workloads + ([ALL] if len(workloads) > 1 else []):
+            rs = [r for r in mine if workload == ALL or r["workload"] == workload]
+            if not rs:
+                continue
+            pool = [r for r in runs if workload == ALL or r["workload"] == workload]
+            wbase = {(pid, rep): b for (w, pid, rep), b in base.items() if workload == ALL or w == workload}
+            if workload == ALL:  # prompt ids are unique per workload only
+                rs = [dict(r, prompt_id=f"{r['workload']}/{r['prompt_id']}") for r in rs]
+                wbase = {(f"{w}/{pid}", rep): b for (w, pid, rep), b in base.items()}
+            rows.append(_row(system, workload, rs, wbase, _costs(pool)))
+    return rows
+
+
+def _workload_order(report: dict) -> list[str]:
+    seen: list[str] = []
+    for p in report["config"]["prompts"]:
+        if p["workload"] not in seen:
+            seen.append(p["workload"])
+    return seen
+
+
+# ------------------------------------------------------------------------------------ text
+
+
+def _f(x: Any, fmt: str, scale: float = 1.0) -> str:
+    if x is None or (isinstance(x, float) and (math.isnan(x) or math.isinf(x))):
+        return "–"
+    return format(x * scale, fmt)
+
+
+def markdown_table(report: dict) -> str:
+    head = ("| workload | system | tok/s | speedup | ceiling | efficiency | acceptance | accepted/step | "
+            "TTFT ms | p50 ms/tok | p95 ms/tok | peak RSS MB | greedy match |")
+    lines = [head, "|---|---|" + "---:|" * 11]
+    order = {s["name"]: i for i, s in enumerate(report["systems"])}
+    wl = _workload_order(report) + [ALL]
+    for r in sorted(report["results"], key=lambda r: (wl.index(r["workload"]), order.get(r["system"], 99))):
+        match = _f(r["greedy_match"], ".1%")
+        if r["mismatched_runs"]:
+            match += f" ({r['mismatched_runs']} differ)"
+        lines.append("| " + " | ".join([
+            r["workload"], r["system"], _f(r["tokens_per_second"], ".1f"), _f(r["speedup"], ".2f") + "×",
+            _f(r["ceiling"], ".2f") + ("×" if r["ceiling"] is not None else ""), _f(r["efficiency"], ".0%"),
+            _f(r["acceptance_rate"], ".0%"), _f(r["mean_accepted_length"], ".2f"), _f(r["ttft"], ".0f", 1e3),
+            _f(r["latency_p50"], ".1f", 1e3), _f(r["latency_p95"], ".1f", 1e3),
+            _f(r["peak_rss"], ".0f", 1 / 2**20), match]) + " |")
+    return "\n".join(lines)
+
+
+def skipped_lines(report: dict) -> list[str]:
+    return [f"- `{s['name']}` skipped: {s['reason']}" for s in report["systems"] if s.get("status") == "skipped"]
+
+
+def summary(report: dict) -> str:
+    """What `localspec bench` prints: the table, skipped systems and notes."""
+    parts = [markdown_table(report)]
+    extra = skipped_lines(report) + [f"- {n}" for n in report.get("notes", [])]
+    if extra:
+        parts.append("\n".join(extra))
+    return "\n\n".join(parts) + "\n"
+
+
+def results_document(report: dict, charts: dict[str, str] | None = None, command: str | None = None) -> str:
+    """benchmarks/RESULTS.md: the machine, the models, the table, the charts and how to read them."""
+    m, c = report["machine"], report["config"]
+    ram = f"{m['ram_bytes'] / 2**30:.1f} GiB" if m.get("ram_bytes") else "unknown"
+    load = lambda v: ", ".join(f"{x:.2f}" for x in v) if v else "unknown"  # noqa: E731
+    systems = "\n".join(f"| `{s['name']}` | {s['description']} | {s.get('status', 'ok')}"
+                        f"{': ' + s['reason'] if s.get('reason') else ''} |" for s in report["systems"])
+    out = [
+        "# localspec benchmark results",
+        "",
+        f"Generated by `localspec bench` on {report['created']} (localspec {m.get('localspec')}"
+        f"{', commit ' + m['git_commit'] if m.get('git_commit') else ''}); regenerate with "
+        f"`scripts/regenerate_bench.sh`" + (f" (it runs `{command}`)." if command else "."),
+        "",
+        "## Machine",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| CPU | {m.get('cpu')} |",
+        f"| cores | {m.get('physical_cores') or '?'} physical, {m.get('logical_cpus')} logical |",
+        f"| threads used | {m.get('threads')} (every system) |",
+        f"| RAM | {ram} |",
+        f"| OS / Python | {m.get('os')} / {m.get('python')} |",
+        f"| llama-cpp-python | {m.get('llama_cpp_python')} (the C++ anchor is built from the same llama.cpp sources) |",
+        f"| load average (1, 5, 15 min) | start {load(m.get('load_average_start'))}; end {load(m.get('load_average_end'))} |",
+        "",
+        "## Setup",
+        "",
+        f"- oracle: `{c['oracle']}`; draft: `{c['draft']}`" + (f" (pair `{c['pair']}`)" if c.get("pair") else ""),
+        f"- greedy decoding (temperature 0), context {c['n_ctx']}, {c['reps']} interleaved repetitions, "
+        f"{len(c['prompts'])} prompts ({', '.join(c['workloads'])}); run time {report.get('elapsed_seconds', '?')} s",
+        "- every figure is measured in the same run, on the same prompts, GGUF files and thread count",
+        "",
+        "| system | what | status |",
+        "|---|---|---|",
+        systems,
+        "",
+        "## Results",
+        "",
+        markdown_table(report),
+        "",
+    ]
+    if report.get("notes"):
+        out += ["Notes:", ""] + [f"- {n}" for n in report["notes"]] + [""]
+    if charts:
+        out += ["## Charts", ""]
+        for title, path in charts.items():
+            out += [f"![{title}]({path})", ""]
+    out += [
+        "## How to read this",
+        "",
+        "- **tok/s**: generated tokens per second, prompt evaluation excluded (for `llama.cpp`, the "
+        "`decoded N tokens ... speed` it prints; for `lcp-lookup`, first to last token).",
+        "- **speedup**: tok/s over the baseline's (the oracle alone through localspec) on the same prompt in "
+        "the same repetition; median over repetitions, geometric mean over prompts.",
+        "- **ceiling**: the speedup the standard model predicts from the measured acceptance and the measured "
+        "draft and verify costs: E = (1 − a^(K+1)) / (1 − a) tokens per step for per-token acceptance a "
+        "and mean draft length K, step time K·c_draft + c_verify(K+1), predicted speedup E·c_verify(1) / "
+        "step time; costs are timed decodes on the real contexts (by localspec's workers, also used for the "
+        "anchor's ceiling). **efficiency** = speedup / ceiling.",
+        "- **acceptance**: accepted / drafted tokens; **accepted/step**: accepted draft tokens per verify pass.",
+        "- **TTFT**: time to first token, prompt evaluation included (not reported by the C++ anchor).",
+        "- **p50/p95 ms/tok**: per-token latency from chunk arrival times divided by tokens per chunk.",
+        "- **peak RSS**: of each system's own process (model weights are mmapped, so the file pages it "
+        "touched count too); for the anchor, the largest of its per-generation processes.",
+        "- **greedy match**: agreement with the baseline's greedy output in the same repetition (common "
+        "prefix over the longer output; tokens, or text characters for the anchor). llama.cpp's batched "
+        "logits can differ from one-token logits in the last bits, so on a near-tie an output can diverge "
+        "and still be the oracle's argmax at every verified position.",
+        "",
+    ]
+    return "\n".join(out)
+
+
+# ------------------------------------------------------------------------------------ charts
+
+
+def write_charts(report: dict, directory: str | Path) -> tuple[dict[str, str], str | None]:
+    """speedup_vs_acceptance.png and tokens_per_second.png; ({title: path}, None) or ({}, why not)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return {}, "charts skipped: matplotlib is not installed (pip install 'localspec[bench]')"
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    rows = [r for r in report["results"] if r["workload"] != ALL]
+    workloads = _workload_order(report)
+    systems = [s["name"] for s in report["systems"] if any(r["system"] == s["name"] for r in rows)]
+    colors = {w: f"C{i}" for i, w in enumerate(workloads)}
+    markers = "os^Dv<>pP*hX"
+    out: dict[str, str] = {}
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for i, name in enumerate(systems):
+        if name == "baseline":
+            continue
+        for r in rows:
+            if r["system"] != name or r["acceptance_rate"] is None or r["speedup"] is None:
+                continue
+            ax.scatter(r["acceptance_rate"], r["speedup"], color=colors[r["workload"]], marker=markers[i % len(markers)],
+                       s=55, zorder=3)
+            if r["ceiling"] is not None:
+                ax.scatter(r["acceptance_rate"], r["ceiling"], facecolors="none", edgecolors=colors[r["workload"]],
+                           marker=markers[i % len(markers)], s=55, zorder=2)
+                ax.plot([r["acceptance_rate"]] * 2, [r["speedup"], r["ceiling"]], color=colors[r["workload"]],
+                        lw=0.6, alpha=0.5)
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], color=colors[w], marker="o", ls="", label=w) for w in workloads]
+    handles += [Line2D([], [], color="k", marker=markers[i % len(markers)], ls="", label=n)
+                for i, n in enumerate(systems) if n != "baseline"]
+    handles += [Line2D([], [], color="k", marker="o", mfc="none", ls="", label="ceiling (predicted)")]
+    ax.legend(handles=handles, fontsize=8, ncol=2, loc="best")
+    ax.set_xlabel("acceptance rate (accepted / drafted)")
+    ax.set_ylabel("speedup over the oracle alone (×)")
+    ax.set_title("Speedup against acceptance (filled: measured, hollow: ceiling)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = directory / "speedup_vs_acceptance.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    out["Speedup against acceptance"] = str(path)
+
+    fig, ax = plt.subplots(figsize=(max(7, 1.2 * len(workloads) * max(1, len(systems)) / 3), 5))
+    width = 0.8 / max(1, len(systems))
+    for i, name in enumerate(systems):
+        xs, ys = [], []
+        for j, w in enumerate(workloads):
+            r = next((r for r in rows if r["system"] == name and r["workload"] == w), None)
+            if r and r["tokens_per_second"]:
+                xs.append(j + (i - (len(systems) - 1) / 2) * width)
+                ys.append(r["tokens_per_second"])
+        ax.bar(xs, ys, width, label=name, color=f"C{i}")
+    ax.set_xticks(range(len(workloads)))
+    ax.set_xticklabels(workloads)
+    ax.set_ylabel("tokens / s")
+    ax.set_title("Generation speed per system and workload")
+    ax.legend(fontsize=8, ncol=3)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    path = directory / "tokens_per_second.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    out["Tokens per second"] = str(path)
+    return out, None
+
+
+def clean(x: Any) -> Any:
+    """The report as strict JSON: NaN and infinities become null."""
+    if isinstance(x, float):
+        return None if math.isnan(x) or math.isinf(x) else x
+    if isinstance(x, dict):
+        return {str(k): clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [clean(v) for v in x]
+    return x
+
+
+def write_json(report: dict, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(clean(report), indent=1, ensure_ascii=False, allow_nan=False) + "\n", "utf-8")
+
+
+__all__ = ["aggregate", "markdown_table", "summary", "results_document", "write_charts", "write_json", "clean",
+           "RESULT_FIELDS", "ALL"]

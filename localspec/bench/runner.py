@@ -1,0 +1,409 @@
+"""Run a benchmark: every system on the same prompts, models and thread count, in one run.
+
+- Each localspec / llama-cpp-python system is loaded once, in its own worker process (so its peak
+  RSS is its own), and warmed up once; model loading is not measured.
+- The C++ anchor is one process per generation (it reports its decode time itself).
+- Repetitions are interleaved: rep 1 of every system on every prompt, then rep 2, ...; within a
+  prompt the system order rotates, so slow drifts in machine load hit every system alike.
+- Speedups are ratios to the baseline's run of the same prompt in the same repetition, medianed
+  over repetitions per prompt, then a geometric mean over prompts.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+from . import anchor
+from .ceiling import percentile
+from .report import aggregate
+from .systems import LLAMA_CPP, LLAMA_CPP_PYTHON, LOCALSPEC, SystemSpec, parse_systems
+from .workloads import BenchPrompt
+
+SCHEMA = "localspec-bench/1"
+WARMUP_TOKENS = 16
+
+
+class BenchError(RuntimeError):
+    """The benchmark cannot run (e.g. the baseline does not load)."""
+
+
+@dataclass
+class BenchConfig:
+    oracle: str  # model name or GGUF path
+    draft: str | None  # model name or path; None: systems that need a draft model are skipped
+    prompts: Sequence[BenchPrompt]
+    systems: Sequence[SystemSpec] = field(default_factory=lambda: parse_systems(None))
+    reps: int = 3
+    threads: int | None = None  # None: every core this process may use
+    n_ctx: int = 4096
+    pair: str | None = None
+    anchor_bin: str | None = None  # directory of the anchor binaries (default: the cache)
+    warmup: bool = True
+    progress: Callable[[str], None] | None = None
+
+
+def default_threads() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return max(1, os.cpu_count() or 1)
+
+
+# ------------------------------------------------------------------------------------ workers
+
+
+class Worker:
+    """A `python -m localspec.bench.worker` process serving one system."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.info: dict = {}
+        self.log = tempfile.NamedTemporaryFile(prefix=f"localspec-bench-{_safe(name)}-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen([sys.executable, "-m", "localspec.bench.worker"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True, encoding="utf-8",
+                                     bufsize=1)
+
+    def call(self, **msg) -> dict:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        try:
+            self.proc.stdin.write(json.dumps(msg) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except (BrokenPipeError, OSError):
+            line = ""
+        if not line:
+            raise RuntimeError(f"the {self.name} worker died; its log: {self.log.name}\n{self.log_tail()}")
+        reply = json.loads(line)
+        if not reply.get("ok"):
+            raise RuntimeError(reply.get("error", "worker error"))
+        return reply
+
+    def log_tail(self, n: int = 10) -> str:
+        try:
+            return "\n".join(Path(self.log.name).read_text("utf-8", errors="replace").strip().splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.call(op="quit")
+            except Exception:
+                pass
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        try:
+            os.unlink(self.log.name)
+        except OSError:
+            pass
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
+
+
+# ------------------------------------------------------------------------------------ machine
+
+
+def machine_info(threads: int) -> dict:
+    cpu = platform.processor() or platform.machine()
+    physical: set[tuple[str, str]] = set()
+    try:
+        phys = core = None
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key, value = key.strip(), value.strip()
+            if key == "model name":
+                cpu = value
+            elif key == "physical id":
+                phys = value
+            elif key == "core id":
+                core = value
+            elif not key and phys is not None:
+                physical.add((phys, core or ""))
+                phys = core = None
+        if phys is not None:
+            physical.add((phys, core or ""))
+    except OSError:
+        pass
+    ram = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                ram = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if ram is None:
+        try:
+            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            pass
+    try:
+        import importlib.metadata as md
+
+        localspec_version = md.version("localspec")
+    except Exception:
+        localspec_version = "unknown"
+    return {
+        "cpu": cpu,
+        "logical_cpus": os.cpu_count(),
+        "physical_cores": len(physical) or None,
+        "threads": threads,
+        "ram_bytes": ram,
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "llama_cpp_python": anchor.llama_cpp_python_version(),
+        "localspec": localspec_version,
+        "git_commit": _git_commit(),
+        "load_average_start": _loadavg(),
+    }
+
+
+def _git_commit() -> str | None:
+    try:
+        root = Path(__file__).resolve().parents[2]
+        p = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                           text=True, timeout=10)
+        return p.stdout.strip() or None if p.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+# ------------------------------------------------------------------------------------ the run
+
+
+def run_bench(config: BenchConfig) -> dict:
+    """Run the benchmark and return the report (a JSON-able dict; see report.py for its fields)."""
+    from localspec.models import Registry
+
+    say = config.progress or (lambda _msg: None)
+    if config.reps < 1:
+        raise ValueError("reps must be >= 1")
+    if not config.prompts:
+        raise ValueError("no prompts to run")
+    threads = config.threads or default_threads()
+    registry = Registry.load()
+    oracle_path = str(registry.resolve(config.oracle, progress=say))
+    draft_path = str(registry.resolve(config.draft, progress=say)) if config.draft else None
+    models = {"oracle": oracle_path, "draft": draft_path, "oracle_path": oracle_path}
+
+    started = _dt.datetime.now(_dt.timezone.utc)
+    machine = machine_info(threads)
+    systems = list(config.systems)
+    if not any(s.is_baseline for s in systems):
+        systems.insert(0, parse_systems([])[0])
+    status: dict[str, dict] = {s.name: {"status": "ok", "info": {}} for s in systems}
+    workers: dict[str, Worker] = {}
+    anchor_bins: dict[str, Path] = {}
+    notes: list[str] = []
+
+    def skip(spec: SystemSpec, reason: str) -> None:
+        status[spec.name] = {"status": "skipped", "reason": reason, "info": status[spec.name].get("info", {})}
+        say(f"{spec.name}: skipped: {reason}")
+
+    try:
+        # load every system once
+        for spec in systems:
+            needs_draft = spec.uses_draft_model
+            if needs_draft and not draft_path:
+                skip(spec, "no draft model given")
+                continue
+            if spec.kind == LLAMA_CPP:
+                try:
+                    anchor_bins[spec.name] = anchor.find_binary(spec.params["binary"], config.anchor_bin)
+                    anchor.Flags.detect(str(anchor_bins[spec.name]))
+                except anchor.AnchorUnavailable as e:
+                    skip(spec, str(e))
+                continue
+            say(f"loading {spec.name} ...")
+            w = Worker(spec.name)
+            try:
+                reply = w.call(op="load", system=spec.to_dict(), models=models, n_ctx=config.n_ctx, threads=threads)
+                status[spec.name]["info"] = w.info = reply["info"]
+                workers[spec.name] = w
+            except Exception as e:
+                w.close()
+                if spec.is_baseline:
+                    raise BenchError(f"the baseline does not load: {e}") from e
+                skip(spec, f"does not load: {_first_line(e)}")
+
+        base = workers["baseline"]
+        prepared = base.call(op="prepare", prompts=[p.to_dict() for p in config.prompts])["prompts"]
+        by_id = {(p.workload, p.id): prep for p, prep in zip(config.prompts, prepared)}
+        mismatched = [p["id"] for p in prepared if not p["anchor_tokens_match"]]
+        if mismatched and anchor_bins:
+            notes.append("the C++ anchor's prompt text does not tokenize to exactly localspec's prompt tokens for: "
+                         + ", ".join(mismatched))
+
+        if config.warmup:
+            first = config.prompts[0]
+            for name, w in workers.items():
+                say(f"warming up {name} ...")
+                w.call(op="run", tokens=by_id[(first.workload, first.id)]["tokens"],
+                       max_tokens=min(WARMUP_TOKENS, first.max_tokens), costs=None)
+
+        active = [s for s in systems if status[s.name]["status"] == "ok"]
+        runs: list[dict] = []
+        outputs: dict[tuple[str, str, str, int], dict] = {}  # (system, workload, id, rep) -> tokens/text
+        total = config.reps * len(config.prompts) * len(active)
+        done = 0
+        t_run = time.perf_counter()
+        for rep in range(config.reps):
+            for i, prompt in enumerate(config.prompts):
+                prep = by_id[(prompt.workload, prompt.id)]
+                shift = (rep * len(config.prompts) + i) % len(active)
+                for spec in active[shift:] + active[:shift]:
+                    if status[spec.name]["status"] != "ok":
+                        continue
+                    done += 1
+                    try:
+                        record, output = _run_one(spec, prompt, prep, rep, workers, anchor_bins, models, threads,
+                                                  config.n_ctx)
+                    except Exception as e:
+                        if spec.is_baseline:
+                            raise BenchError(f"the baseline failed on {prompt.id}: {e}") from e
+                        skip(spec, f"failed on {prompt.id}: {_first_line(e)}")
+                        continue
+                    runs.append(record)
+                    outputs[(spec.name, prompt.workload, prompt.id, rep)] = output
+                    say(f"[{done}/{total}] rep {rep + 1} {prompt.id} {spec.name}: "
+                        f"{record['tokens_per_second']:.1f} tok/s ({record['completion_tokens']} tokens)")
+        elapsed = time.perf_counter() - t_run
+
+        for name, w in workers.items():
+            try:
+                status[name]["peak_rss"] = w.call(op="rss")["peak_rss"]
+                status[name]["peak_rss_scope"] = "the system's own worker process (model load included)"
+            except Exception:
+                pass
+    finally:
+        for w in workers.values():
+            w.close()
+
+    for spec in systems:
+        if spec.kind == LLAMA_CPP:
+            rss = [r["peak_rss"] for r in runs if r["system"] == spec.name and r.get("peak_rss")]
+            if rss:
+                status[spec.name]["peak_rss"] = max(rss)
+                status[spec.name]["peak_rss_scope"] = "the largest of its per-generation processes (wait4)"
+
+    _add_matches(runs, outputs)
+    machine["load_average_end"] = _loadavg()
+    report = {
+        "schema": SCHEMA,
+        "created": started.isoformat(timespec="seconds"),
+        "elapsed_seconds": round(elapsed, 1),
+        "machine": machine,
+        "config": {
+            "pair": config.pair, "oracle": config.oracle, "draft": config.draft,
+            "oracle_path": oracle_path, "draft_path": draft_path, "threads": threads, "n_ctx": config.n_ctx,
+            "reps": config.reps, "temperature": 0.0,
+            "workloads": sorted({p.workload for p in config.prompts}),
+            "prompts": [{"workload": p.workload, "id": p.id, "max_tokens": p.max_tokens,
+                         "prompt_tokens": len(by_id[(p.workload, p.id)]["tokens"])} for p in config.prompts],
+        },
+        "systems": [{**spec.to_dict(), **status[spec.name]} for spec in systems],
+        "runs": runs,
+        "notes": notes,
+    }
+    report["results"] = aggregate(report)
+    for r in runs:  # per-token latencies are in the aggregates; keep the JSON small
+        lat = r.pop("latencies", [])
+        r["latency_p50"] = percentile(lat, 50) if lat else None
+        r["latency_p95"] = percentile(lat, 95) if lat else None
+    return report
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def cost_sizes(spec: SystemSpec, info: dict) -> list[int]:
+    """Oracle pass sizes to time for the ceiling: 1..K+1 for the system's largest K."""
+    if spec.is_baseline:
+        return [1]
+    k = spec.params.get("draft_length") or info.get("engine_kwargs", {}).get("draft_max") or 16
+    sizes = set(range(1, min(k, 8) + 2)) | {k + 1}
+    return sorted(sizes)
+
+
+def _run_one(spec: SystemSpec, prompt: BenchPrompt, prep: dict, rep: int, workers: dict[str, Worker],
+             anchor_bins: dict[str, Path], models: dict, threads: int, n_ctx: int) -> tuple[dict, dict]:
+    base = {"system": spec.name, "workload": prompt.workload, "prompt_id": prompt.id, "rep": rep,
+            "prompt_tokens": len(prep["tokens"]), "max_tokens": prompt.max_tokens}
+    if spec.kind == LLAMA_CPP:
+        r = anchor.run(anchor_bins[spec.name], oracle=models["oracle"], draft=models["draft"],
+                       prompt_text=prep["anchor_text"], prompt_echo=prep["echo"], n_predict=prompt.max_tokens,
+                       k=spec.params["k"], threads=threads, n_ctx=n_ctx)
+        n_accept, n_drafted = r.get("n_accept") or 0, r.get("n_drafted") or 0
+        n_predict = r.get("n_predict") if r.get("n_predict") is not None else r["completion_tokens"]
+        record = {**base, "completion_tokens": r["completion_tokens"], "decode_time": r["decode_time"],
+                  "tokens_per_second": r["tokens_per_second"], "ttft": None,
+                  "drafted": n_drafted, "accepted": n_accept, "steps": max(0, n_predict - n_accept),
+                  "finish_reason": None, "latencies": [], "peak_rss": r.get("peak_rss"),
+                  "anchor_prompt_tokens": r.get("prompt_tokens"),
+                  "anchor_command": " ".join(os.path.basename(c) if i == 0 else c for i, c in enumerate(r["command"]))}
+        return record, {"text": r["text"], "tokens": None}
+    w = workers[spec.name]
+    costs = cost_sizes(spec, w.info) if rep == 0 else None  # the ceiling's costs, on the real contexts
+    r = w.call(op="run", tokens=prep["tokens"], max_tokens=prompt.max_tokens, costs=costs)["result"]
+    latencies: list[float] = []
+    prev = None
+    for t, n in r["chunks"]:
+        if prev is not None and n > 0:
+            latencies.extend([(t - prev) / n] * n)
+        if n > 0:
+            prev = t
+    record = {**base, "completion_tokens": r["completion_tokens"], "decode_time": r["decode_time"],
+              "tokens_per_second": r["tokens_per_second"], "ttft": r["ttft"], "drafted": r["drafted"],
+              "accepted": r["accepted"], "steps": r["steps"], "finish_reason": r["finish_reason"],
+              "latencies": latencies}
+    if "costs" in r:
+        record["costs"] = r["costs"]
+    return record, {"text": r["text"], "tokens": r["tokens"]}
+
+
+def _add_matches(runs: list[dict], outputs: dict) -> None:
+    """Greedy match against the baseline's output of the same prompt in the same repetition:
+    the common prefix over the longer of the two (tokens; text characters for the C++ anchor)."""
+    for r in runs:
+        key = (r["system"], r["workload"], r["prompt_id"], r["rep"])
+        ref = outputs.get(("baseline", r["workload"], r["prompt_id"], r["rep"]))
+        out = outputs.get(key)
+        if ref is None or out is None:
+            r["match"] = None
+            continue
+        if out["tokens"] is not None:
+            a, b, unit = ref["tokens"], out["tokens"], "tokens"
+        else:
+            a, b, unit = ref["text"], out["text"][:len(ref["text"])], "chars"
+        n = 0
+        for x, y in zip(a, b):
+            if x != y:
+                break
+            n += 1
+        longest = max(len(a), len(b))
+        r["match"] = n / longest if longest else 1.0
+        r["match_unit"] = unit
+        r["first_divergence"] = None if n == longest else n

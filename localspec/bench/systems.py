@@ -1,0 +1,99 @@
+"""The systems a bench run compares, by name.
+
+    baseline        the oracle alone through localspec (Engine(oracle, None)): the reference
+    kN              localspec, draft model, fixed draft length N (k2, k4, k8, ...)
+    adaptive        localspec, draft model, cost-aware adaptive draft length (the engine's default)
+    lookup          localspec, prompt lookup (n-gram) drafting, no draft model (adaptive length)
+    lookup-kN       localspec, prompt lookup, fixed draft length N
+    hybrid          localspec, prompt lookup first and the draft model when it finds nothing (adaptive)
+    llama.cpp       llama.cpp's C++ llama-speculative-simple with the same models, K = 8 (the anchor)
+    llama.cpp-kN    the same with K = N
+    llama.cpp-spec  llama.cpp's C++ llama-speculative (K = 8; llama.cpp-spec-kN for another K)
+    lcp-lookup      llama-cpp-python's own prompt lookup (Llama(draft_model=LlamaPromptLookupDecoding)),
+                    num_pred_tokens as its README recommends (2 on CPU, 10 with GPU offload);
+                    lcp-lookup-kN for num_pred_tokens = N
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_SYSTEMS = ("baseline", "k2", "k4", "k8", "adaptive", "lookup", "llama.cpp", "lcp-lookup")
+ANCHOR_K = 8
+
+LOCALSPEC = "localspec"
+LLAMA_CPP = "llama.cpp"
+LLAMA_CPP_PYTHON = "llama-cpp-python"
+
+
+@dataclass(frozen=True)
+class SystemSpec:
+    name: str
+    kind: str  # LOCALSPEC | LLAMA_CPP | LLAMA_CPP_PYTHON
+    description: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.params.get("draft") == "model" or self.kind == LLAMA_CPP
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.name == "baseline"
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "description": self.description, "params": dict(self.params)}
+
+
+def parse_system(name: str) -> SystemSpec:
+    n = name.strip()
+    if n == "baseline":
+        return SystemSpec(n, LOCALSPEC, "the oracle alone (localspec, no draft)", {"draft": None})
+    if m := re.fullmatch(r"k(\d+)", n):
+        k = _k(m, n)
+        return SystemSpec(n, LOCALSPEC, f"localspec, draft model, fixed K={k}", {"draft": "model", "draft_length": k})
+    if n == "adaptive":
+        return SystemSpec(n, LOCALSPEC, "localspec, draft model, adaptive K", {"draft": "model", "draft_length": None})
+    if n == "lookup":
+        return SystemSpec(n, LOCALSPEC, "localspec, prompt lookup (no draft model), adaptive K",
+                          {"draft": "ngram", "draft_length": None})
+    if m := re.fullmatch(r"lookup-k(\d+)", n):
+        k = _k(m, n)
+        return SystemSpec(n, LOCALSPEC, f"localspec, prompt lookup, fixed K={k}", {"draft": "ngram", "draft_length": k})
+    if n == "hybrid":
+        return SystemSpec(n, LOCALSPEC, "localspec, prompt lookup then the draft model, adaptive K",
+                          {"draft": "model", "draft_length": None, "lookup": True})
+    if m := re.fullmatch(r"llama\.cpp(-spec)?(?:-k(\d+))?", n):
+        k = _k(m, n, 2) if m.group(2) else ANCHOR_K
+        binary = "llama-speculative" if m.group(1) else "llama-speculative-simple"
+        return SystemSpec(n, LLAMA_CPP, f"llama.cpp C++ {binary}, K={k}", {"binary": binary, "k": k})
+    if m := re.fullmatch(r"lcp-lookup(?:-k(\d+))?", n):
+        k = _k(m, n) if m.group(1) else None
+        desc = f"llama-cpp-python LlamaPromptLookupDecoding, num_pred_tokens={k if k else '2 (CPU) / 10 (GPU)'}"
+        return SystemSpec(n, LLAMA_CPP_PYTHON, desc, {"num_pred_tokens": k, "max_ngram_size": 2})
+    raise ValueError(f"unknown system {name!r} (known: baseline, kN, adaptive, lookup, lookup-kN, hybrid, "
+                     f"llama.cpp, llama.cpp-kN, llama.cpp-spec[-kN], lcp-lookup[-kN])")
+
+
+def _k(m: re.Match, name: str, group: int = 1) -> int:
+    k = int(m.group(group))
+    if not 1 <= k <= 64:
+        raise ValueError(f"{name}: the draft length must be between 1 and 64")
+    return k
+
+
+def parse_systems(names: str | list[str] | tuple[str, ...] | None) -> list[SystemSpec]:
+    """Parse a comma-separated list (or a list); the baseline is always included, first."""
+    if names is None:
+        names = list(DEFAULT_SYSTEMS)
+    elif isinstance(names, str):
+        names = [s for s in names.split(",") if s.strip()]
+    specs, seen = [], set()
+    for s in ["baseline", *names]:
+        spec = parse_system(s)
+        if spec.name not in seen:
+            seen.add(spec.name)
+            specs.append(spec)
+    return specs
