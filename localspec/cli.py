@@ -278,5 +278,39 @@ def serve(host: str, port: int, model_name: str | None, api_key: str | None, max
                    max_queue=max_queue, max_body=max_body, log_prompts=log_prompts)
 
 
+@main.command()
+@click.option("--pair", default=None, help="Model pair from models.toml (default: the default pair).")
+@click.option("--oracle", default=None, help="Oracle model: a name from models.toml or a GGUF path.")
+@click.option("--draft", default=None, help="Draft model: a name or a GGUF path.")
+@click.option("--workload", default=None, help="Comma-separated workloads: chat,grounded,code,long (default: all) "
+              "or paths to .jsonl files.")
+@click.option("--systems", default=None, help="Comma-separated systems (default: baseline,k2,k4,k8,adaptive,"
+              "lookup,llama.cpp,lcp-lookup; also kN, lookup-kN, hybrid, llama.cpp-kN, llama.cpp-spec, lcp-lookup-kN).")
+@click.option("--reps", type=click.IntRange(1), default=3, show_default=True, help="Interleaved repetitions.")
+@click.option("--max-prompts", type=click.IntRange(1), default=None, help="At most N prompts per workload.")
+@click.option("--max-tokens", type=click.IntRange(1), default=None, help="Cap every prompt's max_tokens.")
+@click.option("--threads", type=click.IntRange(1, 1024), default=None,
+              help="CPU threads, the same for every system (default: all cores).")
+@click.option("--ctx", "n_ctx", type=click.IntRange(64, 1 << 20), default=4096, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the full report.")
+@click.option("--charts", "charts_dir", type=click.Path(file_okay=False), default=None,
+              help="Write PNG charts here (needs matplotlib: pip install 'localspec[bench]').")
+@click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False), default=None,
+              help="Write a results document (machine, setup, table, charts).")
+@click.option("--anchor-bin", type=click.Path(file_okay=False), default=None,
+              help="Directory of llama.cpp's built speculative programs (default: scripts/build_llama_anchor.sh's).")
+@friendly_errors
+def bench(**kw) -> None:
+    """Speed at unchanged output: the oracle alone, localspec's systems, the ceiling and llama.cpp's own
+    speculative decoding, side by side in one run. Prints a markdown table."""
+    from .bench.command import run
+    from .bench.runner import BenchError
+
+    try:
+        run(**kw, progress=progress, echo=click.echo)
+    except BenchError as e:
+        raise UserError(str(e)) from e
+
+
 if __name__ == "__main__":
     main()
