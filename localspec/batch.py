@@ -256,21 +256,20 @@ def run_batch(input_path: str, output_path: str | None, *, open_engine: Callable
         return summary
 
     needs_engine = any(item.error is None for item in pending)
-    writer = RecordWriter(output_path)
-    t_start = time.perf_counter()
-    try:
-        with (open_engine() if needs_engine else nullcontext()) as engine:
-            t_start = time.perf_counter()
+    with (open_engine() if needs_engine else nullcontext()) as engine:  # load failures leave no output file
+        writer = RecordWriter(output_path)
+        t_start = time.perf_counter()
+        try:
             for item in _with_bar(pending, summary, show_bar):
                 writer.write(_run_one(engine, item, summary))
-    except KeyboardInterrupt:
+        except KeyboardInterrupt:
+            summary.seconds = time.perf_counter() - t_start
+            progress(f"interrupted: {summary.line()}")
+            progress("run the same command again to resume")
+            raise
+        finally:
+            writer.close()
         summary.seconds = time.perf_counter() - t_start
-        progress(f"interrupted: {summary.line()}")
-        progress("run the same command again to resume")
-        raise
-    finally:
-        writer.close()
-    summary.seconds = time.perf_counter() - t_start
     progress(summary.line())
     return summary
 

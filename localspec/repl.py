@@ -377,6 +377,11 @@ class Chat:
         """The messages to send and the reply budget: drop the oldest exchanges (keeping the system
         message) until prompt + max_tokens fits the context. None: the message cannot fit at all."""
         n_ctx = self.engine.n_ctx
+        head = [{"role": "system", "content": self.conversation.system}] if self.conversation.system else []
+        n_alone = len(self.engine.tokenize_prompt(head + self.conversation.turns[-1:]))
+        if n_alone >= n_ctx:  # cannot fit even alone: keep the history as it is
+            self.console.error(f"the message is too long: {n_alone} prompt tokens, the context holds {n_ctx}")
+            return None
         dropped = 0
         while True:
             messages = self.conversation.messages()
@@ -387,9 +392,6 @@ class Chat:
         if dropped:
             self.console.info(f"context full ({n_ctx} tokens): dropped the {dropped} oldest "
                               f"exchange{'s' if dropped > 1 else ''}")
-        if n_prompt >= n_ctx:
-            self.console.error(f"the message is too long: {n_prompt} prompt tokens, the context holds {n_ctx}")
-            return None
         if n_prompt + max_tokens > n_ctx:
             max_tokens = n_ctx - n_prompt
             self.console.info(f"this reply is limited to {max_tokens} tokens by the context")
@@ -446,7 +448,10 @@ class Chat:
         self.last = s
         self.totals.add(s)
         summary = f"[{s.completion_tokens} tokens · {s.tokens_per_second:.1f} tok/s · "
-        summary += f"acceptance {s.acceptance_rate:.0%}" if s.drafted else "oracle alone"
+        if s.drafted:
+            summary += f"acceptance {s.acceptance_rate:.0%}"
+        else:
+            summary += "nothing drafted" if self.speculative else "oracle alone"
         if final.finish_reason == "length":
             summary += " · stopped at max_tokens"
         c.info(summary + "]")
@@ -507,7 +512,7 @@ class Chat:
             f"{s.tokens_per_second:.1f} tok/s",
             f"  prompt tokens evaluated: {s.prompt_tokens_evaluated} of {s.prompt_tokens} "
             f"({s.prompt_tokens - s.prompt_tokens_evaluated} reused from the cache)",
-            f"session: {t.replies} replies"
+            f"session: {t.replies} repl{'ies' if t.replies != 1 else 'y'}"
             + (f" (+{t.interrupted} interrupted, not counted)" if t.interrupted else "")
             + f", {t.completion_tokens} tokens, {acc(t.drafted, t.accepted, t.steps)}, {session_tps:.1f} tok/s",
             f"  prompt tokens evaluated: {t.prompt_tokens_evaluated} of {t.prompt_tokens}",

@@ -1,0 +1,212 @@
+"""`localspec generate --input/--output`: request parsing, the resumable output file, a run against
+a scripted engine (fast), then round trips and a resume on the default pair."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from localspec.batch import parse_line, read_done, run_batch
+from localspec.outputs import Result, Stats
+
+CLI = [sys.executable, "-m", "localspec.cli"]
+DEFAULTS = {"max_tokens": 16, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": None, "stop": None}
+
+
+def parse(obj_or_text, lineno=1, system=None, raw=False):
+    line = obj_or_text if isinstance(obj_or_text, str) else json.dumps(obj_or_text)
+    return parse_line(line, lineno, defaults=DEFAULTS, system=system, raw=raw)
+
+
+# ---------------------------------------------------------------- parsing
+
+
+def test_a_prompt_is_a_chat_message_unless_raw():
+    item = parse({"id": "a", "prompt": "hi"}, system="be brief")
+    assert item.error is None and item.id == "a"
+    assert item.prompt == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert parse({"id": "a", "prompt": "hi", "raw": True}, system="be brief").prompt == "hi"
+    assert parse({"id": "a", "prompt": "hi"}, raw=True).prompt == "hi"  # --raw
+    assert parse({"id": "a", "prompt": "hi", "raw": False}, raw=True).prompt == [{"role": "user", "content": "hi"}]
+    msgs = [{"role": "user", "content": "x"}]
+    assert parse({"id": 7, "messages": msgs}, system="ignored for messages").prompt == msgs
+
+
+def test_line_sampling_fields_override_the_command_line():
+    item = parse({"id": 1, "prompt": "hi", "max_tokens": 4, "temperature": 0.7, "seed": 3, "stop": ["\n"]})
+    assert item.options == DEFAULTS | {"max_tokens": 4, "temperature": 0.7, "seed": 3, "stop": ["\n"]}
+
+
+@pytest.mark.parametrize("line, record_id, message", [
+    ("{not json", "line-5", "line 5: not valid JSON"),
+    ("[1, 2]", "line-5", "expected a JSON object"),
+    ('{"prompt": "hi"}', "line-5", 'missing "id"'),
+    ('{"id": true, "prompt": "hi"}', "line-5", '"id" must be a string or an integer'),
+    ('{"id": "x"}', "x", 'exactly one of "prompt" and "messages"'),
+    ('{"id": "x", "prompt": "a", "messages": []}', "x", 'exactly one of'),
+    ('{"id": "x", "prompt": ""}', "x", '"prompt" must be a non-empty string'),
+    ('{"id": "x", "messages": "hi"}', "x", '"messages" must be a non-empty list'),
+    ('{"id": "x", "messages": [{"role": "user", "content": "a"}], "raw": true}', "x", '"raw" applies to "prompt"'),
+    ('{"id": "x", "prompt": "a", "temprature": 1}', "x", "unknown field 'temprature'"),
+    ('{"id": "x", "prompt": "a", "max_tokens": "9"}', "x", '"max_tokens" must be an integer, got "9"'),
+    ('{"id": "x", "prompt": "a", "top_k": true}', "x", '"top_k" must be an integer'),
+    ('{"id": "x", "prompt": "a", "stop": [1]}', "x", '"stop" must be a string or a list of strings'),
+])
+def test_malformed_lines_become_error_items(line, record_id, message):
+    item = parse(line, lineno=5)
+    assert item.id == record_id and item.error is not None and message in item.error, item.error
+
+
+# ---------------------------------------------------------------- the output file
+
+
+def test_read_done_cuts_a_truncated_last_line_and_ignores_unreadable_ones(tmp_path):
+    out = tmp_path / "out.jsonl"
+    good = '{"id": "a", "text": "x"}\n{"id": 2, "error": "e"}\nnot json\n'
+    out.write_text(good + '{"id": "c", "te')
+    warnings = []
+    done = read_done(str(out), warnings.append)
+    assert done == {'"a"', "2"}
+    assert out.read_text() == good  # repaired: appending starts on a fresh line
+    assert any("truncated last line" in w for w in warnings) and any("1 unreadable line" in w for w in warnings)
+    assert read_done(str(tmp_path / "missing.jsonl"), warnings.append) == set()
+
+
+class FakeEngine:
+    def __init__(self) -> None:
+        self.prompts = []
+        self.opened = 0
+
+    def __enter__(self):
+        self.opened += 1
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def generate(self, prompt, **options):
+        if options["temperature"] < 0:
+            raise ValueError("temperature must be a finite number >= 0")
+        self.prompts.append(prompt)
+        text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
+        stats = Stats(completion_tokens=3, steps=2, drafted=4, accepted=3, total_time=0.1)
+        return Result(text=text.upper(), tokens=[1, 2, 3], finish_reason="stop", stats=stats)
+
+
+def write_lines(path, lines):
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+
+
+def records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_run_writes_records_in_order_and_a_rerun_does_only_the_missing_ids(tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_lines(inp, [{"id": "a", "prompt": "one"}, "oops", {"id": "b", "prompt": "two", "temperature": -1},
+                      "", {"id": "c", "prompt": "three", "raw": True}, {"id": "a", "prompt": "again"}])
+    engine = FakeEngine()
+    notes = []
+    summary = run_batch(str(inp), str(out), open_engine=lambda: engine, defaults=DEFAULTS, progress=notes.append)
+    got = records(out)
+    assert [r["id"] for r in got] == ["a", "line-2", "b", "c"]
+    assert got[0]["text"] == "ONE" and got[0]["finish_reason"] == "stop" and got[0]["stats"]["accepted"] == 3
+    assert "not valid JSON" in got[1]["error"] and "temperature" in got[2]["error"]
+    assert got[3]["text"] == "THREE" and engine.prompts[1] == "three"  # raw: the plain string
+    assert (summary.written, summary.failed, summary.duplicates, summary.tokens) == (4, 2, 1, 6)
+    assert notes[-1].startswith("4 records written (2 failed), 1 repeated id skipped; 6 tokens")
+    assert "acceptance 75%" in notes[-1]
+
+    # a crash left half a record; the rerun cuts it, and only the missing ids run
+    lines = out.read_text().splitlines(keepends=True)
+    out.write_text("".join(lines[:2]) + lines[3][:25])  # a, line-2, then half of c ("b" lost)
+    engine2 = FakeEngine()
+    summary = run_batch(str(inp), str(out), open_engine=lambda: engine2, defaults=DEFAULTS, progress=notes.append)
+    assert [r["id"] for r in records(out)] == ["a", "line-2", "b", "c"]
+    assert engine2.prompts == ["three"] and summary.skipped == 3  # a, line-2 and the repeated a
+
+    # everything done: the models are not even loaded
+    summary = run_batch(str(inp), str(out), open_engine=lambda: pytest.fail("engine opened"), defaults=DEFAULTS,
+                        progress=notes.append)
+    assert summary.written == 0 and notes[-1].startswith("nothing to do")
+
+
+# ---------------------------------------------------------------- the real command
+
+
+def run_cli(*args, timeout=120):
+    return subprocess.run(CLI + ["generate", "--threads", "1", "--max-tokens", "12", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.model
+def test_batch_round_trip_and_resume(tmp_path):
+    inp, out = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"
+    write_lines(inp, [
+        {"id": "capital", "prompt": "What is the capital of France? One sentence."},
+        {"id": 2, "messages": [{"role": "system", "content": "Answer in one word."},
+                               {"role": "user", "content": "What color is the sky?"}], "max_tokens": 4},
+        '{"id": "broken", "prompt": ',
+        {"id": "cold", "prompt": "x", "top_p": 0},
+        {"id": "raw", "prompt": "The sea is", "raw": True, "max_tokens": 6, "temperature": 0.8, "seed": 1},
+    ])
+    p = run_cli("--input", str(inp), "--output", str(out))
+    assert p.returncode == 0, p.stderr
+    assert "Traceback" not in p.stderr and "\x1b" not in p.stderr and p.stdout == ""
+    got = records(out)
+    assert [r["id"] for r in got] == ["capital", 2, "line-3", "cold", "raw"]
+    assert "Paris" in got[0]["text"] and got[0]["finish_reason"] in ("stop", "length")
+    assert set(got[0]) == {"id", "text", "finish_reason", "stats"}
+    assert got[0]["stats"]["completion_tokens"] > 0 and "acceptance_rate" in got[0]["stats"]
+    assert got[1]["stats"]["completion_tokens"] <= 4 and got[4]["stats"]["completion_tokens"] <= 6
+    assert "not valid JSON" in got[2]["error"] and "top_p" in got[3]["error"]
+    summary = p.stderr.strip().splitlines()[-1]
+    assert summary.startswith("localspec: 5 records written (2 failed);") and "tok/s" in summary, p.stderr
+
+    # an interrupted run: "capital" written, "2" cut mid-line; the rerun does 2, line-3, cold, raw only
+    kept = out.read_text().splitlines(keepends=True)
+    first = json.loads(kept[0]) | {"text": "FROM THE FIRST RUN"}
+    out.write_text(json.dumps(first) + "\n" + kept[1][:30])
+    p = run_cli("--input", str(inp), "--output", str(out))
+    assert p.returncode == 0, p.stderr
+    assert "dropped a truncated last line" in p.stderr and "1 skipped (already in the output)" in p.stderr
+    got = records(out)  # every line parses again
+    assert [r["id"] for r in got] == ["capital", 2, "line-3", "cold", "raw"]
+    assert got[0]["text"] == "FROM THE FIRST RUN"  # not regenerated
+    assert "4 records written (2 failed)" in p.stderr
+
+
+@pytest.fixture(scope="module")
+def not_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bad") / "notes.gguf"
+    path.write_text("this is not a model\n")
+    return path
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--oracle", "no-such-model", "--no-draft"], "unknown model 'no-such-model'"),
+    (["--oracle", "{not_gguf}", "--no-draft"], "not a GGUF file"),
+    (["--oracle", "/nonexistent/model.gguf", "--no-draft"], "not found"),
+])
+def test_bad_models_give_one_line_and_exit_code_2(args, message, not_gguf, tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_lines(inp, [{"id": 1, "prompt": "hi"}])
+    p = run_cli("--input", str(inp), "--output", str(out), *[a.replace("{not_gguf}", str(not_gguf)) for a in args])
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("localspec: error:") and message in lines[0], p.stderr
+    assert "Traceback" not in p.stderr and not out.exists()
+
+
+def test_batch_usage_errors(tmp_path):
+    inp = tmp_path / "in.jsonl"
+    write_lines(inp, [{"id": 1, "prompt": "hi"}])
+    p = run_cli("hello", "--input", str(inp))
+    assert p.returncode == 2 and p.stderr.strip() == "localspec: error: give either PROMPT or --input, not both"
+    p = run_cli("--output", str(tmp_path / "o.jsonl"))
+    assert p.returncode == 2 and p.stderr.strip() == "localspec: error: --output needs --input"
+    p = run_cli("--input", str(tmp_path / "missing.jsonl"))
+    assert p.returncode == 2 and "does not exist" in p.stderr and "Traceback" not in p.stderr
