@@ -30,7 +30,7 @@ from .outputs import Chunk, Result, Stats, TokenLogprob, TopLogprob
 from .policy import AdaptiveLength, FixedLength, LengthPolicy
 from .proposers import (EMPTY_DRAFT, CrossTokenizerProposer, Draft, DraftModelProposer, HybridProposer,
                         PromptLookupProposer, Proposer)
-from .sampling import SamplingParams, log_softmax, logits_to_probs
+from .sampling import SamplingParams, coupled_choice, log_softmax, logits_to_probs
 from .text import TextStream
 
 log = logging.getLogger("localspec.engine")
@@ -224,36 +224,38 @@ class Engine:
         self._prefill(history, stats)
         stats.prompt_time = time.perf_counter() - t_start
 
-        n_emitted = 0
         finish = None
         while finish is None:
-            limit = self._draft_limit(history, request, request.max_tokens - n_emitted)
+            limit = self._draft_limit(history, request, request.max_tokens - stats.completion_tokens)
             out, logprobs = self._step(history, limit, request, rng, stats)
-            emitted: list[int] = []
-            for token in out:
-                if self.oracle_model.is_eog(token):
-                    finish = "stop"
-                    break
-                emitted.append(token)
-                history.append(token)
-                n_emitted += 1
-                if text.add(token):
-                    finish = "stop"
-                elif n_emitted >= request.max_tokens or len(history) > self.n_ctx:
-                    finish = "length"
-                if finish:
-                    break
+            emitted, finish = self._emit(out, history, text, request, stats)
+            if stats.time_to_first_token == 0.0:
+                stats.time_to_first_token = time.perf_counter() - t_start
             if logprobs is not None:
                 logprobs = logprobs[:len(emitted)]
-            if stats.completion_tokens == 0:
-                stats.time_to_first_token = time.perf_counter() - t_start
-            stats.completion_tokens = n_emitted
-            piece = text.finish() if finish else text.release()
             if finish:
+                piece = text.finish()
                 stats.total_time = time.perf_counter() - t_start
                 yield Chunk(piece, emitted, logprobs, finish_reason=finish, stats=stats)
-            elif piece or emitted:
-                yield Chunk(piece, emitted, logprobs)
+            elif emitted:
+                yield Chunk(text.release(), emitted, logprobs)
+
+    def _emit(self, out: list[int], history: list[int], text: TextStream, request: Request,
+              stats: Stats) -> tuple[list[int], str | None]:
+        """Append a step's tokens to the history until one of them ends the generation:
+        end-of-generation token, stop string, max_tokens, or a full context."""
+        emitted: list[int] = []
+        for token in out:
+            if self.oracle_model.is_eog(token):
+                return emitted, "stop"
+            emitted.append(token)
+            history.append(token)
+            stats.completion_tokens += 1
+            if text.add(token):
+                return emitted, "stop"
+            if stats.completion_tokens >= request.max_tokens or len(history) > self.n_ctx:
+                return emitted, "length"
+        return emitted, None
 
     def _prefill(self, history: list[int], stats: Stats) -> None:
         """Bring the oracle's cache (and a same-vocabulary draft's) to history[:-1], reusing what
@@ -310,7 +312,7 @@ class Engine:
         draft = self.proposer.propose(history, k, request.sampling, rng) if k > 0 else EMPTY_DRAFT
         t1 = time.perf_counter()
         logits, _ = self.oracle.sync(history + draft.tokens.tolist(), n_logits=len(draft) + 1)  # [k+1, vocab]
-        out, n_accepted = self._accept(draft, logits, request.sampling, rng)
+        out, n_accepted = self._accept(draft, logits, request.sampling, rng, len(history))
         logprobs = self._logprobs(logits[:len(out)], out, request.logprobs) if request.logprobs is not None else None
         self.oracle.rollback(len(history) + n_accepted)  # keep last + accepted; the new last stays out
         t2 = time.perf_counter()
@@ -326,11 +328,16 @@ class Engine:
         return out.tolist(), logprobs
 
     @staticmethod
-    def _accept(draft: Draft, logits: np.ndarray, sampling: SamplingParams,
-                rng: np.random.Generator) -> tuple[np.ndarray, int]:
+    def _accept(draft: Draft, logits: np.ndarray, sampling: SamplingParams, rng: np.random.Generator,
+                position: int) -> tuple[np.ndarray, int]:
+        """Accepted draft tokens + a recovered or bonus token. `position`: where the first verified
+        token goes in the sequence (keys the noise of seeded sampling)."""
         if sampling.greedy:
             return accept_greedy(draft.tokens, logits.argmax(axis=1))  # target argmax [k+1]
         target_probs = logits_to_probs(logits, sampling)  # [k+1, vocab]
+        if sampling.coupled:
+            picks = [coupled_choice(row, sampling.seed, position + i) for i, row in enumerate(target_probs)]
+            return accept_greedy(draft.tokens, np.asarray(picks))  # the oracle's seeded picks [k+1]
         return accept_draft(draft.tokens, draft.probs, target_probs, rng)
 
     def _logprobs(self, logits: np.ndarray, tokens: np.ndarray, top_n: int) -> list[TokenLogprob]:

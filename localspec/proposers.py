@@ -13,7 +13,7 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from .llama import ContextFullError, LlamaContext
-from .sampling import SamplingParams, logits_to_probs, sample
+from .sampling import SamplingParams, coupled_choice, logits_to_probs, sample
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,8 @@ class DraftModelProposer:
         tokens: list[int] = []
         probs: list[np.ndarray] = []
         while True:
-            token, confident = self._pick(logits[0], sampling, rng, probs)
+            position = len(history) + len(tokens)
+            token, confident = self._pick(logits[0], sampling, rng, probs, position)
             tokens.append(token)
             if len(tokens) == max_len or not confident:
                 break
@@ -75,7 +76,7 @@ class DraftModelProposer:
         return Draft(np.asarray(tokens, dtype=np.int32), np.stack(probs) if probs else None)
 
     def _pick(self, row: np.ndarray, sampling: SamplingParams, rng: np.random.Generator,
-              probs: list[np.ndarray]) -> tuple[int, bool]:
+              probs: list[np.ndarray], position: int) -> tuple[int, bool]:
         """Choose the next draft token from logits `row` [vocab]; say whether to keep drafting."""
         if sampling.greedy:
             token = int(row.argmax())
@@ -84,8 +85,11 @@ class DraftModelProposer:
             top = 1.0 / np.exp(row.astype(np.float64) - row[token]).sum()  # softmax at the argmax
             return token, top >= self.p_min
         dist = logits_to_probs(row, sampling)  # [vocab]
-        probs.append(dist)
-        token = sample(dist, rng)
+        if sampling.coupled:  # the oracle will check its own pick with the same noise
+            token = coupled_choice(dist, sampling.seed, position)
+        else:
+            probs.append(dist)
+            token = sample(dist, rng)
         return token, self.p_min <= 0 or dist.max() >= self.p_min
 
     def observe(self, n_proposed: int, n_accepted: int) -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -76,6 +77,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0
+
+    @property
+    def coupled(self) -> bool:
+        """Seeded sampling: each position's token is drawn with noise keyed by (seed, position)
+        (see `coupled_choice`), so the output depends on the seed alone, not on the draft length."""
+        return not self.greedy and self.seed is not None
 
 
 def _as_rows(logits: np.ndarray) -> np.ndarray:
@@ -296,3 +303,28 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
         lse = math.log(float(np.exp(o.astype(ftype)).sum(dtype=np.float64)))
         o -= lse
     return out.reshape(shape)
+
+
+# ---------------------------------------------------------------- seeded (coupled) sampling
+#
+# Gumbel-max: argmax_x(log probs[x] + G[x]) with G[x] i.i.d. standard Gumbel is an exact draw from
+# probs. Keying the noise G by (seed, position) makes the token at each position a function of the
+# seed and that position's distribution only. The draft picks its token with the same noise, and the
+# verifier accepts it iff the oracle's own Gumbel-max pick is the same token, exactly like greedy
+# verification: the output is an exact sample from the oracle, identical for any draft, any draft
+# length, or none at all. (Unseeded sampling uses speculative sampling in acceptance.py, which
+# accepts more often but ties the output to the draft's choices.)
+
+
+@lru_cache(maxsize=256)
+def gumbel_noise(seed: int, position: int, vocab: int) -> np.ndarray:
+    """[vocab] standard Gumbel noise for one position of one seeded generation (read-only)."""
+    noise = np.random.default_rng((seed & 0xFFFFFFFFFFFFFFFF, position)).gumbel(size=vocab)
+    noise.flags.writeable = False
+    return noise
+
+
+def coupled_choice(probs: np.ndarray, seed: int, position: int) -> int:
+    """The token at `position` for this seed: argmax(log probs + noise), never a 0-probability token."""
+    with np.errstate(divide="ignore"):
+        return int(np.argmax(np.log(probs) + gumbel_noise(seed, position, probs.shape[-1])))

@@ -31,8 +31,8 @@ class VerifyRecorder:
         self.steps: list[tuple[np.ndarray, np.ndarray, int]] = []
         original = engine._accept
 
-        def recording(draft, logits, sampling, rng):
-            out, n_accepted = original(draft, logits, sampling, rng)
+        def recording(draft, logits, *args):
+            out, n_accepted = original(draft, logits, *args)
             self.steps.append((logits.argmax(axis=1).copy(), out.copy(), n_accepted))
             return out, n_accepted
 
@@ -95,6 +95,25 @@ def test_seeded_sampling_is_reproducible(engine):
     others = [engine.generate(chat(PROMPTS[2]), seed=s, **opts).tokens for s in (1, 2, 3)]
     assert any(o != a.tokens for o in others)
     assert a.stats.drafted > 0
+
+
+def test_seeded_sampling_is_the_same_with_or_without_speculation(engine):
+    """Seeded sampling draws each position's token with noise keyed by (seed, position), so the
+    draft and its length cannot change the output (up to batched-logit near-ties)."""
+    opts = dict(max_tokens=32, temperature=0.8, top_p=0.9)
+    same = 0
+    for seed, p in enumerate(PROMPTS[:4]):
+        spec = engine.generate(chat(p), seed=seed, **opts)
+        fixed2 = engine.generate(chat(p), seed=seed, draft_max=2, **opts)
+        base = engine.generate(chat(p), seed=seed, speculative=False, **opts)
+        assert spec.stats.accepted > 0
+        same += spec.tokens == base.tokens == fixed2.tokens
+    assert same >= 3
+
+
+def test_unseeded_sampling_varies(engine):
+    runs = {tuple(engine.generate(chat(PROMPTS[0]), max_tokens=16, temperature=1.0).tokens) for _ in range(3)}
+    assert len(runs) > 1
 
 
 def test_max_tokens_is_never_exceeded(engine):
