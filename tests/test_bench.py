@@ -1,0 +1,313 @@
+"""localspec bench: the ceiling formula on known numbers, workloads, system names, the C++ anchor's
+command line and output parsing (on a stand-in program), the report on synthetic runs, and one real
+tiny run through the CLI (baseline + one speculative system, anchor skipped). No timing assertions."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat
+import sys
+import textwrap
+
+import pytest
+
+from localspec.bench import anchor, ceiling, report, systems, workloads
+
+# ---------------------------------------------------------------------------------------- ceiling
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_expected_tokens_limits(k):
+    assert ceiling.expected_tokens(0.0, k) == 1.0  # nothing accepted: the oracle's own token
+    assert ceiling.expected_tokens(1.0, k) == k + 1  # everything accepted plus the bonus token
+
+
+def test_expected_tokens_by_hand():
+    assert ceiling.expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert ceiling.expected_tokens(0.8, 4) == pytest.approx((1 - 0.8 ** 5) / 0.2)  # 3.3616
+    assert ceiling.expected_tokens(0.8, 0) == 1.0
+    with pytest.raises(ValueError):
+        ceiling.expected_tokens(1.5, 2)
+
+
+def test_predicted_speedup_by_hand():
+    c_verify = lambda n: 10.0 + n  # noqa: E731  (ms: fixed cost + per position)
+    # E = 3.3616; step = 4 * 1 + c_verify(5) = 19; oracle alone: c_verify(1) = 11 per token
+    assert ceiling.predicted_speedup(0.8, 4, 1.0, c_verify) == pytest.approx(3.3616 * 11 / 19)
+    # a = 0 costs the draft for nothing: 1 * 11 / (2 * 1 + 13)
+    assert ceiling.predicted_speedup(0.0, 2, 1.0, c_verify) == pytest.approx(11 / 15)
+    # free drafts and flat verification: the speedup is E itself
+    assert ceiling.predicted_speedup(1.0, 3, 0.0, lambda n: 5.0) == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize("a,k", [(0.3, 2), (0.8, 4), (0.95, 8), (0.5, 2.5)])
+def test_acceptance_inverts_expected_tokens(a, k):
+    e = ceiling.expected_tokens(a, k)
+    assert ceiling.acceptance_from_tokens_per_step(e, k) == pytest.approx(a, abs=1e-9)
+
+
+def test_acceptance_edges():
+    assert ceiling.acceptance_from_tokens_per_step(1.0, 4) == 0.0
+    assert ceiling.acceptance_from_tokens_per_step(5.0, 4) == 1.0
+    assert ceiling.acceptance_from_tokens_per_step(2.0, 0) == 0.0
+
+
+def test_cost_curve():
+    c = ceiling.cost_curve({1: 10.0, 3: 14.0, 5: 20.0})
+    assert c(1) == 10.0 and c(3) == 14.0
+    assert c(2) == pytest.approx(12.0)  # interpolated
+    assert c(4.5) == pytest.approx(18.5)
+    assert c(9) > c(5)  # extrapolated along the fitted line
+    single = ceiling.cost_curve({1: 10.0})
+    assert single(3) == pytest.approx(30.0)  # one point: proportional (pessimistic)
+
+
+def test_stats_helpers():
+    assert ceiling.median([3, 1, 2]) == 2 and ceiling.median([1, 2, 3, 4]) == 2.5
+    assert ceiling.percentile([1, 2, 3, 4, 5], 50) == 3
+    assert ceiling.percentile(list(range(101)), 95) == pytest.approx(95)
+    assert ceiling.geomean([1, 4]) == pytest.approx(2)
+    assert math.isnan(ceiling.median([]))
+
+
+# ---------------------------------------------------------------------------------------- workloads
+
+
+def test_bundled_workloads():
+    prompts = workloads.load()
+    assert 20 <= len(prompts) <= 60  # a few dozen
+    by = {w: [p for p in prompts if p.workload == w] for w in workloads.WORKLOADS}
+    assert all(len(v) >= 3 for v in by.values()), {k: len(v) for k, v in by.items()}
+    assert all(p.max_tokens >= 400 for p in by["long"])
+    assert len({(p.workload, p.id) for p in prompts}) == len(prompts)
+    assert all(p.request for p in prompts)
+    assert len(workloads.load(["chat", "code"], max_prompts=2, max_tokens=8)) == 4
+    assert all(p.max_tokens == 8 for p in workloads.load(["chat"], max_tokens=8))
+    with pytest.raises(ValueError, match="unknown workload"):
+        workloads.load(["nope"])
+
+
+def test_workload_file_errors(tmp_path):
+    f = tmp_path / "w.jsonl"
+    f.write_text('{"id": "a", "prompt": "x", "max_tokens": 4}\n{"id": "a", "prompt": "y", "max_tokens": 4}\n')
+    with pytest.raises(ValueError, match="duplicate id"):
+        workloads.load([str(f)])
+    f.write_text('{"id": "a", "prompt": "x", "messages": [], "max_tokens": 4}\n')
+    with pytest.raises(ValueError, match="exactly one"):
+        workloads.load([str(f)])
+    f.write_text('{"id": "a", "prompt": "x"}\n')
+    with pytest.raises(ValueError, match="max_tokens"):
+        workloads.load([str(f)])
+
+
+# ---------------------------------------------------------------------------------------- systems
+
+
+def test_system_names():
+    specs = systems.parse_systems("k4,adaptive,lookup,llama.cpp-k2,llama.cpp-spec,lcp-lookup-k3,hybrid")
+    names = [s.name for s in specs]
+    assert names[0] == "baseline"  # always there, first
+    assert {s.name: s.kind for s in specs}["llama.cpp-k2"] == systems.LLAMA_CPP
+    assert specs[1].params == {"draft": "model", "draft_length": 4}
+    assert systems.parse_system("adaptive").params["draft_length"] is None
+    assert systems.parse_system("lookup").params["draft"] == "ngram"
+    assert systems.parse_system("llama.cpp").params == {"binary": "llama-speculative-simple", "k": 8}
+    assert systems.parse_system("llama.cpp-spec-k4").params == {"binary": "llama-speculative", "k": 4}
+    assert systems.parse_system("lcp-lookup-k3").params["num_pred_tokens"] == 3
+    assert [s.name for s in systems.parse_systems(None)][:2] == ["baseline", "k2"]
+    for bad in ("k0", "fast", "llama.cpp-k"):
+        with pytest.raises(ValueError):
+            systems.parse_system(bad)
+
+
+# ---------------------------------------------------------------------------------------- the C++ anchor
+
+STATS = """\
+main: encoded   43 tokens in    0.052 seconds, speed:  826.923 t/s
+main: decoded   65 tokens in    0.712 seconds, speed:   91.292 t/s
+
+n_draft   = 8
+n_predict = 65
+n_drafted = 56
+n_accept  = 51
+accept    = 91.071%
+"""
+
+
+def test_parse_anchor_stats():
+    s = anchor.parse_stats(STATS)
+    assert s["prompt_tokens"] == 43 and s["completion_tokens"] == 65
+    assert s["decode_time"] == pytest.approx(0.712) and s["tokens_per_second"] == pytest.approx(91.292)
+    assert (s["n_draft"], s["n_predict"], s["n_drafted"], s["n_accept"]) == (8, 65, 56, 51)
+    assert s["accept_percent"] == pytest.approx(91.071)
+    with pytest.raises(ValueError):
+        anchor.parse_stats("nothing here")
+
+
+def test_anchor_generated_text():
+    assert anchor.generated_text("\n\nPROMPT Hello\x1b[36m world\x1b[37m\n\n", "PROMPT") == " Hello world"
+    assert anchor.generated_text("\n\n<s>PROMPT out\n\n", "PROMPT") == " out"  # echo differs at the start
+
+
+FAKE = """\
+#!{python}
+import sys
+args = sys.argv[1:]
+if "--help" in args:
+    print("--spec-draft-n-max N  number of tokens to draft\\n--spec-draft-n-min N\\n--spec-draft-p-min P\\n"
+          "--spec-type TYPES\\n-td, --threads-draft N")
+    sys.exit(0)
+opt = dict(zip(args[::2], args[1::2]))
+with open("{log}", "w") as f:
+    f.write(" ".join(args))
+prompt = open(opt["-f"]).read()
+if prompt.endswith("\\n"):
+    prompt = prompt[:-1]
+sys.stdout.write("\\n\\n" + prompt + " generated text\\n\\n")
+sys.stderr.write({stats!r})
+"""
+
+
+def test_anchor_run_on_a_stand_in(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "llama-speculative-simple"
+    log = tmp_path / "args"
+    fake.write_text(FAKE.format(python=sys.executable, log=log, stats=STATS))
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    assert anchor.find_binary("llama-speculative-simple", bin_dir) == fake
+    with pytest.raises(anchor.AnchorUnavailable, match="build_llama_anchor"):
+        anchor.find_binary("llama-speculative", bin_dir)
+
+    r = anchor.run(fake, oracle="o.gguf", draft="d.gguf", prompt_text="<|im_start|>user\nhi\n", prompt_echo=
+                   "<|im_start|>user\nhi\n", n_predict=64, k=4, threads=2, n_ctx=2048)
+    assert r["text"] == " generated text"  # the trailing newline of the prompt survived -f
+    assert r["tokens_per_second"] == pytest.approx(91.292) and r["n_accept"] == 51
+    assert r["peak_rss"] and r["peak_rss"] > 0
+    args = log.read_text().split()
+    for flag, value in [("-m", "o.gguf"), ("-md", "d.gguf"), ("-n", "64"), ("--spec-draft-n-max", "4"),
+                        ("-t", "2"), ("-td", "2"), ("--temp", "0"), ("-c", "2048"), ("--spec-draft-p-min", "0.0"),
+                        ("--spec-type", "draft-simple")]:
+        assert args[args.index(flag) + 1] == value, flag
+
+
+# ---------------------------------------------------------------------------------------- report
+
+
+def _synthetic_report():
+    runs = []
+    for rep in range(3):
+        for pid, base_tps in (("p1", 50.0), ("p2", 40.0)):
+            runs.append({"system": "baseline", "workload": "chat", "prompt_id": pid, "rep": rep,
+                         "completion_tokens": 100, "tokens_per_second": base_tps + rep, "ttft": 0.1,
+                         "drafted": 0, "accepted": 0, "steps": 100, "latencies": [0.02] * 99,
+                         "costs": {"verify": {"1": 0.010}, "draft": 0.0} if rep == 0 else None,
+                         "match": 1.0})
+            runs.append({"system": "k4", "workload": "chat", "prompt_id": pid, "rep": rep,
+                         "completion_tokens": 100, "tokens_per_second": 2 * (base_tps + rep), "ttft": 0.1,
+                         "drafted": 100, "accepted": 75, "steps": 25, "latencies": [0.01] * 99,
+                         "costs": {"verify": {str(n): 0.010 + 0.001 * n for n in range(1, 6)}, "draft": 0.001}
+                         if rep == 0 else None, "match": 1.0 if pid == "p1" else 0.5})
+    return {"config": {"prompts": [{"workload": "chat", "id": "p1"}, {"workload": "chat", "id": "p2"}]},
+            "systems": [{"name": "baseline", "kind": "localspec", "params": {"draft": None}, "peak_rss": 2**29},
+                        {"name": "k4", "kind": "localspec", "params": {"draft": "model", "draft_length": 4},
+                         "peak_rss": 2**30},
+                        {"name": "llama.cpp", "kind": "llama.cpp", "params": {}, "status": "skipped",
+                         "reason": "not built"}],
+            "runs": runs, "notes": []}
+
+
+def test_aggregate_on_synthetic_runs():
+    rep = _synthetic_report()
+    rows = {(r["system"], r["workload"]): r for r in report.aggregate(rep)}
+    k4 = rows[("k4", "chat")]
+    assert set(report.RESULT_FIELDS) <= set(k4)
+    assert k4["speedup"] == pytest.approx(2.0)
+    assert k4["acceptance_rate"] == pytest.approx(0.75) and k4["mean_accepted_length"] == pytest.approx(3.0)
+    assert k4["tokens_per_step"] == pytest.approx(4.0) and k4["mean_draft_length"] == pytest.approx(4.0)
+    a = ceiling.acceptance_from_tokens_per_step(4.0, 4)
+    pooled = {n: 0.010 + 0.001 * n for n in range(1, 6)}
+    pooled[1] = (0.010 + 0.011) / 2  # the median of the baseline's and k4's one-token passes
+    c_verify = ceiling.cost_curve(pooled)
+    expected = ceiling.predicted_speedup(a, 4, 0.001, c_verify)
+    assert k4["ceiling"] == pytest.approx(expected)
+    assert k4["efficiency"] == pytest.approx(2.0 / expected)
+    assert k4["greedy_match"] == pytest.approx(0.75) and k4["mismatched_runs"] == 3
+    assert k4["latency_p50"] == pytest.approx(0.01) and k4["peak_rss"] == 2**30
+    assert rows[("baseline", "chat")]["ceiling"] == 1.0 and rows[("baseline", "chat")]["speedup"] == 1.0
+
+    rep["results"] = report.aggregate(rep)
+    text = report.summary(report.clean(rep))
+    assert "| chat | k4 |" in text and "2.00×" in text and "`llama.cpp` skipped: not built" in text
+
+
+def test_json_is_strict(tmp_path):
+    rep = _synthetic_report()
+    rep["results"] = report.aggregate(rep)
+    rep["results"][0]["speedup"] = float("nan")
+    path = tmp_path / "r.json"
+    report.write_json(rep, path)
+    assert json.loads(path.read_text())["results"][0]["speedup"] is None
+
+
+def test_charts(tmp_path):
+    pytest.importorskip("matplotlib")
+    rep = _synthetic_report()
+    rep["results"] = report.aggregate(rep)
+    charts, why_not = report.write_charts(rep, tmp_path)
+    assert why_not is None and len(charts) == 2
+    for path in charts.values():
+        assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------------------------- a real tiny run
+
+
+@pytest.mark.model
+def test_bench_cli_tiny_run(tmp_path, pair_paths):
+    from click.testing import CliRunner
+
+    from localspec.cli import main
+
+    oracle, draft = pair_paths
+    wl = tmp_path / "tiny.jsonl"
+    wl.write_text(json.dumps({"id": "t1", "messages": [{"role": "user", "content": "Name three colours."}],
+                              "max_tokens": 8}) + "\n")
+    out = tmp_path / "report.json"
+    empty = tmp_path / "no-anchor"
+    empty.mkdir()
+    result = CliRunner().invoke(main, [
+        "bench", "--oracle", str(oracle), "--draft", str(draft), "--workload", str(wl), "--systems", "k2,llama.cpp",
+        "--reps", "1", "--threads", "1", "--ctx", "512", "--json", str(out), "--anchor-bin", str(empty),
+        "--markdown", str(tmp_path / "RESULTS.md")])
+    assert result.exit_code == 0, result.output
+    assert "| tiny | k2 |" in result.output
+
+    rep = json.loads(out.read_text())
+    assert rep["schema"] == "localspec-bench/1"
+    for key in ("cpu", "logical_cpus", "threads", "ram_bytes", "llama_cpp_python", "python"):
+        assert key in rep["machine"]
+    assert rep["config"]["threads"] == 1 and rep["config"]["prompts"][0]["prompt_tokens"] > 0
+    status = {s["name"]: s for s in rep["systems"]}
+    assert status["baseline"]["status"] == "ok" and status["k2"]["status"] == "ok"
+    assert status["llama.cpp"]["status"] == "skipped" and "build_llama_anchor" in status["llama.cpp"]["reason"]
+    assert status["k2"]["peak_rss"] > 0
+
+    assert {r["system"] for r in rep["runs"]} == {"baseline", "k2"}
+    for r in rep["runs"]:
+        assert 0 < r["completion_tokens"] <= 8 and r["tokens_per_second"] > 0 and r["ttft"] > 0
+        assert r["match"] is not None
+    k2_run = next(r for r in rep["runs"] if r["system"] == "k2")
+    assert k2_run["drafted"] > 0 and "1" in k2_run["costs"]["verify"] and k2_run["costs"]["draft"] > 0
+
+    rows = {r["system"]: r for r in rep["results"]}
+    for row in rows.values():
+        assert set(report.RESULT_FIELDS) <= set(row)
+    k2 = rows["k2"]
+    for key in ("tokens_per_second", "speedup", "acceptance_rate", "mean_accepted_length", "ceiling",
+                "efficiency", "ttft", "latency_p50", "latency_p95", "peak_rss", "greedy_match"):
+        assert k2[key] is not None, key
+    assert 0.0 <= k2["greedy_match"] <= 1.0
+    assert "## Machine" in (tmp_path / "RESULTS.md").read_text()
