@@ -258,10 +258,18 @@ def run_bench(config: BenchConfig) -> dict:
 
         if config.warmup:
             first = config.prompts[0]
-            for name, w in workers.items():
-                say(f"warming up {name} ...")
-                w.call(op="run", tokens=by_id[(first.workload, first.id)]["tokens"],
-                       max_tokens=min(WARMUP_TOKENS, first.max_tokens), costs=None)
+            for spec in systems:
+                w = workers.get(spec.name)
+                if w is None:
+                    continue
+                say(f"warming up {spec.name} ...")
+                try:
+                    w.call(op="run", tokens=by_id[(first.workload, first.id)]["tokens"],
+                           max_tokens=min(WARMUP_TOKENS, first.max_tokens), costs=None)
+                except Exception as e:
+                    if spec.is_baseline:
+                        raise BenchError(f"the baseline failed to warm up: {e}") from e
+                    skip(spec, f"failed to warm up: {_first_line(e)}")
 
         active = [s for s in systems if status[s.name]["status"] == "ok"]
         runs: list[dict] = []
