@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field, fields
@@ -25,7 +26,7 @@ import click
 from .outputs import Stats
 
 PROMPT = ">>> "
-TIMING_TOKENS = 6  # one-token oracle steps timed by /stats for the speedup estimate
+TIMING_RUNS = 5  # one-token oracle steps timed by /stats for the speedup estimate
 
 HELP = """\
 commands:
@@ -459,28 +460,30 @@ class Chat:
     # -- /stats
 
     def _oracle_step_time(self) -> tuple[float, int] | None:
-        """Time one-token oracle steps now, at the conversation's current length (the prefix is
-        cached, so this evaluates only a few tokens). Returns (seconds per step, steps)."""
+        """Time the oracle's one-token step now, at the conversation's current length: a few
+        one-token oracle-only runs (the prefix is cached, so each evaluates one token); the median,
+        so a stray spike on a busy machine does not decide it. Returns (seconds, runs)."""
         messages = self.conversation.messages()
         if not messages:
             return None
-        try:
-            it = self.engine.stream(messages, max_tokens=TIMING_TOKENS, speculative=False)
-        except ValueError:
+        times = []
+        with _Interrupts() as interrupts:
+            for _ in range(TIMING_RUNS):
+                try:
+                    it = self.engine.stream(messages, max_tokens=1, speculative=False)
+                except ValueError:
+                    return None
+                try:
+                    for chunk in it:
+                        if chunk.finish_reason is not None and chunk.stats.steps:
+                            times.append(chunk.stats.verify_time / chunk.stats.steps)
+                finally:
+                    it.close()
+                if interrupts.hit:
+                    break
+        if not times:
             return None
-        final = None
-        try:
-            with _Interrupts() as interrupts:
-                for chunk in it:
-                    if chunk.finish_reason is not None:
-                        final = chunk
-                    if interrupts.hit:
-                        break
-        finally:
-            it.close()
-        if final is None or not final.stats.steps:
-            return None
-        return final.stats.verify_time / final.stats.steps, final.stats.steps
+        return statistics.median(times), len(times)
 
     def stats_lines(self) -> list[str]:
         s, t = self.last, self.totals
@@ -535,7 +538,7 @@ class Chat:
         per_step = (s.draft_time + s.verify_time) / s.steps if s.steps else 0.0
         lines.append(
             f"speedup vs oracle alone (estimate): {fmt(last)} last reply, {fmt(sess)} session; "
-            f"oracle one-token step {step * 1000:.1f} ms (timed now over {n} steps), "
+            f"oracle one-token step {step * 1000:.1f} ms (timed now, median of {n}), "
             f"speculative step {per_step * 1000:.1f} ms for {s.tokens_per_step:.2f} tokens")
         return lines
 
