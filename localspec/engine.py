@@ -238,7 +238,7 @@ class Engine:
                 stats.total_time = time.perf_counter() - t_start
                 yield Chunk(piece, emitted, logprobs, finish_reason=finish, stats=stats)
             elif emitted:
-                yield Chunk(text.release(), emitted, logprobs)
+                yield Chunk(text.release(), emitted, logprobs, stats=stats)  # stats so far
 
     def _emit(self, out: list[int], history: list[int], text: TextStream, request: Request,
               stats: Stats) -> tuple[list[int], str | None]:

@@ -68,7 +68,8 @@ class TokenLogprob:
 @dataclass
 class Chunk:
     """A piece of a streamed generation: the text released after one speculative step.
-    The last chunk has `finish_reason` and `stats` set (its text may be empty)."""
+    `stats` are the running counters (final on the last chunk, which also has `finish_reason`;
+    its text may be empty)."""
 
     text: str
     tokens: list[int]
