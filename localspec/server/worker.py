@@ -248,7 +248,7 @@ class EngineWorker:
                     return
                 job.deliver(chunk)
             job.outcome = "cancelled"
-            log.debug("generation cancelled after %d tokens", job.tokens)
+            log.info("generation cancelled after %d tokens (the client went away)", job.tokens)
             job.deliver(CANCELLED)
         except Exception as e:
             log.exception("engine: generation failed")
