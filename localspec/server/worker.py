@@ -228,6 +228,7 @@ class EngineWorker:
             job.deliver(Failed(e, client_error=False))
             return
         job.deliver(STARTED)
+        running: Stats | None = None  # the engine's running counters (chunks carry them)
         try:
             while not job.cancelled:
                 chunk: Chunk | None = next(stream, None)
@@ -238,6 +239,7 @@ class EngineWorker:
                         m.time_to_first_token.observe(time.monotonic() - job.submitted)
                     job.tokens += len(chunk.tokens)
                     m.tokens_generated.inc(len(chunk.tokens))
+                running = chunk.stats or running
                 if chunk.finish_reason is not None:
                     s = job.stats = chunk.stats
                     m.prompt_tokens.inc(s.prompt_tokens)
@@ -248,6 +250,8 @@ class EngineWorker:
                     return
                 job.deliver(chunk)
             job.outcome = "cancelled"
+            if running is not None:  # what the interrupted generation drafted still counts
+                m.record_speculation(running.drafted, running.accepted)
             log.info("generation cancelled after %d tokens (the client went away)", job.tokens)
             job.deliver(CANCELLED)
         except Exception as e:
