@@ -210,6 +210,30 @@ def chat(system: str | None, **kw) -> None:
     sys.exit(code)
 
 
+@main.command()
+@model_options
+@click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="A text file, one prompt per line (default: a few bundled chat, grounded and code prompts).")
+@click.option("--max-prompts", type=click.IntRange(1), default=2, show_default=True, help="Per workload.")
+@click.option("--max-tokens", type=click.IntRange(1), default=64, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+@friendly_errors
+def check(prompts_file: str | None, max_prompts: int, max_tokens: int, as_json: bool, **kw) -> None:
+    """Is this draft worth it for this oracle here? Compatibility, measured acceptance and costs,
+    predicted and measured speedup, and a recommendation."""
+    from .check import format_report, load_prompts, run_check
+    from .models import Registry
+
+    if kw["no_draft"] or kw["draft"] == "ngram":
+        raise UserError("check needs a draft model (--draft NAME or --pair NAME)")
+    prompts = load_prompts(prompts_file, max_prompts, max_tokens)
+    pair = Registry.load().pair(kw["pair"])
+    oracle, draft = kw["oracle"] or pair.oracle, kw["draft"] or pair.draft
+    with open_engine(**{**kw, "oracle": oracle, "draft": draft, "cross_tokenizer": True}) as engine:
+        report = run_check(engine, prompts, oracle=oracle, draft=draft, progress=progress)
+    click.echo(json.dumps(report.to_dict(), indent=2) if as_json else format_report(report))
+
+
 @main.command("models")
 @click.option("--json", "as_json", is_flag=True)
 @friendly_errors

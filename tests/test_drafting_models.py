@@ -30,11 +30,14 @@ def test_prompt_lookup_on_a_grounded_prompt(pair_paths):
     assert spec.text == base.text
 
 
-def test_adaptive_is_the_default_and_calibrates(engine):
-    assert isinstance(engine.policy, AdaptiveLength)
-    engine.generate([{"role": "user", "content": "Name three fruits."}], max_tokens=24)
-    assert engine.policy.calibrated
-    assert engine.policy.verify_cost(1) > 0 and engine.policy.draft_cost is not None
+def test_adaptive_is_the_default_and_calibrates(pair_paths):
+    with Engine(*pair_paths, n_ctx=512) as engine:
+        assert isinstance(engine.policy, AdaptiveLength)
+        r = engine.generate([{"role": "user", "content": "Name three fruits."}], max_tokens=24)
+        assert engine.policy.calibrated
+        assert engine.policy.verify_cost(1) > 0 and engine.policy.draft_cost is not None
+        assert set(engine.policy.verify_cost.mean) >= {1, 2, 4, 8, 16}
+        assert r.stats.steps >= 1
 
 
 def test_incompatible_pair_refused_without_cross_tokenizer(registry, pair_paths):
