@@ -52,6 +52,7 @@ _initialised = False
 _LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
 _log_buffer: list[str] = []
 _log_level = [logging.DEBUG]
+_load_errors: list[str] | None = None  # llama.cpp's error lines while a model loads (under _init_lock)
 
 
 @llama_cpp.llama_log_callback
@@ -64,7 +65,11 @@ def _log_callback(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
         line = "".join(_log_buffer).rstrip()
         _log_buffer.clear()
         if line:
-            log.log(_log_level[0], "%s", line)
+            if _load_errors is not None and _log_level[0] >= logging.ERROR:
+                _load_errors.append(line)  # a model load is under way: its error goes into the exception
+                log.debug("%s", line)
+            else:
+                log.log(_log_level[0], "%s", line)
 
 
 def _ensure_backend() -> None:
@@ -86,6 +91,97 @@ def check_gguf(path: Path) -> None:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise ModelLoadError(f"not a GGUF file (bad magic {magic!r}): {path}")
+    problem = _gguf_header_problem(path)
+    if problem:
+        raise ModelLoadError(f"corrupt or truncated GGUF file ({problem}): {path}")
+
+
+# ggml type -> (elements per block, bytes per block), for the tensor data bounds check
+_GGML_BLOCKS = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 9: (32, 36),
+                10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210), 15: (256, 292),
+                24: (1, 1), 25: (1, 2), 26: (1, 4), 27: (1, 8), 28: (1, 8), 30: (1, 2)}
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def _gguf_header_problem(path: Path) -> str | None:
+    """Walk the GGUF header (version, key-value pairs, tensor infos) and check that every tensor's
+    data lies inside the file: llama.cpp's own checks are not all there in every version, and its
+    messages go to the log rather than to the user. None when the header is sound."""
+    import mmap
+    import struct
+
+    size = path.stat().st_size
+    if size < 24:
+        return "shorter than a GGUF header"
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        pos = 4
+
+        def take(fmt: str):
+            nonlocal pos
+            value = struct.unpack_from("<" + fmt, m, pos)
+            pos += struct.calcsize("<" + fmt)
+            return value[0]
+
+        def skip_string() -> bytes:
+            nonlocal pos
+            n = take("Q")
+            if n > size - pos:
+                raise ValueError("a string runs past the end of the file")
+            pos += n
+            return m[pos - n:pos]
+
+        def skip_value(kind: int, depth: int = 0):
+            nonlocal pos
+            if kind in _GGUF_SCALARS:
+                return take(_GGUF_SCALARS[kind])
+            if kind == 8:
+                return skip_string()
+            if kind == 9 and depth == 0:
+                item, n = take("I"), take("Q")
+                if item in _GGUF_SCALARS:
+                    width = struct.calcsize(_GGUF_SCALARS[item])
+                    if n * width > size - pos:
+                        raise ValueError("an array runs past the end of the file")
+                    pos += n * width
+                else:
+                    if n > size - pos:
+                        raise ValueError("an array runs past the end of the file")
+                    for _ in range(n):
+                        skip_value(item, depth + 1)
+                return None
+            raise ValueError(f"unknown value type {kind}")
+
+        try:
+            version = take("I")
+            if version not in (2, 3):
+                return f"unsupported version {version}"
+            n_tensors, n_kv = take("Q"), take("Q")
+            if n_tensors > size // 16 or n_kv > size // 16:
+                return f"implausible counts: {n_tensors} tensors, {n_kv} keys"
+            alignment = 32
+            for _ in range(n_kv):
+                key = skip_string()
+                value = skip_value(take("I"))
+                if key == b"general.alignment" and isinstance(value, int) and value > 0:
+                    alignment = value
+            tensors = []
+            for _ in range(n_tensors):
+                skip_string()
+                n_dims = take("I")
+                if n_dims > 8:
+                    return f"a tensor with {n_dims} dimensions"
+                n_elements = 1
+                for _ in range(n_dims):
+                    n_elements *= take("Q")
+                tensors.append((n_elements, take("I"), take("Q")))
+        except (struct.error, ValueError) as e:
+            return "the header is cut short" if isinstance(e, struct.error) else str(e)
+        data_start = -(-pos // alignment) * alignment
+        for n_elements, kind, offset in tensors:
+            block, nbytes = _GGML_BLOCKS.get(kind, (1, 0))
+            if data_start + offset + n_elements // block * nbytes > size:
+                return f"tensor data ends past the end of the file ({size} bytes)"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -105,9 +201,18 @@ class LlamaModel:
         # The CPU "extra buffer types" (AMX / repacked weights) crash llama_decode on Q4_1 on some
         # x86 machines; plain CPU buffers are always correct, and GPU offload is unaffected.
         params.use_extra_bufts = False
-        self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), params)
+        global _load_errors
+        with _init_lock:
+            _load_errors = []
+            try:
+                self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), params)
+            finally:
+                errors, _load_errors = _load_errors, None
         if not self._model:
-            raise ModelLoadError(f"llama.cpp could not load {self.path} (truncated, corrupt or unsupported GGUF)")
+            reason = next((e for e in errors if "error loading model" in e), errors[0] if errors else "")
+            reason = reason.split("error loading model:", 1)[-1].strip()
+            raise ModelLoadError(f"llama.cpp could not load {self.path} (truncated, corrupt or unsupported GGUF"
+                                 + (f": {reason})" if reason else ")"))
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         self.n_vocab: int = llama_cpp.llama_vocab_n_tokens(self._vocab)
         self.vocab_type: int = llama_cpp.llama_vocab_type(self._vocab)
