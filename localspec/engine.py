@@ -88,6 +88,7 @@ class Engine:
         from .models import Registry  # models pulls in the registry file; keep it lazy
 
         self._closers: list[Callable[[], None]] = []
+        self._warned_no_template = False
         try:
             registry = Registry.load()
             oracle_path = registry.resolve(str(oracle), progress=progress)
@@ -122,6 +123,12 @@ class Engine:
         self.draft_model = self._own(LlamaModel(path, n_gpu_layers=gpu_layers))
         self.draft_ctx = self._own(LlamaContext(self.draft_model, n_ctx=self.oracle.n_ctx, n_batch=n_batch,
                                                 n_threads=n_threads))
+        o, d = self.oracle_model, self.draft_model
+        if d.size_bytes >= o.size_bytes or d.n_params > o.n_params:
+            log.warning("the draft %s (%.0f MB, %.0fM params) is not smaller than the oracle %s (%.0f MB, %.0fM "
+                        "params): speculation will likely be slower than the oracle alone",
+                        d.path.name, d.size_bytes / 1e6, d.n_params / 1e6, o.path.name, o.size_bytes / 1e6,
+                        o.n_params / 1e6)
         proposer = DraftModelProposer(self.draft_ctx, p_min=p_min)
         difference = first_difference(self.oracle_model, self.draft_model)
         if difference is None:
@@ -163,7 +170,8 @@ class Engine:
     def render(self, messages: Sequence[Mapping[str, Any]]) -> str:
         m = self.oracle_model
         template = m.chat_template
-        if not template:
+        if not template and not self._warned_no_template:
+            self._warned_no_template = True  # once per engine, not on every request
             log.warning("%s has no chat template; using ChatML", m.name)
         return chat.render(template, messages, bos_token=m.token_piece(m.bos, special=True).decode(errors="replace"),
                            eos_token=m.token_piece(m.eos, special=True).decode(errors="replace"))
