@@ -123,18 +123,18 @@ class Engine:
         self.draft_model = self._own(LlamaModel(path, n_gpu_layers=gpu_layers))
         self.draft_ctx = self._own(LlamaContext(self.draft_model, n_ctx=self.oracle.n_ctx, n_batch=n_batch,
                                                 n_threads=n_threads))
+        proposer = DraftModelProposer(self.draft_ctx, p_min=p_min)
+        difference = first_difference(self.oracle_model, self.draft_model)
+        if difference is not None and not cross_tokenizer:
+            check_compatible(self.oracle_model, self.draft_model)  # raises, naming the difference
         o, d = self.oracle_model, self.draft_model
         if d.size_bytes >= o.size_bytes or d.n_params > o.n_params:
             log.warning("the draft %s (%.0f MB, %.0fM params) is not smaller than the oracle %s (%.0f MB, %.0fM "
                         "params): speculation will likely be slower than the oracle alone",
                         d.path.name, d.size_bytes / 1e6, d.n_params / 1e6, o.path.name, o.size_bytes / 1e6,
                         o.n_params / 1e6)
-        proposer = DraftModelProposer(self.draft_ctx, p_min=p_min)
-        difference = first_difference(self.oracle_model, self.draft_model)
         if difference is None:
             return proposer
-        if not cross_tokenizer:
-            check_compatible(self.oracle_model, self.draft_model)  # raises, naming the difference
         log.info("draft and oracle vocabularies differ (%s): drafting through text", difference)
         return CrossTokenizerProposer(proposer, oracle=self.oracle_model, draft=self.draft_model)
 
