@@ -145,8 +145,10 @@ def generated_text(stdout: str, prompt_echo: str) -> str:
     s = _ANSI.sub("", stdout)
     if s.startswith("\n\n"):
         s = s[2:]
-    if s.endswith("\n\n"):
-        s = s[:-2]
+    for end in ("\n\n\n\n", "\n\n"):  # a blank line after the output, another at exit
+        if s.endswith(end):
+            s = s[:-len(end)]
+            break
     if prompt_echo and s.startswith(prompt_echo):
         return s[len(prompt_echo):]
     # the echo is token pieces (specials included); fall back to the longest match of its end
