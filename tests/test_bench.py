@@ -311,3 +311,18 @@ def test_bench_cli_tiny_run(tmp_path, pair_paths):
         assert k2[key] is not None, key
     assert 0.0 <= k2["greedy_match"] <= 1.0
     assert "## Machine" in (tmp_path / "RESULTS.md").read_text()
+
+
+@pytest.mark.model
+def test_real_anchor_if_built(pair_paths):
+    """The real llama-speculative-simple, when scripts/build_llama_anchor.sh has built it (never required)."""
+    try:
+        binary = anchor.find_binary("llama-speculative-simple")
+    except anchor.AnchorUnavailable as e:
+        pytest.skip(str(e))
+    oracle, draft = pair_paths
+    prompt = "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n"
+    r = anchor.run(binary, oracle=str(oracle), draft=str(draft), prompt_text=prompt, prompt_echo=prompt,
+                   n_predict=12, k=4, threads=1, n_ctx=512)
+    assert r["completion_tokens"] > 0 and r["tokens_per_second"] > 0 and r["n_drafted"] is not None
+    assert r["text"].strip() and not r["text"].startswith("<|im_start|>")
