@@ -234,8 +234,26 @@ class _JobStream(StreamingResponse):
         self.job = job
 
     async def __call__(self, scope, receive, send) -> None:
+        started = False
+
+        async def send_tracked(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send_tracked)
+        except asyncio.CancelledError:
+            # uvicorn cancels what is still streaming when its graceful shutdown ends: close the stream
+            # with an error event and [DONE] rather than leave a traceback in the log
+            self.job.cancel()
+            if not started:
+                raise
+            tail = _sse(json.dumps(APIError(503, "The server is shutting down.").body())) + "data: [DONE]\n\n"
+            try:
+                await send({"type": "http.response.body", "body": tail.encode(), "more_body": False})
+            except Exception:  # the connection is gone too
+                pass
         finally:
             self.job.cancel()
 
