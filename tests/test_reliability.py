@@ -1,0 +1,660 @@
+"""Reliability and security: bad models, bad requests, a full context, load, faults, the API key,
+model names that are paths, and a batch run killed mid-way. What tests/test_server.py,
+tests/test_chat_cli.py and tests/test_batch.py already cover is not repeated here.
+
+One small in-process server (n_ctx 256, one thread) for the request tests, and one real
+`localspec serve` subprocess (started first, loading while the rest runs) for RSS and SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from localspec.llama import ModelLoadError
+
+MODEL = "smollm2"
+N_CTX = 256
+COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"
+MARKER = "okapi-lantern-marker"  # prompt text that must never reach a log
+
+_script = os.path.join(os.path.dirname(sys.executable), "localspec")
+CLI = [_script] if os.path.exists(_script) else [sys.executable, "-m", "localspec.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def chat(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def error_of(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def rss_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+class ThreadedServer:
+    def __init__(self, app) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+
+
+# ---------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def cli_server(pair_paths):
+    """`localspec serve` with its default host, loading while the other tests run."""
+    port = free_port()
+    proc = subprocess.Popen(CLI + ["serve", "--port", str(port), "--ctx", str(N_CTX), "--threads", "1",
+                                   "--max-queue", "4"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    handle = {"proc": proc, "port": port, "url": f"http://127.0.0.1:{port}", "ready": False}
+    yield handle
+    if proc.poll() is None:
+        proc.kill()
+    proc.communicate(timeout=10)
+
+
+def wait_ready(handle) -> str:
+    if not handle["ready"]:
+        deadline = time.monotonic() + 90
+        while True:
+            assert handle["proc"].poll() is None, handle["proc"].communicate()[1][-3000:]
+            try:
+                if httpx.get(handle["url"] + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "localspec serve did not come up"
+            time.sleep(0.2)
+        handle["ready"] = True
+    return handle["url"]
+
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory, pair_paths):
+    """Broken models made from the real Q4_1 draft."""
+    good = Path(pair_paths[1])
+    d = tmp_path_factory.mktemp("badmodels")
+    data = good.read_bytes()
+    files = {"directory": d / "dir.gguf", "not_gguf": d / "notes.gguf", "truncated": d / "head.gguf",
+             "truncated_data": d / "half.gguf", "corrupt": d / "corrupt.gguf", "unknown_arch": d / "arch.gguf",
+             "no_template": d / "notemplate.gguf"}
+    files["directory"].mkdir()
+    files["not_gguf"].write_text("this is not a model\n")
+    files["truncated"].write_bytes(data[:1_000_000])
+    files["truncated_data"].write_bytes(data[:len(data) * 6 // 10])
+    files["corrupt"].write_bytes(b"GGUF" + os.urandom(200_000))
+    key = b"general.architecture"  # value: a string, "llama"; same length, so nothing shifts
+    i = data.index(key) + len(key) + 4 + 8
+    assert data[i:i + 5] == b"llama"
+    files["unknown_arch"].write_bytes(data[:i] + b"lxxma" + data[i + 5:])
+    key = b"tokenizer.chat_template"
+    assert data.count(key) == 1
+    files["no_template"].write_bytes(data.replace(key, b"tokenizer.chat_templatX"))
+    return files
+
+
+class CappedEngine:
+    """The real engine, every request capped at a few tokens (the fuzzer asks for millions)."""
+
+    def __init__(self, engine, cap: int = 3) -> None:
+        self._engine, self._cap = engine, cap
+        self.fail_on: str | None = None
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def stream(self, prompt, **options):
+        if self.fail_on and self.fail_on in json.dumps(prompt):
+            raise RuntimeError("injected engine fault")
+        options["max_tokens"] = min(options.get("max_tokens") or 1, self._cap)
+        return self._engine.stream(prompt, **options)
+
+
+@pytest.fixture(scope="module")
+def small_engine(pair_paths, cli_server):
+    from localspec.engine import Engine
+
+    oracle, draft = pair_paths
+    with Engine(oracle, draft, n_ctx=N_CTX, n_threads=1, draft_length=4) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def worker(small_engine):
+    from localspec.server import EngineWorker
+
+    w = EngineWorker(small_engine, max_queue=8)
+    yield w
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def app(worker, registry):
+    from localspec.server import create_app
+
+    return create_app(worker, model_name=MODEL, aliases=[registry.pair(None).oracle])  # the default max body
+
+
+@pytest.fixture(scope="module")
+def server(app):
+    s = ThreadedServer(app)
+    yield s.url
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server, timeout=60) as c:
+        yield c
+
+
+# ---------------------------------------------------------------- 1. bad models
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("kind, message", [
+    ("directory", "not a file"), ("not_gguf", "not a GGUF file"), ("truncated", "corrupt or truncated GGUF"),
+    ("truncated_data", "tensor data ends past the end of the file"), ("corrupt", "unsupported version"),
+    ("unknown_arch", "unknown model architecture"),
+])
+def test_broken_model_files_are_a_model_load_error(bad_files, kind, message, caplog):
+    from localspec.llama import LlamaModel
+
+    with caplog.at_level(logging.WARNING, logger="localspec"):
+        with pytest.raises(ModelLoadError, match=message):
+            LlamaModel(bad_files[kind])
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # llama.cpp's lines are in the message
+
+
+def one_line_error(p: subprocess.CompletedProcess | tuple, *needles: str) -> None:
+    rc, out, err = p
+    assert rc == 2, err
+    assert "Traceback" not in err and "Segmentation" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("localspec: error:"), err
+    for needle in needles:
+        assert needle in lines[0], err
+
+
+@pytest.mark.model
+def test_cli_and_server_refuse_bad_models_in_one_line(bad_files, registry, tmp_path):
+    """Every command in parallel (the machine is small): generate and serve, broken files,
+    incompatible vocabularies; plus a draft larger than its oracle, which only warns."""
+    common = ["--threads", "1", "--ctx", "128"]
+    port = str(free_port())
+    runs = {
+        **{f"generate-{k}": ["generate", "hi", "--oracle", str(bad_files[k]), "--no-draft", *common]
+           for k in ("directory", "truncated", "truncated_data", "corrupt", "unknown_arch")},
+        "generate-bad-draft": ["generate", "hi", "--draft", str(bad_files["truncated_data"]), *common],
+        "serve-truncated": ["serve", "--port", port, "--oracle", str(bad_files["truncated"]), "--no-draft", *common],
+        "serve-incompatible": ["serve", "--port", port, "--draft", "gemma-3-270m-q4_k_m", *common],
+        "generate-incompatible": ["generate", "hi", "--draft", "gemma-3-270m-q4_k_m", *common],
+        "generate-big-draft": ["generate", "hi", "--oracle", "smollm2-135m-instruct-q4_1", "--draft",
+                               "smollm2-135m-instruct-f32", "--max-tokens", "2", *common],
+    }
+    procs = {name: subprocess.Popen(CLI + args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True) for name, args in runs.items()}
+    results = {}
+    for name, p in procs.items():
+        out, err = p.communicate(timeout=120)
+        results[name] = (p.returncode, out, err)
+    one_line_error(results["generate-directory"], "is a directory")
+    one_line_error(results["generate-truncated"], "corrupt or truncated GGUF")
+    one_line_error(results["generate-truncated_data"], "tensor data ends past the end")
+    one_line_error(results["generate-bad-draft"], "tensor data ends past the end")
+    one_line_error(results["generate-corrupt"], "unsupported version")
+    one_line_error(results["generate-unknown_arch"], "unknown model architecture")
+    one_line_error(results["serve-truncated"], "corrupt or truncated GGUF")
+    one_line_error(results["serve-incompatible"], "cannot draft for oracle")
+    one_line_error(results["generate-incompatible"], "cannot draft for oracle")
+    for name in ("serve-truncated", "serve-incompatible"):
+        assert "Uvicorn running" not in results[name][2]  # refused before listening
+    rc, out, err = results["generate-big-draft"]
+    assert rc == 0 and out.strip(), err
+    warnings = [line for line in err.splitlines() if "not smaller than the oracle" in line]
+    assert len(warnings) == 1 and "Traceback" not in err, err
+
+
+@pytest.mark.model
+def test_a_model_without_a_chat_template_warns_once(bad_files, caplog):
+    from localspec.engine import Engine
+
+    with Engine(bad_files["no_template"], None, n_ctx=128, n_threads=1) as e:
+        assert not e.oracle_model.chat_template
+        with caplog.at_level(logging.WARNING, logger="localspec.engine"):
+            text = e.render(chat("Hi"))
+            e.render(chat("Hello"))
+            e.generate(chat("Hey"), max_tokens=1)
+    assert text.startswith("<|im_start|>user\nHi<|im_end|>")  # the ChatML fallback
+    warned = [r for r in caplog.records if "no chat template" in r.getMessage()]
+    assert len(warned) == 1
+
+
+@pytest.mark.model
+def test_a_draft_larger_than_the_oracle_warns_at_start(registry, caplog):
+    from localspec.engine import Engine
+
+    with caplog.at_level(logging.WARNING, logger="localspec.engine"):
+        with Engine("smollm2-135m-instruct-q4_1", "smollm2-135m-instruct-f32", n_ctx=64, n_threads=1):
+            pass
+        with Engine("smollm2-135m-instruct-f32", "smollm2-135m-instruct-q4_1", n_ctx=64, n_threads=1):
+            pass  # the usual way round: no warning
+    warned = [r for r in caplog.records if "not smaller than the oracle" in r.getMessage()]
+    assert len(warned) == 1 and "\n" not in warned[0].getMessage()
+
+
+# ---------------------------------------------------------------- 2. bad requests
+
+
+BAD_BODIES = [
+    ("/v1/chat/completions", {"messages": chat("Hi"), "max_tokens": -5}, "max_tokens"),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": -1}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": "Hi"}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 42}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [None]}, "messages"),
+    ("/v1/chat/completions", {"messages": chat("Hi"), "max_tokens": 1, "stream": [1]}, "stream"),
+    ("/v1/chat/completions", {"messages": chat("Hi"), "max_tokens": 1, "temperature": "hot"}, "temperature"),
+    ("/v1/chat/completions", {"messages": chat("Hi"), "seed": 1.5}, "seed"),
+    ("/v1/chat/completions", {"messages": chat("Hi"), "stop": [1, 2]}, "stop"),
+    ("/v1/completions", {"prompt": 42}, "prompt"),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 1e400}, "max_tokens"),
+]
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("path, body, param", BAD_BODIES, ids=[f"{p[4:]}-{param}-{i}" for i, (p, _, param) in enumerate(BAD_BODIES)])
+def test_wrong_types_and_values_are_400(http, path, body, param):
+    content = json.dumps(body).replace("1e+400", "1e400").encode()
+    err = error_of(http.post(path, content=content, headers={"content-type": "application/json"}), 400)
+    assert err["type"] == "invalid_request_error" and (err["param"] or "").startswith(param), err
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("content", [b"null", b'"a string"', b"42", b"", b"\xff\xfe{}",
+                                     b'{"messages": [{"role": "user", "content": "\xff\xfe bad"}]}',
+                                     b'{"prompt": "Hi", "max_tokens": 2}\x00garbage', b"{" * 10000])
+def test_malformed_bodies_are_400(http, content):
+    r = http.post("/v1/chat/completions", content=content, headers={"content-type": "application/json"})
+    error_of(r, 400)
+
+
+@pytest.mark.model
+def test_ten_megabyte_bodies_are_413(http):
+    big = json.dumps({"model": MODEL, "messages": chat("x" * 10_000_000)}).encode()
+    assert error_of(http.post("/v1/chat/completions", content=big), 413)["code"] == "request_too_large"
+
+    def chunked():
+        for i in range(0, len(big), 65536):
+            yield big[i:i + 65536]
+
+    error_of(http.post("/v1/completions", content=chunked(), headers={"content-type": "application/json"}), 413)
+    assert http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}).status_code == 200
+
+
+@pytest.mark.model
+def test_odd_but_valid_requests_are_answered(http):
+    for body in ({"prompt": "", "max_tokens": 1}, {"prompt": [""], "max_tokens": 1}):
+        assert http.post("/v1/completions", json=body).status_code in (200, 400)
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": ""}], "max_tokens": 1})
+    assert r.status_code == 200
+    r = http.post("/v1/chat/completions", json={"messages": chat("é 漢字 🙂 \u0000 \ud7ff"), "max_tokens": 1})
+    assert r.status_code == 200
+
+
+def test_schemathesis_is_in_the_test_extra():
+    text = (Path(__file__).parent.parent / "pyproject.toml").read_text()
+    assert "schemathesis" in text.split("[project.optional-dependencies]")[1].split("bench =")[0]
+
+
+@pytest.mark.model
+def test_fuzz_the_openapi_schema(worker, registry):
+    """schemathesis generates requests from /openapi.json (valid and invalid), in-process (ASGI),
+    against the real engine, each generation capped at 3 tokens: never a 5xx."""
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, settings
+
+    from localspec.server import EngineWorker, create_app
+
+    capped = EngineWorker(CappedEngine(worker.engine), max_queue=8)
+    try:
+        fuzz_app = create_app(capped, model_name=MODEL, aliases=[registry.pair(None).oracle])
+        schema = schemathesis.openapi.from_asgi("/openapi.json", fuzz_app)
+        failures, calls = [], []
+        t0 = time.monotonic()
+        for operation in schema.get_all_operations():
+            op = operation.ok()
+
+            @settings(max_examples=25, deadline=None, database=None, derandomize=True,
+                      suppress_health_check=list(HealthCheck))
+            def run(case):
+                response = case.call()
+                calls.append((op.path, response.status_code))
+                if response.status_code >= 500:
+                    failures.append((op.method, op.path, case.body, response.status_code, response.text[:300]))
+
+            op.as_strategy()  # fails early on a schema it cannot read
+            from hypothesis import given
+
+            given(op.as_strategy())(run)()
+        assert not failures, failures[:5]
+        print(len(calls), "fuzzed calls", sorted({(p, c) for p, c in calls}))
+        assert len(calls) >= 60 and {p for p, _ in calls} >= {"/v1/chat/completions", "/v1/completions"}
+        assert any(c == 200 for p, c in calls if p == "/v1/chat/completions")  # it reached the engine too
+        assert time.monotonic() - t0 < 120
+    finally:
+        capped.close()
+
+
+# ---------------------------------------------------------------- 3. a full context
+
+
+@pytest.mark.model
+def test_context_exhaustion_mid_generation_finishes_with_length(http):
+    r = http.post("/v1/completions", json={"prompt": COUNTING * 6, "max_tokens": 10 ** 30, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["finish_reason"] == "length"
+    u = body["usage"]
+    assert u["completion_tokens"] > 0 and u["prompt_tokens"] + u["completion_tokens"] <= N_CTX + 1
+
+    with http.stream("POST", "/v1/chat/completions",
+                     json={"messages": chat(COUNTING * 6), "temperature": 0, "stream": True}) as s:  # no max_tokens
+        assert s.status_code == 200
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert [e["choices"][0]["finish_reason"] for e in events if e["choices"][0]["finish_reason"]] == ["length"]
+
+    r = http.post("/v1/chat/completions", json={"messages": chat("Say hi."), "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+
+
+# ---------------------------------------------------------------- 4. load
+
+
+@pytest.mark.model
+def test_32_concurrent_clients_all_answered(server, worker):
+    statuses: list[int] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def client(i: int) -> None:
+        try:
+            with httpx.Client(base_url=server, timeout=60) as c:
+                for j in range(3):
+                    body = {"prompt": f"Client {i} request {j}:", "max_tokens": 1 + (i + j) % 2, "temperature": 0}
+                    if (i + j) % 3 == 0:
+                        body["stream"] = True
+                    r = c.post("/v1/completions", json=body)
+                    r.read()
+                    with lock:
+                        statuses.append(r.status_code)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            with lock:
+                errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(32)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(max(1.0, 120 - (time.monotonic() - t0)))
+    assert not any(t.is_alive() for t in threads), "a client hung: deadlock?"
+    assert not errors, errors[:3]
+    assert len(statuses) == 96 and set(statuses) <= {200, 429} and statuses.count(200) >= 8, statuses
+    deadline = time.monotonic() + 5
+    while worker.busy or worker.queue_depth:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert httpx.get(server + "/health").json()["status"] == "ok"
+
+
+@pytest.mark.model
+def test_server_rss_is_flat_across_300_requests(cli_server):
+    url = wait_ready(cli_server)
+    pid = cli_server["proc"].pid
+    with httpx.Client(base_url=url, timeout=60) as c:
+        def burst(n: int, start: int) -> None:
+            for i in range(start, start + n):  # the same short prompts: prefix reuse keeps each one cheap
+                chat_turn = i % 10 == 0
+                body = ({"messages": chat("Number"), "max_tokens": 1} if chat_turn else
+                        {"prompt": "Item:", "max_tokens": 1 + i % 2, "stream": i % 4 == 1})
+                r = c.post("/v1/chat/completions" if chat_turn else "/v1/completions",
+                           json={**body, "temperature": 0})
+                assert r.status_code == 200, r.text
+                assert time.monotonic() - t0 < 150, f"too slow: {i - start} requests"
+
+        t0 = time.monotonic()
+        burst(30, 0)  # warm-up: allocator pools, caches, lazily built things
+        before = rss_kb(pid)
+        burst(300, 40)
+        after = rss_kb(pid)
+    assert after < before * 1.05, (before, after)
+    assert time.monotonic() - t0 < 120
+
+
+# ---------------------------------------------------------------- 5. faults
+
+
+@pytest.mark.model
+def test_an_exception_in_one_request_leaves_the_server_up(server, http, worker, caplog, monkeypatch):
+    engine = worker.engine
+    real_stream = engine.stream
+
+    def stream(prompt, **options):
+        if "boom" in json.dumps(prompt):
+            raise RuntimeError("injected engine fault")
+        return real_stream(prompt, **options)
+
+    monkeypatch.setattr(engine, "stream", stream)
+    with caplog.at_level(logging.DEBUG):
+        for path, body in (("/v1/chat/completions", {"messages": chat(f"boom {MARKER}")}),
+                           ("/v1/completions", {"prompt": f"boom {MARKER}", "stream": True})):
+            r = http.post(path, json={**body, "max_tokens": 2})
+            err = error_of(r, 500)
+            assert err["type"] == "server_error" and "injected" not in r.text
+        r = http.post("/v1/completions", json={"prompt": f"{MARKER} " * 400, "max_tokens": 2})
+        assert error_of(r, 400)["code"] == "context_length_exceeded"
+    assert "injected engine fault" in caplog.text  # the fault is logged...
+    assert MARKER not in caplog.text  # ...and no prompt text with it
+    assert worker.alive and http.get("/health").json()["status"] == "ok"
+    r = http.post("/v1/chat/completions", json={"messages": chat("Say hi."), "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+
+
+# ---------------------------------------------------------------- 6. security
+
+
+def test_serve_binds_127_0_0_1_by_default():
+    from localspec.cli import main
+
+    host = next(p for p in main.commands["serve"].params if p.name == "host")
+    assert host.default == "127.0.0.1"
+    from localspec.server.app import run_server
+    import inspect
+
+    assert inspect.signature(run_server).parameters["host"].default == "127.0.0.1"
+
+
+@pytest.mark.model
+def test_the_real_server_listens_on_loopback_only(cli_server):
+    wait_ready(cli_server)
+    port = cli_server["port"]
+    listening = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if os.path.exists(table):
+            for line in Path(table).read_text().splitlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                addr, p = local.split(":")
+                if int(p, 16) == port and state == "0A":  # LISTEN
+                    listening.append(addr)
+    assert listening == ["0100007F"], listening  # 127.0.0.1 only, no IPv6 / wildcard socket
+
+
+@pytest.mark.model
+def test_api_key_on_every_v1_route_with_a_constant_time_compare(worker, monkeypatch):
+    from starlette.testclient import TestClient
+
+    import localspec.server.app as app_module
+    from localspec.server import create_app
+
+    compared = []
+    real = app_module.hmac.compare_digest
+
+    def spy(a, b):
+        compared.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(app_module.hmac, "compare_digest", spy)
+    key = "k3y-" + "x" * 20
+    keyed = create_app(worker, model_name=MODEL, api_key=key)
+    routes = [(path, method.upper()) for path, ops in keyed.openapi()["paths"].items() if path.startswith("/v1")
+              for method in ops]
+    assert len(routes) >= 4
+    bodies = {"/v1/chat/completions": {"messages": chat("Hi"), "max_tokens": 1},
+              "/v1/completions": {"prompt": "Hi", "max_tokens": 1}}
+    with TestClient(keyed) as c:
+        for path, method in routes:
+            path = path.replace("{model_id}", MODEL)
+            kw = {"json": bodies.get(path)} if method == "POST" else {}
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key},
+                            {"Authorization": f"Bearer {key}x"}, {"Authorization": f"bearer {key}"}):
+                assert c.request(method, path, headers=headers, **kw).status_code == 401, (path, headers)
+            r = c.request(method, path, headers={"Authorization": f"Bearer {key}"}, **kw)
+            assert r.status_code == 200, (path, r.text)
+        assert c.get("/v1/no-such-route").status_code == 401  # unknown /v1 paths too: nothing is revealed
+        assert c.get("/health").status_code == 200
+    assert compared and all(b == f"Bearer {key}".encode() for _, b in compared)
+
+
+@pytest.mark.model
+def test_a_model_name_is_never_a_path(http, pair_paths, monkeypatch):
+    import localspec.engine
+    import localspec.llama
+    import localspec.models
+
+    def forbidden(*a, **k):
+        raise AssertionError("a request made the server load or resolve a model")
+
+    monkeypatch.setattr(localspec.llama.LlamaModel, "__init__", forbidden)
+    monkeypatch.setattr(localspec.engine.LlamaModel, "__init__", forbidden)
+    monkeypatch.setattr(localspec.models.Registry, "resolve", forbidden)
+    for name in ("/etc/passwd", str(pair_paths[0]), str(pair_paths[1]), "../../../../etc/passwd",
+                 "file:///etc/passwd", "smollm2-135m-instruct-q4_1", "gemma-3-270m-q4_k_m", "smollm2-q2k"):
+        err = error_of(http.post("/v1/chat/completions", json={"model": name, "messages": chat("Hi"), "max_tokens": 1}),
+                       404)
+        assert err["code"] == "model_not_found"
+        error_of(http.post("/v1/completions", json={"model": name, "prompt": "Hi", "max_tokens": 1}), 404)
+    error_of(http.get("/v1/models/etc/passwd"), 404)
+    error_of(http.get("/v1/models/" + str(pair_paths[1]).lstrip("/")), 404)
+
+
+# ---------------------------------------------------------------- 5b. SIGTERM mid-generation (runs last: stops the server)
+
+
+@pytest.mark.model
+def test_sigterm_during_generation_ends_the_request_and_exits_0(cli_server):
+    url = wait_ready(cli_server)
+    proc = cli_server["proc"]
+    body = {"prompt": f"{MARKER} {COUNTING}", "max_tokens": 200, "temperature": 0, "stream": True}
+    got: list[str] = []
+    done = threading.Event()
+
+    def read() -> None:
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+                for line in r.iter_lines():
+                    got.append(line)
+        except httpx.HTTPError:
+            got.append("<connection closed>")
+        finally:
+            done.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 30
+    while not any(line.startswith("data: {") for line in got):
+        assert time.monotonic() < deadline and not done.is_set(), got
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err[-2000:]
+    assert time.monotonic() - t0 < 10
+    assert done.wait(10)  # the in-flight request ended (finished, or cut at the graceful deadline)...
+    data = [line for line in got if line.startswith("data: ")]
+    assert data[-1] == "data: [DONE]", got[-3:]  # ...cleanly: the client sees the end of the stream
+    last = json.loads(data[-2][6:])
+    assert last.get("error", {}).get("message") == "The server is shutting down." or last["choices"][0]["finish_reason"]
+    assert "Traceback" not in err and "Exception in ASGI" not in err
+    assert MARKER not in out + err and "Number 7" not in out + err  # no prompt text without --log-prompts
+
+
+# ---------------------------------------------------------------- 7. batch output survives SIGKILL
+
+
+@pytest.mark.model
+def test_batch_killed_mid_run_resumes(tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    ids = [f"r{i}" for i in range(10)]
+    inp.write_text("".join(json.dumps({"id": i, "prompt": f"Count from {n} to {n + 20}.", "max_tokens": 24}) + "\n"
+                           for n, i in enumerate(ids)))
+    args = CLI + ["generate", "--input", str(inp), "--output", str(out), "--threads", "1", "--ctx", "256",
+                  "--temperature", "0"]
+    p = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 90
+    while not (out.exists() and out.read_bytes().count(b"\n") >= 2):
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()[1][-2000:]
+        time.sleep(0.01)
+    p.send_signal(signal.SIGKILL)
+    p.communicate(timeout=10)
+    data = out.read_bytes()
+    complete = data[:data.rfind(b"\n") + 1]
+    assert data == complete  # each record is one write: no half line even under SIGKILL
+    first = [json.loads(line) for line in complete.splitlines()]
+    assert 2 <= len(first) < len(ids) and all("text" in r for r in first)
+    assert [r["id"] for r in first] == ids[:len(first)]
+
+    p = subprocess.run(args, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in records] == ids  # each id once: the done ones were skipped
+    assert records[:len(first)] == first and all(r.get("finish_reason") for r in records)
