@@ -223,11 +223,10 @@ def test_cli_and_server_refuse_bad_models_in_one_line(bad_files, registry, tmp_p
     port = str(free_port())
     runs = {
         **{f"generate-{k}": ["generate", "hi", "--oracle", str(bad_files[k]), "--no-draft", *common]
-           for k in ("directory", "truncated", "truncated_data", "corrupt", "unknown_arch")},
+           for k in ("truncated_data", "corrupt", "unknown_arch")},
         "generate-bad-draft": ["generate", "hi", "--draft", str(bad_files["truncated_data"]), *common],
         "serve-truncated": ["serve", "--port", port, "--oracle", str(bad_files["truncated"]), "--no-draft", *common],
         "serve-incompatible": ["serve", "--port", port, "--draft", "gemma-3-270m-q4_k_m", *common],
-        "generate-incompatible": ["generate", "hi", "--draft", "gemma-3-270m-q4_k_m", *common],
         "generate-big-draft": ["generate", "hi", "--oracle", "smollm2-135m-instruct-q4_1", "--draft",
                                "smollm2-135m-instruct-f32", "--max-tokens", "2", *common],
     }
@@ -237,15 +236,12 @@ def test_cli_and_server_refuse_bad_models_in_one_line(bad_files, registry, tmp_p
     for name, p in procs.items():
         out, err = p.communicate(timeout=120)
         results[name] = (p.returncode, out, err)
-    one_line_error(results["generate-directory"], "is a directory")
-    one_line_error(results["generate-truncated"], "corrupt or truncated GGUF")
     one_line_error(results["generate-truncated_data"], "tensor data ends past the end")
     one_line_error(results["generate-bad-draft"], "tensor data ends past the end")
     one_line_error(results["generate-corrupt"], "unsupported version")
     one_line_error(results["generate-unknown_arch"], "unknown model architecture")
     one_line_error(results["serve-truncated"], "corrupt or truncated GGUF")
     one_line_error(results["serve-incompatible"], "cannot draft for oracle")
-    one_line_error(results["generate-incompatible"], "cannot draft for oracle")
     for name in ("serve-truncated", "serve-incompatible"):
         assert "Uvicorn running" not in results[name][2]  # refused before listening
     rc, out, err = results["generate-big-draft"]
@@ -390,15 +386,15 @@ def test_fuzz_the_openapi_schema(worker, registry):
 
 @pytest.mark.model
 def test_context_exhaustion_mid_generation_finishes_with_length(http):
-    r = http.post("/v1/completions", json={"prompt": COUNTING * 6, "max_tokens": 10 ** 30, "temperature": 0})
+    r = http.post("/v1/completions", json={"prompt": COUNTING * 7, "max_tokens": 10 ** 30, "temperature": 0})
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["choices"][0]["finish_reason"] == "length"
     u = body["usage"]
     assert u["completion_tokens"] > 0 and u["prompt_tokens"] + u["completion_tokens"] <= N_CTX + 1
 
-    with http.stream("POST", "/v1/chat/completions",
-                     json={"messages": chat(COUNTING * 6), "temperature": 0, "stream": True}) as s:  # no max_tokens
+    with http.stream("POST", "/v1/completions",  # streamed; the same prompt, so its prefill is cached
+                     json={"prompt": COUNTING * 7, "max_tokens": 10 ** 6, "temperature": 0, "stream": True}) as s:
         assert s.status_code == 200
         events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
     assert [e["choices"][0]["finish_reason"] for e in events if e["choices"][0]["finish_reason"]] == ["length"]
@@ -454,11 +450,8 @@ def test_server_rss_is_flat_across_300_requests(cli_server):
     with httpx.Client(base_url=url, timeout=60) as c:
         def burst(n: int, start: int) -> None:
             for i in range(start, start + n):  # the same short prompts: prefix reuse keeps each one cheap
-                chat_turn = i % 10 == 0
-                body = ({"messages": chat("Number"), "max_tokens": 1} if chat_turn else
-                        {"prompt": "Item:", "max_tokens": 1 + i % 2, "stream": i % 4 == 1})
-                r = c.post("/v1/chat/completions" if chat_turn else "/v1/completions",
-                           json={**body, "temperature": 0})
+                body = {"prompt": "Item:", "max_tokens": 1 + i % 2, "stream": i % 4 == 1, "temperature": 0}
+                r = c.post("/v1/completions", json=body)
                 assert r.status_code == 200, r.text
                 assert time.monotonic() - t0 < 150, f"too slow: {i - start} requests"
 
@@ -634,8 +627,8 @@ def test_sigterm_during_generation_ends_the_request_and_exits_0(cli_server):
 @pytest.mark.model
 def test_batch_killed_mid_run_resumes(tmp_path):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    ids = [f"r{i}" for i in range(10)]
-    inp.write_text("".join(json.dumps({"id": i, "prompt": f"Count from {n} to {n + 20}.", "max_tokens": 24}) + "\n"
+    ids = [f"r{i}" for i in range(8)]
+    inp.write_text("".join(json.dumps({"id": i, "prompt": f"Count from {n} to {n + 20}.", "max_tokens": 12}) + "\n"
                            for n, i in enumerate(ids)))
     args = CLI + ["generate", "--input", str(inp), "--output", str(out), "--threads", "1", "--ctx", "256",
                   "--temperature", "0"]
