@@ -69,8 +69,8 @@ class DraftModelProposer:
             position = len(history) + len(tokens)
             token, confident = self._pick(logits[0], sampling, rng, probs, position)
             tokens.append(token)
-            if len(tokens) == max_len or not confident:
-                break
+            if len(tokens) == max_len or not confident or self.ctx.model.is_eog(token):
+                break  # nothing worth drafting past the end of the generation
             logits = self.ctx.decode([token])
             self.tokens_evaluated += 1
         return Draft(np.asarray(tokens, dtype=np.int32), np.stack(probs) if probs else None)
