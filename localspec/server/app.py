@@ -362,6 +362,20 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
                 watcher.cancel()
             job.cancel()  # no-op once finished
 
+    async def collect(job: Job, events: asyncio.Queue, request: Request) -> tuple[str, list, Chunk] | None:
+        """A whole (non-streamed) generation: its text, logprobs and last chunk; None when the
+        client went away before the end (nobody reads the answer)."""
+        parts, logprobs, final = [], [], None
+        async for event in chunks(job, events, request):
+            if isinstance(event, Failed):
+                raise APIError(500, _SERVER_ERROR)
+            parts.append(event.text)
+            logprobs.extend(event.logprobs or ())
+            final = event
+        if final is None or final.finish_reason is None:
+            return None
+        return "".join(parts), logprobs, final
+
     def log_done(rid: str, endpoint: str, job: Job, text: str | None) -> None:
         s = job.stats
         if s is None:
@@ -442,16 +456,10 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
 
             return _JobStream(job, sse())
 
-        parts, logprobs, final = [], [], None
-        async for event in chunks(job, events, request):
-            if isinstance(event, Failed):
-                raise APIError(500, _SERVER_ERROR)
-            parts.append(event.text)
-            logprobs.extend(event.logprobs or ())
-            final = event
-        if final is None or final.finish_reason is None:  # the client went away: nobody reads this
+        collected = await collect(job, events, request)
+        if collected is None:
             return Response(status_code=499)
-        text = "".join(parts)
+        text, logprobs, final = collected
         log_done(rid, "chat", job, text)
         resp = S.ChatCompletion(id=rid, created=created, model=model_name, usage=_usage(final.stats), choices=[
             S.ChatChoice(message=S.AssistantMessage(content=text), finish_reason=final.finish_reason,
@@ -504,16 +512,10 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
 
             return _JobStream(job, sse())
 
-        parts, logprobs, final = [], [], None
-        async for event in chunks(job, events, request):
-            if isinstance(event, Failed):
-                raise APIError(500, _SERVER_ERROR)
-            parts.append(event.text)
-            logprobs.extend(event.logprobs or ())
-            final = event
-        if final is None or final.finish_reason is None:
+        collected = await collect(job, events, request)
+        if collected is None:
             return Response(status_code=499)
-        text = "".join(parts)
+        text, logprobs, final = collected
         log_done(rid, "completion", job, text)
         lp = _completion_logprobs(logprobs, len(prompt), top_n) if body.logprobs is not None else None
         resp = completion(text, final.finish_reason, lp, usage=_usage(final.stats))
