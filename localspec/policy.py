@@ -5,12 +5,13 @@ so a policy can hide any schedule (fixed, cost-aware) behind two calls.
 
 `AdaptiveLength` (the default) picks the k that maximises expected tokens per second:
 
-    expected tokens per step   E(k) = 1 + sum_{i=1..k} prod_{j<=i} alpha_j
+    expected tokens per step   E(k) = 1 + a + a^2 + ... + a^k
     time per step              T(k) = k * draft_cost + verify_cost(k + 1)        (T(0) = verify_cost(1))
 
-where alpha_j is the running acceptance rate at draft position j (given the ones before it were
-accepted), draft_cost the draft's cost per token and verify_cost(n) the oracle's cost of an n-token
-pass, all measured (at start-up by `calibrate`, then online). k = 0 is plain oracle decoding; when
+where a is the running acceptance rate of a draft token given the ones before it were accepted
+(each drafted token up to the first rejection is one trial, so short drafts also teach what long
+ones would do), draft_cost the draft's cost per token and verify_cost(n) the oracle's cost of an
+n-token pass, all measured (at start-up by `calibrate`, then online). k = 0 is plain oracle decoding; when
 that wins, the policy still probes with a short draft now and then, so a better-matched stretch of
 text is noticed.
 """
@@ -76,7 +77,7 @@ class AdaptiveLength:
     def __init__(self, *, k_max: int = 16, prior_acceptance: float = 0.7, decay: float = 0.9,
                  probe_every: int = 16, probe_length: int = 2) -> None:
         self.k_max = k_max
-        self.alpha = np.full(k_max, prior_acceptance)  # [k_max] acceptance at each draft position
+        self.acceptance = prior_acceptance  # a: per drafted token, given the previous ones were accepted
         self.decay = decay
         self.verify_cost = VerifyCost()
         self.draft_cost: float | None = None  # seconds per draft token
@@ -99,7 +100,8 @@ class AdaptiveLength:
         self.draft_cost = time_draft()
 
     def expected_tokens(self, k: int) -> float:
-        return 1.0 + float(np.cumprod(self.alpha[:k]).sum()) if k else 1.0
+        a = self.acceptance
+        return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
 
     def step_time(self, k: int) -> float:
         return (k * (self.draft_cost or 0.0) if k else 0.0) + self.verify_cost(k + 1)
@@ -126,9 +128,9 @@ class AdaptiveLength:
 
     def update(self, *, n_drafted: int, n_accepted: int, draft_time: float, verify_time: float) -> None:
         d = self.decay
-        self.alpha[:n_accepted] = d * self.alpha[:n_accepted] + (1 - d)
-        if n_accepted < n_drafted:
-            self.alpha[n_accepted] *= d
+        trials = n_accepted + (n_accepted < n_drafted)  # the accepted tokens and the first rejected one
+        weight = d ** trials  # an EMA over trials: each trial moves a by (1 - d)
+        self.acceptance = weight * self.acceptance + (1 - weight) * (n_accepted / trials if trials else 0.0)
         self.verify_cost.observe(n_drafted + 1, verify_time)
         # a probe after idle steps pays for the draft catching up: not a fair per-token cost sample
         if n_drafted and not self._probing:

@@ -27,7 +27,7 @@ def test_identical_vocabularies_are_compatible():
 
 @pytest.mark.parametrize("change, words", [
     ({"vocab_type": 1}, "vocabulary types differ: oracle BPE, draft SPM"),
-    ({"add_bos": True}, "add_bos differs"),
+    ({"add_bos": True}, "add_bos differs: oracle False, draft True"),
     ({"eos": 7}, "eos differs: oracle 2, draft 7"),
     ({"n_vocab": 500}, "vocabulary sizes differ by more than 128: oracle 300, draft 500"),
     ({"overrides": {42: b"x"}}, "token 42 differs: oracle b't42', draft b'x'"),

@@ -87,6 +87,27 @@ def test_default_pair_acceptance_is_high(engine):
     assert r.stats.steps < r.stats.completion_tokens
 
 
+def test_cli_generate_json_on_the_default_pair():
+    """The issue's acceptance check, as a user runs it: default settings (adaptive drafting)."""
+    import json
+    import subprocess
+
+    def run(*extra):
+        out = subprocess.run(["localspec", "generate", "Write a haiku about the sea.", "--json", *extra],
+                             capture_output=True, text=True, timeout=300, check=True)
+        return json.loads(out.stdout)
+
+    spec, alone = run(), run("--no-draft")
+    assert spec["text"] and spec["finish_reason"] in ("stop", "length")
+    for key in ("drafted", "accepted", "acceptance_rate", "mean_accepted_length", "draft_time", "verify_time",
+                "prompt_tokens_evaluated", "time_to_first_token", "tokens_per_second"):
+        assert key in spec["stats"]
+    assert alone["stats"]["drafted"] == 0
+    assert spec["text"] == alone["text"]
+    assert spec["stats"]["drafted"] > 0  # on this pair speculation pays, and adaptive drafting finds it
+    assert spec["stats"]["acceptance_rate"] > 0.8
+
+
 def test_seeded_sampling_is_reproducible(engine):
     opts = dict(max_tokens=32, temperature=0.9, top_p=0.95, top_k=40, min_p=0.02)
     a = engine.generate(chat(PROMPTS[2]), seed=1234, **opts)

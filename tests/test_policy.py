@@ -88,3 +88,17 @@ def test_verify_cost_interpolates_a_line():
     single = VerifyCost()
     single.observe(2, 0.02)
     assert single(4) == pytest.approx(0.04)
+
+
+def test_grows_k_from_a_short_start_when_drafts_keep_being_accepted():
+    """The default pair's measured costs on a 2-core CPU (F32 oracle, Q4_1 draft): starting from the
+    prior, the policy drafts little, sees every token accepted, and moves to long drafts."""
+    table = {1: 0.0236, 2: 0.0278, 4: 0.0337, 8: 0.0412, 16: 0.0601}
+    p = calibrated(lambda n: table[n], draft_cost=0.0106)
+    first = p.draft_length(16)
+    assert first <= 2
+    for _ in range(30):
+        k = p.draft_length(16)
+        p.update(n_drafted=k, n_accepted=k, draft_time=0.0106 * k, verify_time=0.0236 + 0.0024 * k)
+    assert p.draft_length(16) >= 6
+    assert p.acceptance > 0.9
