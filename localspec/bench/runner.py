@@ -370,8 +370,9 @@ def _run_one(spec: SystemSpec, prompt: BenchPrompt, prep: dict, rep: int, worker
                   "tokens_per_second": r["tokens_per_second"], "ttft": None,
                   "drafted": n_drafted, "accepted": n_accept, "steps": max(0, n_predict - n_accept),
                   "finish_reason": None, "latencies": [], "peak_rss": r.get("peak_rss"),
-                  "anchor_prompt_tokens": r.get("prompt_tokens"),
-                  "anchor_command": " ".join(os.path.basename(c) if i == 0 else c for i, c in enumerate(r["command"]))}
+                  "anchor_prompt_tokens": r.get("prompt_tokens")}
+        if rep == 0:  # the same command line every time but for the prompt file and -n
+            record["anchor_command"] = " ".join(os.path.basename(c) if i == 0 else c for i, c in enumerate(r["command"]))
         return record, {"text": r["text"], "tokens": None}
     w = workers[spec.name]
     costs = cost_sizes(spec, w.info) if rep == 0 else None  # the ceiling's costs, on the real contexts
