@@ -270,8 +270,9 @@ class Engine:
         they already hold."""
         _, n_eval = self.oracle.sync(history[:-1], n_logits=0)
         stats.prompt_tokens_evaluated = n_eval + 1  # the last prompt token is evaluated in step one
-        if isinstance(self.proposer, (DraftModelProposer, HybridProposer)) and self.draft_ctx is not None:
-            self.draft_ctx.sync(history[:-1], n_logits=0)
+        drafter = self.proposer.model if isinstance(self.proposer, HybridProposer) else self.proposer
+        if isinstance(drafter, DraftModelProposer):
+            drafter.prefill(history[:-1])
         if isinstance(self.policy, AdaptiveLength) and not self.policy.calibrated:
             self._calibrate(history)
 
@@ -294,10 +295,10 @@ class Engine:
         if len(sizes) < 2:
             return
         draft_ctx = self.draft_ctx
-        if draft_ctx is None or draft_ctx.n_past + 1 > draft_ctx.n_ctx:
-            time_draft = lambda: 0.0  # noqa: E731  (prompt lookup costs next to nothing)
+        if draft_ctx is None or draft_ctx.n_past + 2 > draft_ctx.n_ctx:
+            time_draft = lambda n: 0.0  # noqa: E731  (prompt lookup costs next to nothing)
         else:
-            time_draft = lambda: timed(draft_ctx, 1)  # noqa: E731
+            time_draft = lambda n: timed(draft_ctx, n)  # noqa: E731
         timed(self.oracle, 1)  # warm-up
         self.policy.calibrate(lambda n: timed(self.oracle, n), time_draft, sizes)
 

@@ -6,12 +6,14 @@ so a policy can hide any schedule (fixed, cost-aware) behind two calls.
 `AdaptiveLength` (the default) picks the k that maximises expected tokens per second:
 
     expected tokens per step   E(k) = 1 + a + a^2 + ... + a^k
-    time per step              T(k) = k * draft_cost + verify_cost(k + 1)        (T(0) = verify_cost(1))
+    time per step              T(k) = draft_cost(k) + verify_cost(k + 1)        (draft_cost(0) = 0)
 
 where a is the running acceptance rate of a draft token given the ones before it were accepted
 (each drafted token up to the first rejection is one trial, so short drafts also teach what long
-ones would do), draft_cost the draft's cost per token and verify_cost(n) the oracle's cost of an
-n-token pass, all measured (at start-up by `calibrate`, then online). k = 0 is plain oracle decoding; when
+ones would do), draft_cost(k) the draft's time to propose k tokens (it first catches up on the
+tokens accepted since its last step, in one batch, then decodes one token at a time) and
+verify_cost(n) the oracle's cost of an n-token pass, all measured (at start-up by `calibrate`, then
+online). k = 0 is plain oracle decoding; when
 that wins, the policy still probes with a short draft now and then, so a better-matched stretch of
 text is noticed.
 """
@@ -46,9 +48,10 @@ class FixedLength:
         pass
 
 
-class VerifyCost:
-    """The oracle's time for an n-token pass: a running mean per n, and a least-squares line
-    t = a + b*n through the sizes seen, for sizes not seen yet."""
+class CostCurve:
+    """Time as a function of a size (the oracle's n-token pass, the draft's k-token proposal): a
+    running mean per size, and a least-squares line t = a + b*n through the sizes seen, for sizes
+    not seen yet."""
 
     def __init__(self, decay: float = 0.8) -> None:
         self.decay = decay
@@ -74,14 +77,16 @@ class VerifyCost:
 class AdaptiveLength:
     """Cost-aware draft length (see the module docstring)."""
 
-    def __init__(self, *, k_max: int = 16, prior_acceptance: float = 0.7, decay: float = 0.9,
-                 probe_every: int = 16, probe_length: int = 2) -> None:
+    def __init__(self, *, k_max: int = 16, prior_acceptance: float = 0.9, decay: float = 0.9,
+                 probe_every: int = 16, max_probe_every: int = 128, probe_length: int = 2) -> None:
         self.k_max = k_max
         self.acceptance = prior_acceptance  # a: per drafted token, given the previous ones were accepted
         self.decay = decay
-        self.verify_cost = VerifyCost()
-        self.draft_cost: float | None = None  # seconds per draft token
+        self.verify_cost = CostCurve()  # seconds for an oracle pass of n tokens
+        self.draft_cost = CostCurve()  # seconds for the draft to propose k tokens
         self.probe_every = probe_every
+        self.max_probe_every = max_probe_every
+        self._probe_interval = probe_every
         self.probe_length = probe_length
         self._idle = 0  # consecutive k = 0 steps
         self._probing = False
@@ -89,22 +94,24 @@ class AdaptiveLength:
 
     @property
     def calibrated(self) -> bool:
-        return self.draft_cost is not None and len(self.verify_cost.mean) >= 2
+        return len(self.draft_cost.mean) >= 2 and len(self.verify_cost.mean) >= 2
 
-    def calibrate(self, time_verify: Callable[[int], float], time_draft: Callable[[], float],
+    def calibrate(self, time_verify: Callable[[int], float], time_draft: Callable[[int], float],
                   sizes: tuple[int, ...] = (1, 2, 4, 8, 16)) -> None:
-        """Measure the oracle's pass cost at a few sizes and the draft's per-token cost."""
+        """Measure the oracle's pass at a few sizes, and the draft's batch of 2 (catching up on the
+        last accepted token and the new one) and single-token decode."""
         for n in sizes:
-            if n <= self.k_max + 1:
-                self.verify_cost.mean[n] = time_verify(n)
-        self.draft_cost = time_draft()
+            self.verify_cost.mean[n] = time_verify(n)
+        catch_up, per_token = time_draft(2), time_draft(1)
+        self.draft_cost.mean[1] = catch_up
+        self.draft_cost.mean[self.k_max] = catch_up + (self.k_max - 1) * per_token
 
     def expected_tokens(self, k: int) -> float:
         a = self.acceptance
         return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
 
     def step_time(self, k: int) -> float:
-        return (k * (self.draft_cost or 0.0) if k else 0.0) + self.verify_cost(k + 1)
+        return (self.draft_cost(k) if k else 0.0) + self.verify_cost(k + 1)
 
     def best_length(self, limit: int) -> int:
         ks = range(0, min(limit, self.k_max) + 1)
@@ -117,12 +124,15 @@ class AdaptiveLength:
         k = self.best_length(limit)
         if k == 0:
             self._idle += 1
-            if self._idle >= self.probe_every:
+            if self._idle >= self._probe_interval:
+                # probe; if plain decoding still wins afterwards, wait twice as long for the next one
                 self._idle = 0
                 self._probing = True
+                self._probe_interval = min(2 * self._probe_interval, self.max_probe_every)
                 k = min(self.probe_length, limit)
         else:
             self._idle = 0
+            self._probe_interval = self.probe_every
         self.last_k = k
         return k
 
@@ -132,7 +142,6 @@ class AdaptiveLength:
         weight = d ** trials  # an EMA over trials: each trial moves a by (1 - d)
         self.acceptance = weight * self.acceptance + (1 - weight) * (n_accepted / trials if trials else 0.0)
         self.verify_cost.observe(n_drafted + 1, verify_time)
-        # a probe after idle steps pays for the draft catching up: not a fair per-token cost sample
+        # a probe after idle steps pays for the draft catching up on all of them: not a fair sample
         if n_drafted and not self._probing:
-            per_token = draft_time / n_drafted
-            self.draft_cost = per_token if self.draft_cost is None else d * self.draft_cost + (1 - d) * per_token
+            self.draft_cost.observe(n_drafted, draft_time)

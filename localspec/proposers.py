@@ -48,18 +48,32 @@ class DraftModelProposer:
     `p_min`: stop drafting once the draft's own top probability falls below it (0 disables).
     """
 
-    def __init__(self, ctx: LlamaContext, *, p_min: float = 0.0) -> None:
+    def __init__(self, ctx: LlamaContext, *, p_min: float = 0.0, max_catch_up: int = 32) -> None:
         self.ctx = ctx
         self.p_min = p_min
+        self.max_catch_up = max_catch_up
+        self.start = 0  # the draft's cache holds history[start:] (a window after a long pause)
         self.tokens_evaluated = 0  # draft-side tokens decoded, prompt included
+
+    def prefill(self, tokens: Sequence[int]) -> None:
+        """Evaluate a new prompt (all but its last token) on the draft, reusing its cached prefix."""
+        self.start = 0
+        _, n_eval = self.ctx.sync(tokens, n_logits=0)
+        self.tokens_evaluated += n_eval
 
     def propose(self, history: Sequence[int], max_len: int, sampling: SamplingParams,
                 rng: np.random.Generator) -> Draft:
-        max_len = min(max_len, self.ctx.n_ctx - len(history) + 1)
+        view = history[self.start:]
+        if len(view) - self.ctx.common_prefix(view) > self.max_catch_up:
+            # after many steps without drafting, catching up would cost more than a probe is worth:
+            # draft from the recent text only
+            self.start = len(history) - self.max_catch_up
+            view = history[self.start:]
+        max_len = min(max_len, self.ctx.n_ctx - len(view) + 1)
         if max_len <= 0:
             return EMPTY_DRAFT
         try:
-            logits, n_eval = self.ctx.sync(history)  # [1, vocab]
+            logits, n_eval = self.ctx.sync(view)  # [1, vocab]
         except ContextFullError:
             return EMPTY_DRAFT
         self.tokens_evaluated += n_eval

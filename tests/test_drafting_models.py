@@ -35,7 +35,7 @@ def test_adaptive_is_the_default_and_calibrates(pair_paths):
         assert isinstance(engine.policy, AdaptiveLength)
         r = engine.generate([{"role": "user", "content": "Name three fruits."}], max_tokens=24)
         assert engine.policy.calibrated
-        assert engine.policy.verify_cost(1) > 0 and engine.policy.draft_cost is not None
+        assert engine.policy.verify_cost(1) > 0 and engine.policy.draft_cost(4) > 0
         assert set(engine.policy.verify_cost.mean) >= {1, 2, 4, 8, 16}
         assert r.stats.steps >= 1
 
