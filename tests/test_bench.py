@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import stat
 import sys
-import textwrap
 
 import pytest
 

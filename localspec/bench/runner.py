@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 from . import anchor
 from .ceiling import percentile
 from .report import aggregate
-from .systems import LLAMA_CPP, LLAMA_CPP_PYTHON, LOCALSPEC, SystemSpec, parse_systems
+from .systems import LLAMA_CPP, SystemSpec, parse_systems
 from .workloads import BenchPrompt
 
 SCHEMA = "localspec-bench/1"
