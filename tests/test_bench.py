@@ -40,6 +40,16 @@ def test_predicted_speedup_by_hand():
     assert ceiling.predicted_speedup(1.0, 3, 0.0, lambda n: 5.0) == pytest.approx(4.0)
 
 
+def test_predicted_speedup_per_step():
+    c_verify = lambda n: 10.0 + n  # noqa: E731
+    e = ceiling.expected_tokens(0.8, 4)
+    # one draft length: the standard formula
+    assert ceiling.predicted_speedup_per_step(e, {4: 7}, 1.0, c_verify) == pytest.approx(
+        ceiling.predicted_speedup(0.8, 4, 1.0, c_verify))
+    # half the steps draft nothing (11 ms), half draft 4 (4 + 15 = 19 ms): 2.5 tokens per 15 ms
+    assert ceiling.predicted_speedup_per_step(2.5, {0: 5, 4: 5}, 1.0, c_verify) == pytest.approx(2.5 * 11 / 15)
+
+
 @pytest.mark.parametrize("a,k", [(0.3, 2), (0.8, 4), (0.95, 8), (0.5, 2.5)])
 def test_acceptance_inverts_expected_tokens(a, k):
     e = ceiling.expected_tokens(a, k)
@@ -241,6 +251,18 @@ def test_aggregate_on_synthetic_runs():
     assert "| chat | k4 |" in text and "2.00×" in text and "`llama.cpp` skipped: not built" in text
 
 
+def test_aggregate_uses_per_step_draft_lengths():
+    rep = _synthetic_report()
+    for r in rep["runs"]:
+        r["draft_lengths"] = {"4": 25} if r["system"] == "k4" else {"0": 100}
+    rows = {r["system"]: r for r in report.aggregate(rep)}
+    pooled = {n: 0.010 + 0.001 * n for n in range(1, 6)}
+    pooled[1] = (0.010 + 0.011) / 2
+    c_verify = ceiling.cost_curve(pooled)
+    assert rows["k4"]["ceiling"] == pytest.approx(4.0 * c_verify(1) / (4 * 0.001 + c_verify(5)))
+    assert rows["baseline"]["ceiling"] == 1.0
+
+
 def test_json_is_strict(tmp_path):
     rep = _synthetic_report()
     rep["results"] = report.aggregate(rep)
@@ -299,6 +321,7 @@ def test_bench_cli_tiny_run(tmp_path, pair_paths):
         assert r["match"] is not None
     k2_run = next(r for r in rep["runs"] if r["system"] == "k2")
     assert k2_run["drafted"] > 0 and "1" in k2_run["costs"]["verify"] and k2_run["costs"]["draft"] > 0
+    assert sum(k2_run["draft_lengths"].values()) == k2_run["steps"]
 
     rows = {r["system"]: r for r in rep["results"]}
     for row in rows.values():

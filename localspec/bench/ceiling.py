@@ -60,6 +60,21 @@ def predicted_speedup(a: float, k: float, c_draft: float, c_verify: Callable[[fl
     return expected_tokens(a, k) * c_verify(1.0) / t
 
 
+def predicted_speedup_per_step(tokens_per_step: float, draft_lengths: Mapping[int, int], c_draft: float,
+                               c_verify: Callable[[float], float]) -> float:
+    """The same prediction when the draft length varies from step to step (adaptive length, prompt
+    lookup): the step time is averaged over the measured draft lengths {k: steps}, and E is the
+    measured tokens per step. With one k it equals predicted_speedup(a, k, ...) for the a whose
+    E(a, k) is tokens_per_step."""
+    steps = sum(draft_lengths.values())
+    if steps <= 0:
+        raise ValueError("no steps")
+    t = sum(n * step_time(k, c_draft, c_verify) for k, n in draft_lengths.items()) / steps
+    if t <= 0:
+        raise ValueError("the step time must be positive")
+    return tokens_per_step * c_verify(1.0) / t
+
+
 def cost_curve(points: Mapping[int | float, float]) -> Callable[[float], float]:
     """c_verify(n) from measured {n: seconds}: the measurement itself at a measured n, linear
     interpolation between measured sizes, a least-squares line beyond them."""

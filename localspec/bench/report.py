@@ -11,7 +11,8 @@ Aggregates (one row per system and workload, plus an "all" row per system):
     mean_accepted_length  accepted draft tokens per verify step (tokens_per_step = 1 + that)
     per_token_acceptance  a with E(a, K) = tokens_per_step, K = mean draft length (see ceiling.py)
     ceiling               the speedup predicted from that acceptance and the measured draft and verify
-                          costs; efficiency = speedup / ceiling
+                          costs (the step time averaged over the recorded per-step draft lengths where
+                          they are known, i.e. all but the C++ anchor); efficiency = speedup / ceiling
     ttft                  time to first token (prompt evaluation included), median over runs
     latency_p50/p95       per-token latency: chunk inter-arrival time / tokens in the chunk
     peak_rss              per system (see the systems' peak_rss_scope)
@@ -22,12 +23,12 @@ from __future__ import annotations
 
 import json
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
 from .ceiling import (acceptance_from_tokens_per_step, cost_curve, geomean, median, percentile,
-                      predicted_speedup)
+                      predicted_speedup, predicted_speedup_per_step)
 
 ALL = "all"
 RESULT_FIELDS = (
@@ -84,14 +85,24 @@ def _row(system: dict, workload: str, runs: list[dict], base: dict[tuple[str, in
     k_mean = drafted / steps if steps else 0.0
     a = acceptance_from_tokens_per_step(tokens_per_step, k_mean) if tokens_per_step and k_mean > 0 else None
 
+    lengths: Counter[int] | None = Counter()
+    for r in runs:
+        if r.get("draft_lengths") is None:
+            lengths = None  # not recorded (the C++ anchor): the formula with the mean draft length
+            break
+        lengths.update({int(k): n for k, n in r["draft_lengths"].items()})
+
     ceiling = None
     if system["name"] == "baseline":
         ceiling = 1.0
-    elif costs and a is not None:
+    elif costs and tokens_per_step is not None and k_mean > 0:
         c_draft = costs["draft"] if _uses_draft_model(system) else 0.0  # prompt lookup: no model to run
         if c_draft is not None:
             c_verify = cost_curve(costs["verify"])
-            ceiling = predicted_speedup(a, k_mean, c_draft, c_verify)
+            if lengths:
+                ceiling = predicted_speedup_per_step(tokens_per_step, lengths, c_draft, c_verify)
+            elif a is not None:
+                ceiling = predicted_speedup(a, k_mean, c_draft, c_verify)
     speedup = geomean(list(speedups.values())) if speedups else None
 
     latencies = [x for r in runs for x in (r.get("latencies") or [])]
@@ -252,8 +263,10 @@ def results_document(report: dict, charts: dict[str, str] | None = None, command
         "- **ceiling**: the speedup the standard model predicts from the measured acceptance and the measured "
         "draft and verify costs: E = (1 − a^(K+1)) / (1 − a) tokens per step for per-token acceptance a "
         "and mean draft length K, step time K·c_draft + c_verify(K+1), predicted speedup E·c_verify(1) / "
-        "step time; costs are timed decodes on the real contexts (by localspec's workers, also used for the "
-        "anchor's ceiling). **efficiency** = speedup / ceiling.",
+        "step time (averaged over the recorded draft length of every step where the length varies: adaptive, "
+        "lookup); costs are timed decodes at the end of each rep-1 generation, i.e. on the real contexts (by "
+        "localspec's workers, also used for the anchor's ceiling). **efficiency** = speedup / ceiling; "
+        "around 100% means at the ceiling, within noise.",
         "- **acceptance**: accepted / drafted tokens; **accepted/step**: accepted draft tokens per verify pass.",
         "- **TTFT**: time to first token, prompt evaluation included (not reported by the C++ anchor).",
         "- **p50/p95 ms/tok**: per-token latency from chunk arrival times divided by tokens per chunk.",

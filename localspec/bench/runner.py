@@ -386,8 +386,8 @@ def _run_one(spec: SystemSpec, prompt: BenchPrompt, prep: dict, rep: int, worker
             prev = t
     record = {**base, "completion_tokens": r["completion_tokens"], "decode_time": r["decode_time"],
               "tokens_per_second": r["tokens_per_second"], "ttft": r["ttft"], "drafted": r["drafted"],
-              "accepted": r["accepted"], "steps": r["steps"], "finish_reason": r["finish_reason"],
-              "latencies": latencies}
+              "accepted": r["accepted"], "steps": r["steps"], "draft_lengths": r.get("draft_lengths"),
+              "finish_reason": r["finish_reason"], "latencies": latencies}
     if "costs" in r:
         record["costs"] = r["costs"]
     return record, {"text": r["text"], "tokens": r["tokens"]}

@@ -25,6 +25,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections import Counter
 from typing import Any
 
 COST_REPEATS = 3
@@ -112,22 +113,35 @@ class LocalspecRunner:
         for ctx in self._contexts():  # every run evaluates its whole prompt: no prefix reuse between runs
             ctx.reset()
         request = Request(max_tokens=max_tokens)
+        lengths: Counter[int] = Counter()  # draft length of every step, for the ceiling
+        policy = self.engine.policy
+        update = policy.update
+
+        def recording_update(*, n_drafted: int, **kw) -> None:
+            lengths[n_drafted] += 1
+            update(n_drafted=n_drafted, **kw)
+
+        policy.update = recording_update
         t_start = time.perf_counter()
         chunks: list[tuple[float, int]] = []
         out_tokens: list[int] = []
         text: list[str] = []
         final = None
-        for final in self.engine.stream_tokens(list(tokens), request):
-            chunks.append((time.perf_counter() - t_start, len(final.tokens)))
-            out_tokens.extend(final.tokens)
-            text.append(final.text)
+        try:
+            for final in self.engine.stream_tokens(list(tokens), request):
+                chunks.append((time.perf_counter() - t_start, len(final.tokens)))
+                out_tokens.extend(final.tokens)
+                text.append(final.text)
+        finally:
+            del policy.update  # the class's method again
         assert final is not None and final.stats is not None
         s = final.stats
         result = {"tokens": out_tokens, "text": "".join(text), "finish_reason": final.finish_reason,
                   "stats": s.to_dict(), "chunks": chunks,
                   "decode_time": s.total_time - s.prompt_time, "completion_tokens": s.completion_tokens,
                   "tokens_per_second": s.tokens_per_second, "ttft": s.time_to_first_token,
-                  "drafted": s.drafted, "accepted": s.accepted, "steps": s.steps}
+                  "drafted": s.drafted, "accepted": s.accepted, "steps": s.steps,
+                  "draft_lengths": {str(k): n for k, n in sorted(lengths.items())}}
         if costs:
             result["costs"] = self.measure_costs(costs)
         return result
@@ -171,7 +185,7 @@ class CountingDraft:
 
     def __call__(self, input_ids, /, **kwargs):
         out = self.inner(input_ids, **kwargs)
-        self.calls.append((len(input_ids), [int(t) for t in out]))
+        self.calls.append((len(input_ids), [int(t) for t in out]))  # called once after every oracle pass
         return out
 
 
@@ -202,7 +216,7 @@ class LlamaCppPythonRunner:
         llm.reset()
         self.draft.calls.clear()
         out: list[int] = []
-        chunks: list[tuple[float, int]] = []
+        arrivals: list[tuple[float, int]] = []  # (time, oracle pass the token came from)
         t_start = time.perf_counter()
         finish = "length"
         for token in llm.generate(list(tokens), top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
@@ -212,10 +226,20 @@ class LlamaCppPythonRunner:
                 finish = "stop"
                 break
             out.append(int(token))
-            chunks.append((now, 1))
+            arrivals.append((now, len(self.draft.calls)))
             if len(out) >= max_tokens:
                 break
         t_end = time.perf_counter() - t_start
+        # It yields the tokens of one oracle pass one by one, microseconds apart: group them into
+        # chunks per pass (as localspec's are), timed at the first token of the pass.
+        chunks: list[tuple[float, int]] = []
+        last_pass = None
+        for now, n_pass in arrivals:
+            if n_pass == last_pass:
+                chunks[-1] = (chunks[-1][0], chunks[-1][1] + 1)
+            else:
+                chunks.append((now, 1))
+                last_pass = n_pass
         text = llm.detokenize(out).decode("utf-8", errors="replace")
         # Acceptance, from the drafts it made: greedy output is known, so a draft made after h tokens
         # of history was accepted for as long as it agrees with what was emitted after them.
@@ -228,13 +252,15 @@ class LlamaCppPythonRunner:
                     accepted += 1
                 else:
                     break
-        ttft = chunks[0][0] if chunks else t_end
+        ttft = arrivals[0][0] if arrivals else t_end
         n = len(out)
-        decode_time = (chunks[-1][0] - chunks[0][0]) if n > 1 else 0.0
+        decode_time = (arrivals[-1][0] - arrivals[0][0]) if n > 1 else 0.0
+        lengths = Counter(len(d) for _, d in self.draft.calls)
         return {"tokens": out, "text": text, "finish_reason": finish, "chunks": chunks,
                 "decode_time": decode_time, "completion_tokens": n,
                 "tokens_per_second": (n - 1) / decode_time if decode_time > 0 else 0.0,
                 "ttft": ttft, "drafted": drafted, "accepted": accepted, "steps": len(self.draft.calls),
+                "draft_lengths": {str(k): c for k, c in sorted(lengths.items())},
                 "stats": {"note": "tokens/s = (n-1) / (last token - first token): prompt evaluation excluded"}}
 
     def close(self) -> None:
