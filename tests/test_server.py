@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from localspec.outputs import Chunk, Stats
 from localspec.server import EngineWorker, create_app
+from serving import wait_ready
 
 MODEL = "smollm2"
 N_CTX = 1024
@@ -102,22 +103,6 @@ def cli_server(pair_paths):
     if proc.poll() is None:
         proc.kill()
     proc.communicate(timeout=10)
-
-
-def wait_ready(handle) -> str:
-    if not handle["ready"]:
-        deadline = time.monotonic() + 90
-        while True:
-            assert handle["proc"].poll() is None, handle["proc"].communicate()[1][-3000:]
-            try:
-                if httpx.get(handle["url"] + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "localspec serve did not come up"
-            time.sleep(0.2)
-        handle["ready"] = True
-    return handle["url"]
 
 
 @pytest.fixture(scope="module")
