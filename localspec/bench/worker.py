@@ -121,7 +121,11 @@ class LocalspecRunner:
             lengths[n_drafted] += 1
             update(n_drafted=n_drafted, **kw)
 
-        policy.update = recording_update
+        try:
+            policy.update = recording_update
+            recording = True
+        except (AttributeError, TypeError):  # a policy that cannot be wrapped: no per-step lengths
+            recording = False
         t_start = time.perf_counter()
         chunks: list[tuple[float, int]] = []
         out_tokens: list[int] = []
@@ -133,7 +137,8 @@ class LocalspecRunner:
                 out_tokens.extend(final.tokens)
                 text.append(final.text)
         finally:
-            del policy.update  # the class's method again
+            if recording:
+                del policy.update  # the class's method again
         assert final is not None and final.stats is not None
         s = final.stats
         result = {"tokens": out_tokens, "text": "".join(text), "finish_reason": final.finish_reason,
@@ -141,7 +146,7 @@ class LocalspecRunner:
                   "decode_time": s.total_time - s.prompt_time, "completion_tokens": s.completion_tokens,
                   "tokens_per_second": s.tokens_per_second, "ttft": s.time_to_first_token,
                   "drafted": s.drafted, "accepted": s.accepted, "steps": s.steps,
-                  "draft_lengths": {str(k): n for k, n in sorted(lengths.items())}}
+                  "draft_lengths": {str(k): n for k, n in sorted(lengths.items())} if recording else None}
         if costs:
             result["costs"] = self.measure_costs(costs)
         return result
