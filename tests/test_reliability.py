@@ -10,9 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,10 +19,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
 from localspec.llama import ModelLoadError
-from serving import wait_ready
+from serving import ThreadedServer, free_port, wait_ready
 
 MODEL = "smollm2"
 N_CTX = 256
@@ -33,12 +30,6 @@ MARKER = "okapi-lantern-marker"  # prompt text that must never reach a log
 
 _script = os.path.join(os.path.dirname(sys.executable), "localspec")
 CLI = [_script] if os.path.exists(_script) else [sys.executable, "-m", "localspec.cli"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def chat(text: str) -> list[dict]:
@@ -57,23 +48,6 @@ def rss_kb(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     raise AssertionError("no VmRSS")
-
-
-class ThreadedServer:
-    def __init__(self, app) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(15)
 
 
 # ---------------------------------------------------------------- fixtures

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,44 +18,17 @@ import time
 import httpx
 import openai
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from localspec.outputs import Chunk, Stats
 from localspec.server import EngineWorker, create_app
-from serving import wait_ready
+from serving import ThreadedServer, free_port, wait_ready
 
 MODEL = "smollm2"
 N_CTX = 1024
 MAX_BODY = 64 * 1024
 API_KEY = "s3cret-key"
 COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"  # greedy SmolLM2 keeps counting: a long generation
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ThreadedServer:
-    """uvicorn serving `app` in a thread on a free port (no signal handlers: not the main thread)."""
-
-    def __init__(self, app) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(15)
-        assert not self.thread.is_alive()
 
 
 def metric(url: str, name: str, **labels) -> float:
