@@ -11,6 +11,7 @@ import pytest
 
 from localspec.acceptance import accept_draft, accept_greedy
 from localspec.sampling import SamplingParams, logits_to_probs, sample
+from scripted import ScriptedRng
 
 
 def tv_bound(n_samples: int, n_outcomes: int, delta: float = 1e-6) -> float:
@@ -21,18 +22,6 @@ def tv_bound(n_samples: int, n_outcomes: int, delta: float = 1e-6) -> float:
 
 def tv(a: np.ndarray, b: np.ndarray) -> float:
     return 0.5 * float(np.abs(np.asarray(a, dtype=np.float64) - b).sum())
-
-
-class ScriptedRng:
-    """Stands in for np.random.Generator: returns the given uniforms in order, counts the calls."""
-
-    def __init__(self, *us: float):
-        self.us = list(us)
-        self.calls = 0
-
-    def random(self) -> float:
-        self.calls += 1
-        return self.us.pop(0)
 
 
 def onehot(i: int, vocab: int) -> np.ndarray:
@@ -107,7 +96,6 @@ def test_k_zero_samples_from_target_row_0():
 
 @pytest.mark.parametrize("with_draft_probs", [True, False])
 def test_a_draft_token_the_oracle_forbids_is_never_accepted_nor_emitted(with_draft_probs):
-    vocab = 5
     target = np.array([[0.3, 0.0, 0.3, 0.2, 0.2], [0.2] * 5])
     draft_probs = np.array([[0.05, 0.9, 0.05, 0.0, 0.0]]) if with_draft_probs else None
     emitted = set()

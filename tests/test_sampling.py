@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from localspec.sampling import SamplingParams, log_softmax, logits_to_probs, sample
+from scripted import ScriptedRng
 
 
 def softmax64(z: np.ndarray) -> np.ndarray:
@@ -307,18 +308,6 @@ def test_read_only_and_strided_views_are_not_modified():
 
 
 # --- sample ------------------------------------------------------------------------------------
-
-
-class ScriptedRng:
-    """Stands in for np.random.Generator: returns the given uniforms in order."""
-
-    def __init__(self, *us: float):
-        self.us = list(us)
-        self.calls = 0
-
-    def random(self) -> float:
-        self.calls += 1
-        return self.us.pop(0)
 
 
 def test_sample_is_inverse_cdf_with_one_uniform():
