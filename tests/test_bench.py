@@ -124,6 +124,10 @@ def test_system_names():
     assert systems.parse_system("llama.cpp").params == {"binary": "llama-speculative-simple", "k": 8}
     assert systems.parse_system("llama.cpp-spec-k4").params == {"binary": "llama-speculative", "k": 4}
     assert systems.parse_system("lcp-lookup-k3").params["num_pred_tokens"] == 3
+    ngram = systems.parse_system("llama.cpp-ngram")
+    assert ngram.params == {"binary": "llama-speculative-simple", "k": None, "spec_type": "ngram-simple"}
+    assert not ngram.uses_draft_model and systems.parse_system("llama.cpp").uses_draft_model
+    assert systems.parse_system("llama.cpp-ngram-k16").params["k"] == 16
     assert [s.name for s in systems.parse_systems(None)][:2] == ["baseline", "k2"]
     for bad in ("k0", "fast", "llama.cpp-k"):
         with pytest.raises(ValueError):
@@ -199,6 +203,19 @@ def test_anchor_run_on_a_stand_in(tmp_path):
                         ("-t", "2"), ("-td", "2"), ("--temp", "0"), ("-c", "2048"), ("--spec-draft-p-min", "0.0"),
                         ("--spec-type", "draft-simple")]:
         assert args[args.index(flag) + 1] == value, flag
+
+
+def test_anchor_ngram_lookup_runs_without_a_draft_model(tmp_path):
+    fake = tmp_path / "llama-speculative-simple"
+    log = tmp_path / "args"
+    fake.write_text(FAKE.format(python=sys.executable, log=log, stats=STATS))
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    anchor.run(fake, oracle="o.gguf", draft=None, prompt_text="p", prompt_echo="p", n_predict=8, k=16,
+               threads=1, n_ctx=512, spec_type="ngram-simple")
+    args = log.read_text().split()
+    assert "-md" not in args and "--spec-draft-n-max" not in args
+    assert args[args.index("--spec-type") + 1] == "ngram-simple"
+    assert args[args.index("--spec-ngram-simple-size-m") + 1] == "16"
 
 
 # ---------------------------------------------------------------------------------------- report
@@ -347,3 +364,7 @@ def test_real_anchor_if_built(pair_paths):
                    n_predict=12, k=4, threads=1, n_ctx=512)
     assert r["completion_tokens"] > 0 and r["tokens_per_second"] > 0 and r["n_drafted"] is not None
     assert r["text"].strip() and not r["text"].startswith("<|im_start|>")
+
+    lookup = anchor.run(binary, oracle=str(oracle), draft=None, prompt_text=prompt, prompt_echo=prompt,
+                        n_predict=12, k=None, threads=1, n_ctx=512, spec_type="ngram-simple")
+    assert lookup["completion_tokens"] > 0 and lookup["text"].strip()

@@ -88,13 +88,26 @@ class Flags:
                    spec_type="--spec-type" in h, threads_draft=first("--spec-draft-threads", "-td", "--threads-draft"))
 
 
-def command(binary: str | os.PathLike, *, oracle: str, draft: str, prompt_file: str, n_predict: int, k: int,
-            threads: int, n_ctx: int, p_min: float = 0.0, seed: int = 1) -> list[str]:
+def command(binary: str | os.PathLike, *, oracle: str, draft: str | None, prompt_file: str, n_predict: int,
+            k: int | None, threads: int, n_ctx: int, p_min: float = 0.0, seed: int = 1,
+            spec_type: str | None = None) -> list[str]:
+    """The command line of one greedy generation. `spec_type="ngram-simple"`: llama.cpp's prompt
+    lookup, no draft model (`k`, if given, caps the drafted m-gram)."""
     binary = str(binary)
     f = Flags.detect(binary)
-    cmd = [binary, "-m", oracle, "-md", draft, "-f", prompt_file, "-n", str(n_predict), "-c", str(n_ctx),
+    cmd = [binary, "-m", oracle, "-f", prompt_file, "-n", str(n_predict), "-c", str(n_ctx),
            "-t", str(threads), "-tb", str(threads), "--temp", "0", "--top-k", "1", "--repeat-penalty", "1.0",
-           "--seed", str(seed), f.n_max, str(k)]
+           "--seed", str(seed)]
+    if spec_type is not None:
+        if not f.spec_type:
+            raise AnchorUnavailable(f"{binary} has no --spec-type: this llama.cpp cannot do {spec_type}")
+        cmd += ["--spec-type", spec_type]
+        if k is not None and spec_type == "ngram-simple":
+            cmd += ["--spec-ngram-simple-size-m", str(k)]
+        return cmd
+    if draft is None or k is None:
+        raise ValueError("a draft model and a draft length are needed")
+    cmd += ["-md", draft, f.n_max, str(k)]
     if f.threads_draft:
         cmd += [f.threads_draft, str(threads)]
     if f.n_min:
@@ -157,8 +170,9 @@ def generated_text(stdout: str, prompt_echo: str) -> str:
     return s[i + len(tail):] if i >= 0 else s
 
 
-def run(binary: str | os.PathLike, *, oracle: str, draft: str, prompt_text: str, prompt_echo: str, n_predict: int,
-        k: int, threads: int, n_ctx: int, p_min: float = 0.0, timeout: float = 1800.0) -> dict:
+def run(binary: str | os.PathLike, *, oracle: str, draft: str | None, prompt_text: str, prompt_echo: str,
+        n_predict: int, k: int | None, threads: int, n_ctx: int, p_min: float = 0.0, spec_type: str | None = None,
+        timeout: float = 1800.0) -> dict:
     """Run one generation; returns the parsed stats, the generated text and the process's peak RSS."""
     with tempfile.TemporaryDirectory(prefix="localspec-anchor-") as tmp:
         prompt_file = os.path.join(tmp, "prompt.txt")
@@ -166,7 +180,7 @@ def run(binary: str | os.PathLike, *, oracle: str, draft: str, prompt_text: str,
             fh.write(prompt_text + "\n")  # llama.cpp drops one trailing newline from -f files
         out_path, err_path = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
         cmd = command(binary, oracle=oracle, draft=draft, prompt_file=prompt_file, n_predict=n_predict, k=k,
-                      threads=threads, n_ctx=n_ctx, p_min=p_min)
+                      threads=threads, n_ctx=n_ctx, p_min=p_min, spec_type=spec_type)
         t0 = time.perf_counter()
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err)

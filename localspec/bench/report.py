@@ -29,6 +29,7 @@ from typing import Any
 
 from .ceiling import (acceptance_from_tokens_per_step, cost_curve, geomean, median, percentile,
                       predicted_speedup, predicted_speedup_per_step)
+from .systems import uses_draft_model
 
 ALL = "all"
 RESULT_FIELDS = (
@@ -37,10 +38,6 @@ RESULT_FIELDS = (
     "ceiling", "efficiency", "ttft", "latency_p50", "latency_p95", "peak_rss", "greedy_match", "mismatched_runs",
     "costs",
 )
-
-
-def _uses_draft_model(system: dict) -> bool:
-    return system.get("params", {}).get("draft") == "model" or system.get("kind") == "llama.cpp"
 
 
 def _costs(runs: list[dict]) -> dict | None:
@@ -96,7 +93,7 @@ def _row(system: dict, workload: str, runs: list[dict], base: dict[tuple[str, in
     if system["name"] == "baseline":
         ceiling = 1.0
     elif costs and tokens_per_step is not None and k_mean > 0:
-        c_draft = costs["draft"] if _uses_draft_model(system) else 0.0  # prompt lookup: no model to run
+        c_draft = costs["draft"] if uses_draft_model(system.get("kind", ""), system.get("params", {})) else 0.0  # prompt lookup: no model to run
         if c_draft is not None:
             c_verify = cost_curve(costs["verify"])
             if lengths:

@@ -363,7 +363,7 @@ def _run_one(spec: SystemSpec, prompt: BenchPrompt, prep: dict, rep: int, worker
     if spec.kind == LLAMA_CPP:
         r = anchor.run(anchor_bins[spec.name], oracle=models["oracle"], draft=models["draft"],
                        prompt_text=prep["anchor_text"], prompt_echo=prep["echo"], n_predict=prompt.max_tokens,
-                       k=spec.params["k"], threads=threads, n_ctx=n_ctx)
+                       k=spec.params["k"], threads=threads, n_ctx=n_ctx, spec_type=spec.params.get("spec_type"))
         n_accept, n_drafted = r.get("n_accept") or 0, r.get("n_drafted") or 0
         n_predict = r.get("n_predict") if r.get("n_predict") is not None else r["completion_tokens"]
         record = {**base, "completion_tokens": r["completion_tokens"], "decode_time": r["decode_time"],

@@ -9,6 +9,9 @@
     llama.cpp       llama.cpp's C++ llama-speculative-simple with the same models, K = 8 (the anchor)
     llama.cpp-kN    the same with K = N
     llama.cpp-spec  llama.cpp's C++ llama-speculative (K = 8; llama.cpp-spec-kN for another K)
+    llama.cpp-ngram llama.cpp's C++ prompt lookup: llama-speculative-simple --spec-type ngram-simple, no
+                    draft model, its defaults (a 12-token match, up to 48 drafted); llama.cpp-ngram-kN
+                    drafts up to N
     lcp-lookup      llama-cpp-python's own prompt lookup (Llama(draft_model=LlamaPromptLookupDecoding)),
                     num_pred_tokens as its README recommends (2 on CPU, 10 with GPU offload);
                     lcp-lookup-kN for num_pred_tokens = N
@@ -22,6 +25,7 @@ from typing import Any
 
 DEFAULT_SYSTEMS = ("baseline", "k2", "k4", "k8", "adaptive", "lookup", "llama.cpp", "lcp-lookup")
 ANCHOR_K = 8
+NGRAM_SIMPLE_M = 48  # llama.cpp's default --spec-ngram-simple-size-m
 
 LOCALSPEC = "localspec"
 LLAMA_CPP = "llama.cpp"
@@ -37,7 +41,7 @@ class SystemSpec:
 
     @property
     def uses_draft_model(self) -> bool:
-        return self.params.get("draft") == "model" or self.kind == LLAMA_CPP
+        return uses_draft_model(self.kind, self.params)
 
     @property
     def is_baseline(self) -> bool:
@@ -45,6 +49,11 @@ class SystemSpec:
 
     def to_dict(self) -> dict:
         return {"name": self.name, "kind": self.kind, "description": self.description, "params": dict(self.params)}
+
+
+def uses_draft_model(kind: str, params: dict[str, Any]) -> bool:
+    """Whether a system runs a draft model (the anchor does, unless it drafts by n-gram lookup)."""
+    return params.get("draft") == "model" or (kind == LLAMA_CPP and not params.get("spec_type"))
 
 
 def parse_system(name: str) -> SystemSpec:
@@ -69,12 +78,17 @@ def parse_system(name: str) -> SystemSpec:
         k = _k(m, n, 2) if m.group(2) else ANCHOR_K
         binary = "llama-speculative" if m.group(1) else "llama-speculative-simple"
         return SystemSpec(n, LLAMA_CPP, f"llama.cpp C++ {binary}, K={k}", {"binary": binary, "k": k})
+    if m := re.fullmatch(r"llama\.cpp-ngram(?:-k(\d+))?", n):
+        k = _k(m, n) if m.group(1) else None
+        return SystemSpec(n, LLAMA_CPP, f"llama.cpp C++ llama-speculative-simple, ngram-simple lookup, "
+                          f"up to {k or NGRAM_SIMPLE_M} drafted",
+                          {"binary": "llama-speculative-simple", "k": k, "spec_type": "ngram-simple"})
     if m := re.fullmatch(r"lcp-lookup(?:-k(\d+))?", n):
         k = _k(m, n) if m.group(1) else None
         desc = f"llama-cpp-python LlamaPromptLookupDecoding, num_pred_tokens={k if k else '2 (CPU) / 10 (GPU)'}"
         return SystemSpec(n, LLAMA_CPP_PYTHON, desc, {"num_pred_tokens": k, "max_ngram_size": 2})
     raise ValueError(f"unknown system {name!r} (known: baseline, kN, adaptive, lookup, lookup-kN, hybrid, "
-                     f"llama.cpp, llama.cpp-kN, llama.cpp-spec[-kN], lcp-lookup[-kN])")
+                     f"llama.cpp, llama.cpp-kN, llama.cpp-spec[-kN], llama.cpp-ngram[-kN], lcp-lookup[-kN])")
 
 
 def _k(m: re.Match, name: str, group: int = 1) -> int:
