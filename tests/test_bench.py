@@ -352,6 +352,28 @@ def test_bench_cli_tiny_run(tmp_path, pair_paths):
 
 
 @pytest.mark.model
+def test_bench_on_the_cross_tokenizer_pair(tmp_path, registry):
+    """The pair's cross_tokenizer setting reaches the engine: without it, the draft would not load."""
+    from click.testing import CliRunner
+
+    from localspec.cli import main
+
+    wl = tmp_path / "tiny.jsonl"
+    wl.write_text(json.dumps({"id": "t1", "prompt": "The capital of France is", "max_tokens": 6}) + "\n")
+    out = tmp_path / "report.json"
+    result = CliRunner().invoke(main, [
+        "bench", "--pair", "gemma3-270m-smollm2", "--workload", str(wl), "--systems", "k2", "--reps", "1",
+        "--threads", "1", "--ctx", "512", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    rep = json.loads(out.read_text())
+    assert rep["config"]["cross_tokenizer"] is True
+    status = {s["name"]: s for s in rep["systems"]}
+    assert status["k2"]["status"] == "ok", status["k2"]
+    assert status["k2"]["info"]["proposer"] == "CrossTokenizerProposer"
+    assert all(r["completion_tokens"] > 0 and r["match"] is not None for r in rep["runs"])
+
+
+@pytest.mark.model
 def test_real_anchor_if_built(pair_paths):
     """The real llama-speculative-simple, when scripts/build_llama_anchor.sh has built it (never required)."""
     try:

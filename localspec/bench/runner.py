@@ -48,6 +48,7 @@ class BenchConfig:
     n_ctx: int = 4096
     pair: str | None = None
     anchor_bin: str | None = None  # directory of the anchor binaries (default: the cache)
+    cross_tokenizer: bool = False  # the draft's vocabulary differs from the oracle's (drafting through text)
     warmup: bool = True
     progress: Callable[[str], None] | None = None
 
@@ -206,7 +207,8 @@ def run_bench(config: BenchConfig) -> dict:
     registry = Registry.load()
     oracle_path = str(registry.resolve(config.oracle, progress=say))
     draft_path = str(registry.resolve(config.draft, progress=say)) if config.draft else None
-    models = {"oracle": oracle_path, "draft": draft_path, "oracle_path": oracle_path}
+    models = {"oracle": oracle_path, "draft": draft_path, "oracle_path": oracle_path,
+              "cross_tokenizer": config.cross_tokenizer}
 
     started = _dt.datetime.now(_dt.timezone.utc)
     machine = machine_info(threads)
@@ -325,6 +327,7 @@ def run_bench(config: BenchConfig) -> dict:
         "machine": machine,
         "config": {
             "pair": config.pair, "oracle": config.oracle, "draft": config.draft,
+            "cross_tokenizer": config.cross_tokenizer,
             "oracle_path": oracle_path, "draft_path": draft_path, "threads": threads, "n_ctx": config.n_ctx,
             "reps": config.reps, "temperature": 0.0,
             "workloads": sorted({p.workload for p in config.prompts}),

@@ -51,6 +51,8 @@ class LocalspecRunner:
             draft_arg = None
         else:
             draft_arg = models["draft"] if draft == "model" else "ngram"
+            if draft == "model" and models.get("cross_tokenizer"):
+                kwargs["cross_tokenizer"] = True
             wanted = {"draft_length": params.get("draft_length"), "lookup": params.get("lookup", False)}
             if draft == "ngram" and "draft_length" not in accepted:
                 raise RuntimeError("this Engine has no prompt lookup (draft='ngram') yet")
