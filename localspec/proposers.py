@@ -113,9 +113,12 @@ class DraftModelProposer:
 class PromptLookupProposer:
     """Prompt lookup (n-gram) drafting, no model: find the latest earlier occurrence of the
     history's last n tokens (longest n first) and propose what followed it. Pays off when the output
-    copies from the input (rewrite, summarise, extract, edit code)."""
+    copies from the input (rewrite, summarise, extract, edit code).
 
-    def __init__(self, *, max_ngram: int = 4, min_ngram: int = 1) -> None:
+    `min_ngram` defaults to 2: a single repeated token ("the", ",") predicts little, and in the hybrid
+    proposer a 1-token match would almost always shut the draft model out."""
+
+    def __init__(self, *, max_ngram: int = 4, min_ngram: int = 2) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         self.max_ngram = max_ngram

@@ -45,13 +45,14 @@ def test_continuation_is_capped_by_max_len_and_history_end():
 
 def test_min_ngram_refuses_short_matches():
     history = [9, 1, 8, 3, 1]  # only the 1-gram "1" matches
+    assert lookup(history, 2) == []  # the default needs 2 tokens
     assert lookup(history, 2, min_ngram=2) == []
     assert lookup(history, 2, min_ngram=1) == [8, 3]
 
 
 def test_lookup_drafts_are_point_masses():
-    d = PromptLookupProposer().propose([1, 2, 1], 4, GREEDY, np.random.default_rng(0))
-    assert d.probs is None and d.tokens.dtype == np.int32
+    d = PromptLookupProposer().propose([1, 2, 3, 1, 2], 4, GREEDY, np.random.default_rng(0))
+    assert d.tokens.tolist() == [3, 1, 2] and d.probs is None and d.tokens.dtype == np.int32
 
 
 def test_bad_ngram_bounds():
@@ -79,6 +80,8 @@ def test_hybrid_uses_lookup_when_it_matches_and_the_model_otherwise():
     assert model.calls == 0
     assert hybrid.propose([1, 2, 3, 4], 2, GREEDY, rng).tokens.tolist() == [99, 99]
     assert model.calls == 1
+    assert hybrid.propose([1, 2, 3, 4, 2], 2, GREEDY, rng).tokens.tolist() == [99, 99]  # "2" alone: the model
+    assert model.calls == 2
 
 
 def test_empty_draft_constant():
