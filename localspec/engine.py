@@ -271,8 +271,8 @@ class Engine:
         _, n_eval = self.oracle.sync(history[:-1], n_logits=0)
         stats.prompt_tokens_evaluated = n_eval + 1  # the last prompt token is evaluated in step one
         drafter = self.proposer.model if isinstance(self.proposer, HybridProposer) else self.proposer
-        if isinstance(drafter, DraftModelProposer):
-            drafter.prefill(history[:-1])
+        if isinstance(drafter, DraftModelProposer) and not self.policy.idle:
+            drafter.prefill(history[:-1])  # skipped while drafting does not pay: TTFT is the oracle's alone
         if isinstance(self.policy, AdaptiveLength) and not self.policy.calibrated:
             self._calibrate(history)
 

@@ -13,9 +13,10 @@ where a is the running acceptance rate of a draft token given the ones before it
 ones would do), draft_cost(k) the draft's time to propose k tokens (it first catches up on the
 tokens accepted since its last step, in one batch, then decodes one token at a time) and
 verify_cost(n) the oracle's cost of an n-token pass, all measured (at start-up by `calibrate`, then
-online). k = 0 is plain oracle decoding; when
-that wins, the policy still probes with a short draft now and then, so a better-matched stretch of
-text is noticed.
+online). k = 0 is plain oracle decoding; when that wins, the policy still probes with a short draft
+now and then, so a better-matched stretch of text is noticed. A probe after idle steps is dear (the
+draft first catches up on the text it skipped), so probing is held to a small share of the time spent
+(`probe_budget`): a badly matched draft costs next to nothing once the policy has stopped using it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ class LengthPolicy(Protocol):
     def update(self, *, n_drafted: int, n_accepted: int, draft_time: float, verify_time: float) -> None:
         """The outcome of the step just verified."""
 
+    @property
+    def idle(self) -> bool:
+        """Whether the policy expects to draft nothing in the coming steps (a probe aside)."""
+
 
 class FixedLength:
     """Always draft `k` tokens (fewer near max_tokens or the end of the context)."""
@@ -44,6 +49,10 @@ class FixedLength:
     def draft_length(self, limit: int) -> int:
         return min(self.k, limit)
 
+    @property
+    def idle(self) -> bool:
+        return self.k == 0
+
     def update(self, *, n_drafted: int, n_accepted: int, draft_time: float, verify_time: float) -> None:
         pass
 
@@ -51,7 +60,7 @@ class FixedLength:
 class CostCurve:
     """Time as a function of a size (the oracle's n-token pass, the draft's k-token proposal): a
     running mean per size, and a least-squares line t = a + b*n through the sizes seen, for sizes
-    not seen yet."""
+    not seen yet. Cheap to query: the policy asks for every k on every step."""
 
     def __init__(self, decay: float = 0.8) -> None:
         self.decay = decay
@@ -62,32 +71,40 @@ class CostCurve:
         self.mean[n] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
 
     def __call__(self, n: int) -> float:
-        if n in self.mean:
-            return self.mean[n]
+        return float(self.many(np.array([n]))[0])
+
+    def many(self, ns: np.ndarray) -> np.ndarray:
+        """The cost of each size in `ns` [m]."""
+        ns = np.asarray(ns, dtype=np.float64)
         if not self.mean:
-            return float(n)  # no data: any monotone guess; calibrate() replaces it
-        sizes = np.array(sorted(self.mean), dtype=np.float64)
-        times = np.array([self.mean[int(s)] for s in sizes])
+            return ns.copy()  # no data: any monotone guess; calibrate() replaces it
+        sizes, times = list(self.mean.keys()), list(self.mean.values())  # a handful: plain Python is quickest
         if len(sizes) == 1:
-            return float(times[0] * n / sizes[0])  # proportional: the pessimistic guess
-        b, a = np.polyfit(sizes, times, 1)
-        return float(max(a + b * n, times.min()))
+            out = times[0] * ns / sizes[0]  # proportional: the pessimistic guess
+        else:
+            mean_n, mean_t = sum(sizes) / len(sizes), sum(times) / len(times)
+            slope = (sum((n - mean_n) * (t - mean_t) for n, t in zip(sizes, times))
+                     / sum((n - mean_n) ** 2 for n in sizes))
+            out = np.maximum(mean_t + slope * (ns - mean_n), min(times))
+        # measured sizes: their own running mean
+        return np.array([self.mean.get(n, fit) for n, fit in zip(ns.astype(int).tolist(), out.tolist())])
 
 
 class AdaptiveLength:
     """Cost-aware draft length (see the module docstring)."""
 
     def __init__(self, *, k_max: int = 16, prior_acceptance: float = 0.9, decay: float = 0.9,
-                 probe_every: int = 16, max_probe_every: int = 128, probe_length: int = 2) -> None:
+                 probe_every: int = 16, probe_budget: float = 0.02, probe_length: int = 2) -> None:
         self.k_max = k_max
         self.acceptance = prior_acceptance  # a: per drafted token, given the previous ones were accepted
         self.decay = decay
         self.verify_cost = CostCurve()  # seconds for an oracle pass of n tokens
         self.draft_cost = CostCurve()  # seconds for the draft to propose k tokens
-        self.probe_every = probe_every
-        self.max_probe_every = max_probe_every
-        self._probe_interval = probe_every
+        self.probe_every = probe_every  # idle (k = 0) steps before a probe
+        self.probe_budget = probe_budget  # most of the time spent that probes may take
         self.probe_length = probe_length
+        self.time_spent = 0.0  # seconds, every step
+        self.probe_time = 0.0  # seconds that probes took beyond a plain oracle step
         self._idle = 0  # consecutive k = 0 steps
         self._probing = False
         self.last_k = 0
@@ -95,6 +112,10 @@ class AdaptiveLength:
     @property
     def calibrated(self) -> bool:
         return len(self.draft_cost.mean) >= 2 and len(self.verify_cost.mean) >= 2
+
+    @property
+    def idle(self) -> bool:
+        return self.calibrated and self.best_length(self.k_max) == 0
 
     def calibrate(self, time_verify: Callable[[int], float], time_draft: Callable[[int], float],
                   sizes: tuple[int, ...] = (1, 2, 4, 8, 16)) -> None:
@@ -107,15 +128,22 @@ class AdaptiveLength:
         self.draft_cost.mean[self.k_max] = catch_up + (self.k_max - 1) * per_token
 
     def expected_tokens(self, k: int) -> float:
-        a = self.acceptance
-        return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+        return float(self._expected_tokens(np.array([k]))[0])
 
     def step_time(self, k: int) -> float:
-        return (self.draft_cost(k) if k else 0.0) + self.verify_cost(k + 1)
+        return float(self._step_times(np.array([k]))[0])
+
+    def _expected_tokens(self, ks: np.ndarray) -> np.ndarray:
+        a = self.acceptance
+        return ks + 1.0 if a >= 1.0 else (1.0 - a ** (ks + 1.0)) / (1.0 - a)
+
+    def _step_times(self, ks: np.ndarray) -> np.ndarray:
+        return np.where(ks > 0, self.draft_cost.many(ks), 0.0) + self.verify_cost.many(ks + 1)
 
     def best_length(self, limit: int) -> int:
-        ks = range(0, min(limit, self.k_max) + 1)
-        return max(ks, key=lambda k: self.expected_tokens(k) / self.step_time(k))
+        ks = np.arange(0, min(limit, self.k_max) + 1)  # [K+1]
+        rate = self._expected_tokens(ks) / self._step_times(ks)  # [K+1] tokens per second
+        return int(np.argmax(rate))  # the shortest k on a tie
 
     def draft_length(self, limit: int) -> int:
         self._probing = False
@@ -124,15 +152,12 @@ class AdaptiveLength:
         k = self.best_length(limit)
         if k == 0:
             self._idle += 1
-            if self._idle >= self._probe_interval:
-                # probe; if plain decoding still wins afterwards, wait twice as long for the next one
+            if self._idle >= self.probe_every and self.probe_time <= self.probe_budget * self.time_spent:
                 self._idle = 0
                 self._probing = True
-                self._probe_interval = min(2 * self._probe_interval, self.max_probe_every)
                 k = min(self.probe_length, limit)
         else:
             self._idle = 0
-            self._probe_interval = self.probe_every
         self.last_k = k
         return k
 
@@ -141,6 +166,9 @@ class AdaptiveLength:
         trials = n_accepted + (n_accepted < n_drafted)  # the accepted tokens and the first rejected one
         weight = d ** trials  # an EMA over trials: each trial moves a by (1 - d)
         self.acceptance = weight * self.acceptance + (1 - weight) * (n_accepted / trials if trials else 0.0)
+        self.time_spent += draft_time + verify_time
+        if self._probing:
+            self.probe_time += max(0.0, draft_time + verify_time - self.verify_cost(1))
         self.verify_cost.observe(n_drafted + 1, verify_time)
         # a probe after idle steps pays for the draft catching up on all of them: not a fair sample
         if n_drafted and not self._probing:

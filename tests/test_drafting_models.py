@@ -39,6 +39,21 @@ def test_adaptive_is_the_default_and_calibrates(pair_paths):
         assert r.stats.steps >= 1
 
 
+def test_a_draft_that_does_not_pay_costs_nothing(pair_paths):
+    """When the measured costs say drafting cannot win, the draft model is not run at all: no
+    prompt evaluation on it (TTFT is the oracle's alone) and no drafting, probes aside."""
+    with Engine(*pair_paths, n_ctx=512) as engine:
+        policy = AdaptiveLength(probe_every=10_000)
+        policy.calibrate(lambda n: 0.05 * n, lambda n: 1.0 * n)  # a draft token dearer than 20 oracle passes
+        engine.policy = policy
+        assert policy.idle
+        messages = [{"role": "user", "content": "Name three fruits."}]
+        r = engine.generate(messages, max_tokens=16)
+        base = engine.generate(messages, max_tokens=16, speculative=False)
+        assert engine.proposer.tokens_evaluated == 0
+        assert r.stats.drafted == 0 and r.tokens == base.tokens
+
+
 def test_incompatible_pair_refused_without_cross_tokenizer(registry, pair_paths):
     with pytest.raises(IncompatibleModels, match="cannot draft for oracle"):
         Engine(registry.resolve("gemma-3-270m-q4_k_m"), pair_paths[1], n_ctx=512)
