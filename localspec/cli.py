@@ -309,8 +309,8 @@ def serve(host: str, port: int, model_name: str | None, api_key: str | None, max
 @click.option("--workload", default=None, help="Comma-separated workloads: chat,grounded,code,long (default: all) "
               "or paths to .jsonl files.")
 @click.option("--systems", default=None, help="Comma-separated systems (default: baseline,k2,k4,k8,adaptive,"
-              "lookup,llama.cpp,lcp-lookup; also kN, lookup-kN, hybrid, llama.cpp-kN, llama.cpp-spec, llama.cpp-ngram, "
-              "lcp-lookup-kN).")
+              "lookup,llama.cpp,llama.cpp-ngram,lcp-lookup; also kN, lookup-kN, hybrid, llama.cpp-kN, llama.cpp-spec, "
+              "llama.cpp-ngram-kN, lcp-lookup-kN).")
 @click.option("--reps", type=click.IntRange(1), default=3, show_default=True, help="Interleaved repetitions.")
 @click.option("--max-prompts", type=click.IntRange(1), default=None, help="At most N prompts per workload.")
 @click.option("--max-tokens", type=click.IntRange(1), default=None, help="Cap every prompt's max_tokens.")

@@ -19,7 +19,7 @@
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
-SYSTEMS=${SYSTEMS:-baseline,k2,k4,k8,adaptive,lookup,llama.cpp-k4,llama.cpp,lcp-lookup}
+SYSTEMS=${SYSTEMS:-baseline,k2,k4,k8,adaptive,lookup,llama.cpp-k4,llama.cpp,llama.cpp-ngram,lcp-lookup}
 REPS=${REPS:-3}
 THREADS=${THREADS:-$(nproc 2>/dev/null || echo 4)}
 OUT=${OUT:-benchmarks}

@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-DEFAULT_SYSTEMS = ("baseline", "k2", "k4", "k8", "adaptive", "lookup", "llama.cpp", "lcp-lookup")
+DEFAULT_SYSTEMS = ("baseline", "k2", "k4", "k8", "adaptive", "lookup", "llama.cpp", "llama.cpp-ngram", "lcp-lookup")
 ANCHOR_K = 8
 NGRAM_SIMPLE_M = 48  # llama.cpp's default --spec-ngram-simple-size-m
 
