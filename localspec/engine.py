@@ -271,8 +271,9 @@ class Engine:
         _, n_eval = self.oracle.sync(history[:-1], n_logits=0)
         stats.prompt_tokens_evaluated = n_eval + 1  # the last prompt token is evaluated in step one
         drafter = self.proposer.model if isinstance(self.proposer, HybridProposer) else self.proposer
-        if isinstance(drafter, DraftModelProposer) and not self.policy.idle:
-            drafter.prefill(history[:-1])  # skipped while drafting does not pay: TTFT is the oracle's alone
+        if isinstance(drafter, DraftModelProposer):
+            # not evaluated while drafting does not pay: TTFT is then the oracle's alone
+            drafter.prefill(history[:-1], evaluate=not self.policy.idle)
         if isinstance(self.policy, AdaptiveLength) and not self.policy.calibrated:
             self._calibrate(history)
 

@@ -55,11 +55,14 @@ class DraftModelProposer:
         self.start = 0  # the draft's cache holds history[start:] (a window after a long pause)
         self.tokens_evaluated = 0  # draft-side tokens decoded, prompt included
 
-    def prefill(self, tokens: Sequence[int]) -> None:
-        """Evaluate a new prompt (all but its last token) on the draft, reusing its cached prefix."""
+    def prefill(self, tokens: Sequence[int], *, evaluate: bool = True) -> None:
+        """A new prompt: evaluate it (all but its last token) on the draft, reusing its cached
+        prefix; `evaluate=False` leaves that to the first `propose` (which may then draft from a
+        window of recent text)."""
         self.start = 0
-        _, n_eval = self.ctx.sync(tokens, n_logits=0)
-        self.tokens_evaluated += n_eval
+        if evaluate:
+            _, n_eval = self.ctx.sync(tokens, n_logits=0)
+            self.tokens_evaluated += n_eval
 
     def propose(self, history: Sequence[int], max_len: int, sampling: SamplingParams,
                 rng: np.random.Generator) -> Draft:
@@ -70,7 +73,7 @@ class DraftModelProposer:
             self.start = len(history) - self.max_catch_up
             view = history[self.start:]
         max_len = min(max_len, self.ctx.n_ctx - len(view) + 1)
-        if max_len <= 0:
+        if max_len <= 0 or not view:
             return EMPTY_DRAFT
         try:
             logits, n_eval = self.ctx.sync(view)  # [1, vocab]

@@ -54,6 +54,23 @@ def test_a_draft_that_does_not_pay_costs_nothing(pair_paths):
         assert r.stats.drafted == 0 and r.tokens == base.tokens
 
 
+def test_a_new_prompt_resets_the_drafts_window_even_when_not_evaluated(pair_paths):
+    import numpy as np
+
+    from localspec.sampling import SamplingParams
+
+    with Engine(*pair_paths, n_ctx=512, draft_length=4) as engine:
+        drafter, rng, greedy = engine.proposer, np.random.default_rng(0), SamplingParams()
+        long = engine.oracle_model.tokenize(PASSAGE * 2, add_special=True, parse_special=False)
+        drafter.prefill(long[:10])
+        drafter.propose(long, 4, greedy, rng)  # 70+ tokens to catch up: drafts from a recent window
+        assert drafter.start > 0
+        short = engine.oracle_model.tokenize("Name three fruits.", add_special=True, parse_special=False)
+        drafter.prefill(short[:-1], evaluate=False)
+        assert drafter.start == 0
+        assert len(drafter.propose(short, 4, greedy, rng)) >= 1
+
+
 def test_incompatible_pair_refused_without_cross_tokenizer(registry, pair_paths):
     with pytest.raises(IncompatibleModels, match="cannot draft for oracle"):
         Engine(registry.resolve("gemma-3-270m-q4_k_m"), pair_paths[1], n_ctx=512)
