@@ -94,7 +94,7 @@ class AdaptiveLength:
     """Cost-aware draft length (see the module docstring)."""
 
     def __init__(self, *, k_max: int = 16, prior_acceptance: float = 0.9, decay: float = 0.9,
-                 probe_every: int = 16, probe_budget: float = 0.02, probe_length: int = 2) -> None:
+                 probe_every: int = 16, probe_budget: float = 0.01, probe_length: int = 2) -> None:
         self.k_max = k_max
         self.acceptance = prior_acceptance  # a: per drafted token, given the previous ones were accepted
         self.decay = decay

@@ -48,7 +48,7 @@ class DraftModelProposer:
     `p_min`: stop drafting once the draft's own top probability falls below it (0 disables).
     """
 
-    def __init__(self, ctx: LlamaContext, *, p_min: float = 0.0, max_catch_up: int = 32) -> None:
+    def __init__(self, ctx: LlamaContext, *, p_min: float = 0.0, max_catch_up: int = 16) -> None:
         self.ctx = ctx
         self.p_min = p_min
         self.max_catch_up = max_catch_up
