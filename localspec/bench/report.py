@@ -93,7 +93,8 @@ def _row(system: dict, workload: str, runs: list[dict], base: dict[tuple[str, in
     if system["name"] == "baseline":
         ceiling = 1.0
     elif costs and tokens_per_step is not None and k_mean > 0:
-        c_draft = costs["draft"] if uses_draft_model(system.get("kind", ""), system.get("params", {})) else 0.0  # prompt lookup: no model to run
+        # prompt lookup has no model to run
+        c_draft = costs["draft"] if uses_draft_model(system.get("kind", ""), system.get("params", {})) else 0.0
         if c_draft is not None:
             c_verify = cost_curve(costs["verify"])
             if lengths:
