@@ -273,7 +273,7 @@ class Engine:
         drafter = self.proposer.model if isinstance(self.proposer, HybridProposer) else self.proposer
         if isinstance(drafter, DraftModelProposer):
             # not evaluated while drafting does not pay: TTFT is then the oracle's alone
-            drafter.prefill(history[:-1], evaluate=not self.policy.idle)
+            drafter.prefill(history[:-1], evaluate=not getattr(self.policy, "idle", False))
         if isinstance(self.policy, AdaptiveLength) and not self.policy.calibrated:
             self._calibrate(history)
 
