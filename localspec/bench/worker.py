@@ -17,7 +17,6 @@ Run as ``python -m localspec.bench.worker``.
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import resource
@@ -46,25 +45,16 @@ class LocalspecRunner:
         params = system["params"]
         draft = params.get("draft")
         kwargs: dict[str, Any] = {"n_ctx": n_ctx, "n_threads": threads}
-        accepted = inspect.signature(Engine.__init__).parameters
         if draft is None:
             draft_arg = None
         else:
             draft_arg = models["draft"] if draft == "model" else "ngram"
+            kwargs["draft_length"] = params.get("draft_length")
+            if params.get("lookup"):
+                kwargs["lookup"] = True
             if draft == "model" and models.get("cross_tokenizer"):
                 kwargs["cross_tokenizer"] = True
-            wanted = {"draft_length": params.get("draft_length"), "lookup": params.get("lookup", False)}
-            if draft == "ngram" and "draft_length" not in accepted:
-                raise RuntimeError("this Engine has no prompt lookup (draft='ngram') yet")
-            for key, value in wanted.items():
-                if key in accepted:
-                    if key != "lookup" or value:
-                        kwargs[key] = value
-                elif key == "draft_length" and value is not None:
-                    kwargs["draft_max"] = value  # before draft_length existed, draft_max was the fixed K
-                elif value:
-                    raise RuntimeError(f"this Engine has no {key}= option yet (needed by {system['name']})")
-        self.kwargs = {k: v for k, v in kwargs.items()}
+        self.kwargs = dict(kwargs)
         t0 = time.perf_counter()
         self.engine = Engine(models["oracle"], draft_arg, **kwargs)
         self.load_time = time.perf_counter() - t0
