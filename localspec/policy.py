@@ -17,6 +17,7 @@ online). k = 0 is plain oracle decoding; when that wins, the policy still probes
 now and then, so a better-matched stretch of text is noticed. A probe after idle steps is dear (the
 draft first catches up on the text it skipped), so probing is held to a small share of the time spent
 (`probe_budget`): a badly matched draft costs next to nothing once the policy has stopped using it.
+It stops only after judging `min_trials` draft tokens: an unlucky first step is not evidence enough.
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ class AdaptiveLength:
     """Cost-aware draft length (see the module docstring)."""
 
     def __init__(self, *, k_max: int = 16, prior_acceptance: float = 0.9, decay: float = 0.9,
-                 probe_every: int = 16, probe_budget: float = 0.01, probe_length: int = 2) -> None:
+                 probe_every: int = 16, probe_budget: float = 0.01, probe_length: int = 2,
+                 min_trials: int = 8) -> None:
         self.k_max = k_max
         self.acceptance = prior_acceptance  # a: per drafted token, given the previous ones were accepted
         self.decay = decay
@@ -103,6 +105,8 @@ class AdaptiveLength:
         self.probe_every = probe_every  # idle (k = 0) steps before a probe
         self.probe_budget = probe_budget  # most of the time spent that probes may take
         self.probe_length = probe_length
+        self.min_trials = min_trials  # draft tokens judged before the policy may give up on drafting
+        self.trials = 0
         self.time_spent = 0.0  # seconds, every step
         self.probe_time = 0.0  # seconds that probes took beyond a plain oracle step
         self._idle = 0  # consecutive k = 0 steps
@@ -115,7 +119,7 @@ class AdaptiveLength:
 
     @property
     def idle(self) -> bool:
-        return self.calibrated and self.best_length(self.k_max) == 0
+        return self.calibrated and self.trials >= self.min_trials and self.best_length(self.k_max) == 0
 
     def calibrate(self, time_verify: Callable[[int], float], time_draft: Callable[[int], float],
                   sizes: tuple[int, ...] = (1, 2, 4, 8, 16)) -> None:
@@ -150,7 +154,9 @@ class AdaptiveLength:
         if limit <= 0:
             return 0
         k = self.best_length(limit)
-        if k == 0:
+        if k == 0 and self.trials < self.min_trials:
+            k = min(self.probe_length, limit)  # one or two early rejections are not evidence enough
+        elif k == 0:
             self._idle += 1
             if self._idle >= self.probe_every and self.probe_time <= self.probe_budget * self.time_spent:
                 self._idle = 0
@@ -164,6 +170,7 @@ class AdaptiveLength:
     def update(self, *, n_drafted: int, n_accepted: int, draft_time: float, verify_time: float) -> None:
         d = self.decay
         trials = n_accepted + (n_accepted < n_drafted)  # the accepted tokens and the first rejected one
+        self.trials += trials
         weight = d ** trials  # an EMA over trials: each trial moves a by (1 - d)
         self.acceptance = weight * self.acceptance + (1 - weight) * (n_accepted / trials if trials else 0.0)
         self.time_spent += draft_time + verify_time

@@ -43,7 +43,7 @@ def test_a_draft_that_does_not_pay_costs_nothing(pair_paths):
     """When the measured costs say drafting cannot win, the draft model is not run at all: no
     prompt evaluation on it (TTFT is the oracle's alone) and no drafting, probes aside."""
     with Engine(*pair_paths, n_ctx=512) as engine:
-        policy = AdaptiveLength(probe_every=10_000)
+        policy = AdaptiveLength(probe_every=10_000, min_trials=0)
         policy.calibrate(lambda n: 0.05 * n, lambda n: 1.0 * n)  # a draft token dearer than 20 oracle passes
         engine.policy = policy
         assert policy.idle

@@ -90,6 +90,22 @@ def test_recovers_when_acceptance_improves():
     assert p.best_length(16) >= 4
 
 
+def test_an_early_rejection_does_not_end_drafting():
+    """On a pair where drafting barely pays, one rejection in the first step would tip the estimate
+    to k = 0; the policy keeps drafting short until it has judged min_trials draft tokens."""
+    table = {1: 0.045, 2: 0.055, 4: 0.062, 8: 0.090, 16: 0.130}
+    p = calibrated(lambda n: table[n], draft_cost=0.025, min_trials=8)
+    p.update(n_drafted=1, n_accepted=0, draft_time=0.050, verify_time=0.055)
+    assert p.best_length(16) == 0 and not p.idle
+    ks = []
+    while p.trials < 8:
+        k = p.draft_length(16)
+        ks.append(k)
+        p.update(n_drafted=k, n_accepted=0, draft_time=0.050, verify_time=0.062)
+    assert ks and all(k == 2 for k in ks)
+    assert p.draft_length(16) == 0 and p.idle  # now the evidence says drafting does not pay
+
+
 def test_verify_cost_interpolates_a_line():
     v = CostCurve()
     v.observe(1, 0.02)
