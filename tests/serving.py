@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
+from contextlib import contextmanager
+from typing import Iterator
 
 import httpx
 import uvicorn
+
+
+_script = os.path.join(os.path.dirname(sys.executable), "localspec")
+CLI = [_script] if os.path.exists(_script) else [sys.executable, "-m", "localspec.cli"]  # the installed command
 
 
 def free_port() -> int:
@@ -34,6 +43,20 @@ class ThreadedServer:
         self.server.should_exit = True
         self.thread.join(15)
         assert not self.thread.is_alive()
+
+
+@contextmanager
+def cli_serve(*args: str) -> Iterator[dict]:
+    """`localspec serve --port <free> *args` as a subprocess; yields {"proc", "port", "url", "ready"}
+    at once (it loads while other tests run: `wait_ready` waits for it) and kills it afterwards."""
+    port = free_port()
+    proc = subprocess.Popen(CLI + ["serve", "--port", str(port), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    handle = {"proc": proc, "port": port, "url": f"http://127.0.0.1:{port}", "ready": False}
+    yield handle
+    if proc.poll() is None:
+        proc.kill()
+    proc.communicate(timeout=10)
 
 
 def wait_ready(handle: dict, timeout: float = 90) -> str:

@@ -12,7 +12,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -21,16 +20,12 @@ import httpx
 import pytest
 
 from localspec.llama import ModelLoadError
-from serving import ThreadedServer, free_port, wait_ready
+from serving import CLI, ThreadedServer, cli_serve, free_port, wait_ready
 
 MODEL = "smollm2"
 N_CTX = 256
 COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"
 MARKER = "okapi-lantern-marker"  # prompt text that must never reach a log
-
-_script = os.path.join(os.path.dirname(sys.executable), "localspec")
-CLI = [_script] if os.path.exists(_script) else [sys.executable, "-m", "localspec.cli"]
-
 
 def chat(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
@@ -56,15 +51,8 @@ def rss_kb(pid: int) -> int:
 @pytest.fixture(scope="module")
 def cli_server(pair_paths):
     """`localspec serve` with its default host, loading while the other tests run."""
-    port = free_port()
-    proc = subprocess.Popen(CLI + ["serve", "--port", str(port), "--ctx", str(N_CTX), "--threads", "1",
-                                   "--max-queue", "4"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    handle = {"proc": proc, "port": port, "url": f"http://127.0.0.1:{port}", "ready": False}
-    yield handle
-    if proc.poll() is None:
-        proc.kill()
-    proc.communicate(timeout=10)
+    with cli_serve("--ctx", str(N_CTX), "--threads", "1", "--max-queue", "4") as handle:
+        yield handle
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,7 @@ the other tests run. A fake engine covers what real models cannot trigger (serve
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -22,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from localspec.outputs import Chunk, Stats
 from localspec.server import EngineWorker, create_app
-from serving import ThreadedServer, free_port, wait_ready
+from serving import ThreadedServer, cli_serve, wait_ready
 
 MODEL = "smollm2"
 N_CTX = 1024
@@ -63,18 +60,8 @@ def chat(text: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def cli_server(pair_paths):
     """The real command, started early (it loads while other tests run); waited for on first use."""
-    port = free_port()
-    script = os.path.join(os.path.dirname(sys.executable), "localspec")  # the installed console script
-    command = [script] if os.path.exists(script) else [sys.executable, "-m", "localspec.cli"]
-    proc = subprocess.Popen(
-        command + ["serve", "--port", str(port), "--api-key", API_KEY, "--max-queue", "0", "--ctx", "512",
-                   "--threads", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    handle = {"proc": proc, "url": f"http://127.0.0.1:{port}", "ready": False}
-    yield handle
-    if proc.poll() is None:
-        proc.kill()
-    proc.communicate(timeout=10)
+    with cli_serve("--api-key", API_KEY, "--max-queue", "0", "--ctx", "512", "--threads", "1") as handle:
+        yield handle
 
 
 @pytest.fixture(scope="module")
