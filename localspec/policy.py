@@ -22,7 +22,7 @@ It stops only after judging `min_trials` draft tokens: an unlucky first step is 
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -58,6 +58,17 @@ class FixedLength:
         pass
 
 
+def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line through a handful of points (plain Python: quicker
+    than numpy at this size); through the origin for a single point (the pessimistic guess)."""
+    if len(xs) == 1:
+        return 0.0, ys[0] / xs[0]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    return my - slope * mx, slope
+
+
 class CostCurve:
     """Time as a function of a size (the oracle's n-token pass, the draft's k-token proposal): a
     running mean per size, and a least-squares line t = a + b*n through the sizes seen, for sizes
@@ -79,14 +90,9 @@ class CostCurve:
         ns = np.asarray(ns, dtype=np.float64)
         if not self.mean:
             return ns.copy()  # no data: any monotone guess; calibrate() replaces it
-        sizes, times = list(self.mean.keys()), list(self.mean.values())  # a handful: plain Python is quickest
-        if len(sizes) == 1:
-            out = times[0] * ns / sizes[0]  # proportional: the pessimistic guess
-        else:
-            mean_n, mean_t = sum(sizes) / len(sizes), sum(times) / len(times)
-            slope = (sum((n - mean_n) * (t - mean_t) for n, t in zip(sizes, times))
-                     / sum((n - mean_n) ** 2 for n in sizes))
-            out = np.maximum(mean_t + slope * (ns - mean_n), min(times))
+        sizes, times = list(self.mean.keys()), list(self.mean.values())
+        intercept, slope = fit_line(sizes, times)
+        out = intercept + slope * ns if len(sizes) == 1 else np.maximum(intercept + slope * ns, min(times))
         # measured sizes: their own running mean
         return np.array([self.mean.get(n, fit) for n, fit in zip(ns.astype(int).tolist(), out.tolist())])
 

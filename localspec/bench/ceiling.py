@@ -19,6 +19,8 @@ from __future__ import annotations
 import math
 from typing import Callable, Mapping, Sequence
 
+from localspec.policy import fit_line
+
 
 def expected_tokens(a: float, k: float) -> float:
     """Expected tokens per step, E = (1 - a^(k+1)) / (1 - a); k may be fractional (a mean draft length)."""
@@ -84,15 +86,7 @@ def cost_curve(points: Mapping[int | float, float]) -> Callable[[float], float]:
     ys = [float(points[n if n in points else int(n)]) for n in xs]
     by_n = dict(zip(xs, ys))
 
-    def line() -> tuple[float, float]:
-        if len(xs) == 1:
-            return 0.0, ys[0] / xs[0]  # proportional: the pessimistic guess
-        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        sxx = sum((x - mx) ** 2 for x in xs)
-        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
-        return my - b * mx, b
-
-    intercept, slope = line()
+    intercept, slope = fit_line(xs, ys)
 
     def c(n: float) -> float:
         n = float(n)
