@@ -326,6 +326,8 @@ def serve(host: str, port: int, model_name: str | None, api_key: str | None, max
               help="Directory of llama.cpp's built speculative programs (default: scripts/build_llama_anchor.sh's).")
 @click.option("--cross-tokenizer", is_flag=True, help="The draft's vocabulary differs from the oracle's: draft "
               "through text (set by pairs that need it).")
+@click.option("--paired", is_flag=True, help="Also run every prompt of each localspec drafting system with drafting "
+              "off, in the same process, and report that ratio too (the fairest test of a few percent; twice the time).")
 @friendly_errors
 def bench(**kw) -> None:
     """Speed at unchanged output: the oracle alone, localspec's systems, the ceiling and llama.cpp's own

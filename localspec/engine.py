@@ -229,7 +229,7 @@ class Engine:
         rng = np.random.default_rng(request.sampling.seed)
         detok = Detokenizer(self.oracle_model)
         text = TextStream(detok.feed, detok.flush, request.stop)
-        self._prefill(history, stats)
+        self._prefill(history, stats, speculative=request.speculative and self.proposer is not None)
         stats.prompt_time = time.perf_counter() - t_start
 
         finish = None
@@ -265,16 +265,17 @@ class Engine:
                 return emitted, "length"
         return emitted, None
 
-    def _prefill(self, history: list[int], stats: Stats) -> None:
+    def _prefill(self, history: list[int], stats: Stats, *, speculative: bool) -> None:
         """Bring the oracle's cache (and a same-vocabulary draft's) to history[:-1], reusing what
-        they already hold."""
+        they already hold. `speculative`: whether this request drafts at all."""
         _, n_eval = self.oracle.sync(history[:-1], n_logits=0)
         stats.prompt_tokens_evaluated = n_eval + 1  # the last prompt token is evaluated in step one
         drafter = self.proposer.model if isinstance(self.proposer, HybridProposer) else self.proposer
         if isinstance(drafter, DraftModelProposer):
-            # not evaluated while drafting does not pay: TTFT is then the oracle's alone
-            drafter.prefill(history[:-1], evaluate=not getattr(self.policy, "idle", False))
-        if isinstance(self.policy, AdaptiveLength) and not self.policy.calibrated:
+            # not evaluated while drafting does not pay (or the request does not draft): TTFT is then
+            # the oracle's alone
+            drafter.prefill(history[:-1], evaluate=speculative and not getattr(self.policy, "idle", False))
+        if speculative and isinstance(self.policy, AdaptiveLength) and not self.policy.calibrated:
             self._calibrate(history)
 
     def _calibrate(self, history: list[int]) -> None:
@@ -327,9 +328,11 @@ class Engine:
         self.oracle.rollback(len(history) + n_accepted)  # keep last + accepted; the new last stays out
         t2 = time.perf_counter()
 
-        if self.proposer is not None:
-            self.proposer.observe(len(draft), n_accepted)
-        self.policy.update(n_drafted=len(draft), n_accepted=n_accepted, draft_time=t1 - t0, verify_time=t2 - t1)
+        if request.speculative:  # a request that does not draft teaches the policy nothing
+            if self.proposer is not None:
+                self.proposer.observe(len(draft), n_accepted)
+            self.policy.update(n_drafted=len(draft), n_accepted=n_accepted, draft_time=t1 - t0,
+                               verify_time=t2 - t1)
         stats.steps += 1
         stats.drafted += len(draft)
         stats.accepted += n_accepted

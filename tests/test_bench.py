@@ -280,6 +280,39 @@ def test_aggregate_uses_per_step_draft_lengths():
     assert rows["baseline"]["ceiling"] == 1.0
 
 
+def test_ratio_interval():
+    assert ceiling.ratio_interval([1.1, 0.9]) is None  # too few to say
+    assert ceiling.ratio_interval([2.0, 2.0, 2.0]) == pytest.approx((2.0, 2.0))
+    logs = [math.log(x) for x in (0.9, 1.0, 1.1, 1.05)]
+    mean = sum(logs) / 4
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / 3)
+    low, high = ceiling.ratio_interval([0.9, 1.0, 1.1, 1.05])
+    assert low == pytest.approx(math.exp(mean - 3.18 * sd / 2)) and high == pytest.approx(math.exp(mean + 3.18 * sd / 2))
+
+
+def test_paired_speedup_is_over_the_same_process_run_with_drafting_off():
+    rep = _synthetic_report()
+    rows = {r["system"]: r for r in report.aggregate(rep)}
+    assert rows["k4"]["paired_speedup"] is None
+    rep["results"] = report.aggregate(rep)
+    assert "paired speedup" not in report.markdown_table(rep)
+
+    for r in rep["runs"]:
+        if r["system"] == "k4":  # drafting off ran at 0.8x the baseline's speed in k4's process
+            r["paired_tokens_per_second"] = r["tokens_per_second"] / 2.0 * 0.8 * (1.1 if r["rep"] else 1.0)
+    rows = {r["system"]: r for r in report.aggregate(rep)}
+    assert rows["k4"]["speedup"] == pytest.approx(2.0)
+    # per prompt, the median of the repetitions' ratios 2.5, 2.5/1.1, 2.5/1.1
+    assert rows["k4"]["paired_speedup"] == pytest.approx(2.5 / 1.1)
+    assert rows["baseline"]["paired_speedup"] is None
+    rep["results"] = report.aggregate(rep)
+    table = report.markdown_table(rep)
+    low, high = rows["k4"]["paired_interval"]
+    assert low < 2.5 / 1.1 < high < 2.5
+    assert "| speedup | paired speedup |" in table and f"| 2.00× | 2.27× ({low:.2f}–{high:.2f}) |" in table
+    assert "| 1.00× | – |" in table  # the baseline has no paired figure
+
+
 def test_json_is_strict(tmp_path):
     rep = _synthetic_report()
     rep["results"] = report.aggregate(rep)
@@ -317,7 +350,7 @@ def test_bench_cli_tiny_run(tmp_path, pair_paths):
     empty.mkdir()
     result = CliRunner().invoke(main, [
         "bench", "--oracle", str(oracle), "--draft", str(draft), "--workload", str(wl), "--systems", "k2,llama.cpp",
-        "--reps", "1", "--threads", "1", "--ctx", "512", "--json", str(out), "--anchor-bin", str(empty),
+        "--paired", "--reps", "1", "--threads", "1", "--ctx", "512", "--json", str(out), "--anchor-bin", str(empty),
         "--markdown", str(tmp_path / "RESULTS.md")])
     assert result.exit_code == 0, result.output
     assert "| tiny | k2 |" in result.output
@@ -339,12 +372,14 @@ def test_bench_cli_tiny_run(tmp_path, pair_paths):
     k2_run = next(r for r in rep["runs"] if r["system"] == "k2")
     assert k2_run["drafted"] > 0 and "1" in k2_run["costs"]["verify"] and k2_run["costs"]["draft"] > 0
     assert sum(k2_run["draft_lengths"].values()) == k2_run["steps"]
+    assert k2_run["paired_tokens_per_second"] > 0  # the same process, drafting off
+    assert "paired_tokens_per_second" not in next(r for r in rep["runs"] if r["system"] == "baseline")
 
     rows = {r["system"]: r for r in rep["results"]}
     for row in rows.values():
         assert set(report.RESULT_FIELDS) <= set(row)
     k2 = rows["k2"]
-    for key in ("tokens_per_second", "speedup", "acceptance_rate", "mean_accepted_length", "ceiling",
+    for key in ("tokens_per_second", "speedup", "paired_speedup", "acceptance_rate", "mean_accepted_length", "ceiling",
                 "efficiency", "ttft", "latency_p50", "latency_p95", "peak_rss", "greedy_match"):
         assert k2[key] is not None, key
     assert 0.0 <= k2["greedy_match"] <= 1.0

@@ -54,6 +54,17 @@ def test_a_draft_that_does_not_pay_costs_nothing(pair_paths):
         assert r.stats.drafted == 0 and r.tokens == base.tokens
 
 
+def test_a_request_without_drafting_leaves_the_draft_and_the_policy_alone(pair_paths):
+    """speculative=False is the oracle alone on the same engine (the bench's paired baseline): the
+    draft model evaluates nothing and the length policy learns nothing from it."""
+    with Engine(*pair_paths, n_ctx=512) as engine:
+        r = engine.generate([{"role": "user", "content": "Name three fruits."}], max_tokens=12, speculative=False)
+        policy = engine.policy
+        assert r.stats.drafted == 0 and r.stats.steps == len(r.tokens)
+        assert engine.proposer.tokens_evaluated == 0
+        assert not policy.calibrated and policy.trials == 0 and policy.time_spent == 0.0
+
+
 def test_a_new_prompt_resets_the_drafts_window_even_when_not_evaluated(pair_paths):
     import numpy as np
 

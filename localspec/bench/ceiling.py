@@ -125,3 +125,22 @@ def geomean(values: Sequence[float]) -> float:
     if not v:
         return math.nan
     return math.exp(sum(math.log(x) for x in v) / len(v))
+
+
+# two-sided 95% quantiles of Student's t by degrees of freedom (the nearest lower one is used)
+_T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 12: 2.18,
+         15: 2.13, 20: 2.09, 25: 2.06, 30: 2.04, 40: 2.02, 60: 2.00, 120: 1.98}
+
+
+def ratio_interval(ratios: Sequence[float]) -> tuple[float, float] | None:
+    """A 95% confidence interval for the geometric mean of ratios (a t-interval on their logs), or
+    None for fewer than 3 positive ratios."""
+    logs = [math.log(x) for x in ratios if x > 0]
+    n = len(logs)
+    if n < 3:
+        return None
+    mean = sum(logs) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (n - 1))
+    t = _T975[max(df for df in _T975 if df <= n - 1)] if n - 1 <= 120 else 1.96
+    half = t * sd / math.sqrt(n)
+    return math.exp(mean - half), math.exp(mean + half)

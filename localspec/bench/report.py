@@ -7,6 +7,9 @@ Aggregates (one row per system and workload, plus an "all" row per system):
                           the median over repetitions, summed over prompts
     speedup               tokens/s over the baseline's on the same prompt in the same repetition; the
                           median over repetitions per prompt, then the geometric mean over prompts
+    paired_speedup        with `--paired`: tokens/s over the same system's run of the same prompt with
+                          drafting off, in the same process and repetition (same aggregation);
+                          paired_interval: a 95% confidence interval for it (every run one sample)
     acceptance_rate       accepted / drafted draft tokens
     mean_accepted_length  accepted draft tokens per verify step (tokens_per_step = 1 + that)
     per_token_acceptance  a with E(a, K) = tokens_per_step, K = mean draft length (see ceiling.py)
@@ -28,12 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from .ceiling import (acceptance_from_tokens_per_step, cost_curve, geomean, median, percentile,
-                      predicted_speedup, predicted_speedup_per_step)
+                      predicted_speedup, predicted_speedup_per_step, ratio_interval)
 from .systems import uses_draft_model
 
 ALL = "all"
 RESULT_FIELDS = (
     "system", "workload", "n_prompts", "n_runs", "tokens_per_second", "speedup", "speedup_per_prompt",
+    "paired_speedup", "paired_interval",
     "acceptance_rate", "per_token_acceptance", "mean_accepted_length", "tokens_per_step", "mean_draft_length",
     "ceiling", "efficiency", "ttft", "latency_p50", "latency_p95", "peak_rss", "greedy_match", "mismatched_runs",
     "costs",
@@ -66,6 +70,8 @@ def _row(system: dict, workload: str, runs: list[dict], base: dict[tuple[str, in
 
     tokens = time = 0.0
     speedups: dict[str, float] = {}
+    paired: dict[str, float] = {}
+    paired_ratios: list[float] = []  # every run's
     for pid, rs in by_prompt.items():
         tokens += median([r["completion_tokens"] for r in rs])
         time += median([r["completion_tokens"] / r["tokens_per_second"] for r in rs if r["tokens_per_second"] > 0]
@@ -74,6 +80,11 @@ def _row(system: dict, workload: str, runs: list[dict], base: dict[tuple[str, in
                   if (b := base.get((pid, r["rep"]))) and b["tokens_per_second"] > 0]
         if ratios:
             speedups[pid] = median(ratios)
+        ratios = [r["tokens_per_second"] / r["paired_tokens_per_second"] for r in rs
+                  if (r.get("paired_tokens_per_second") or 0) > 0]
+        if ratios:
+            paired[pid] = median(ratios)
+            paired_ratios += ratios
 
     drafted = sum(r["drafted"] or 0 for r in runs)
     accepted = sum(r["accepted"] or 0 for r in runs)
@@ -114,6 +125,8 @@ def _row(system: dict, workload: str, runs: list[dict], base: dict[tuple[str, in
         "tokens_per_second": tokens / time if time > 0 else None,
         "speedup": speedup,
         "speedup_per_prompt": speedups,
+        "paired_speedup": geomean(list(paired.values())) if paired else None,
+        "paired_interval": ratio_interval(paired_ratios),
         "acceptance_rate": accepted / drafted if drafted else None,
         "per_token_acceptance": a,
         "mean_accepted_length": accepted / steps if steps else None,
@@ -171,18 +184,29 @@ def _f(x: Any, fmt: str, scale: float = 1.0) -> str:
     return format(x * scale, fmt)
 
 
+def _has_paired(report: dict) -> bool:
+    return any(r.get("paired_speedup") is not None for r in report["results"])
+
+
 def markdown_table(report: dict) -> str:
-    head = ("| workload | system | tok/s | speedup | ceiling | efficiency | acceptance | accepted/step | "
-            "TTFT ms | p50 ms/tok | p95 ms/tok | peak RSS MB | greedy match |")
-    lines = [head, "|---|---|" + "---:|" * 11]
+    paired = _has_paired(report)
+    head = ("| workload | system | tok/s | speedup | " + ("paired speedup | " if paired else "")
+            + "ceiling | efficiency | acceptance | accepted/step | TTFT ms | p50 ms/tok | p95 ms/tok | peak RSS MB | "
+            "greedy match |")
+    lines = [head, "|---|---|" + "---:|" * (11 + paired)]
     order = {s["name"]: i for i, s in enumerate(report["systems"])}
     wl = _workload_order(report) + [ALL]
     for r in sorted(report["results"], key=lambda r: (wl.index(r["workload"]), order.get(r["system"], 99))):
         match = _f(r["greedy_match"], ".1%")
         if r["mismatched_runs"]:
             match += f" ({r['mismatched_runs']} differ)"
+        speedups = [_f(r["speedup"], ".2f") + "×"]
+        if paired:
+            interval = r.get("paired_interval")
+            speedups.append(_f(r.get("paired_speedup"), ".2f") + ("×" if r.get("paired_speedup") is not None else "")
+                            + (f" ({interval[0]:.2f}–{interval[1]:.2f})" if interval else ""))
         lines.append("| " + " | ".join([
-            r["workload"], r["system"], _f(r["tokens_per_second"], ".1f"), _f(r["speedup"], ".2f") + "×",
+            r["workload"], r["system"], _f(r["tokens_per_second"], ".1f"), *speedups,
             _f(r["ceiling"], ".2f") + ("×" if r["ceiling"] is not None else ""), _f(r["efficiency"], ".0%"),
             _f(r["acceptance_rate"], ".0%"), _f(r["mean_accepted_length"], ".2f"), _f(r["ttft"], ".0f", 1e3),
             _f(r["latency_p50"], ".1f", 1e3), _f(r["latency_p95"], ".1f", 1e3),
@@ -258,6 +282,12 @@ def results_document(report: dict, charts: dict[str, str] | None = None, command
         "`decoded N tokens ... speed` it prints; for `lcp-lookup`, first to last token).",
         "- **speedup**: tok/s over the baseline's (the oracle alone through localspec) on the same prompt in "
         "the same repetition; median over repetitions, geometric mean over prompts.",
+        *(["- **paired speedup** (`--paired`): tok/s over the same system's own run of the same prompt with "
+           "drafting switched off, in the same process and repetition, right before or after it (alternating); "
+           "the same aggregation; in brackets, a 95% confidence interval (a t-interval over the log ratios "
+           "of every run). The baseline runs in a process of its own, and processes differ in speed by "
+           "several percent on a shared VM: the paired figure is the one to judge a few percent by."]
+          if _has_paired(report) else []),
         "- **ceiling**: the speedup the standard model predicts from the measured acceptance and the measured "
         "draft and verify costs: E = (1 − a^(K+1)) / (1 − a) tokens per step for per-token acceptance a "
         "and mean draft length K, step time K·c_draft + c_verify(K+1), predicted speedup E·c_verify(1) / "

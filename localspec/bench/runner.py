@@ -7,6 +7,10 @@
   prompt the system order rotates, so slow drifts in machine load hit every system alike.
 - Speedups are ratios to the baseline's run of the same prompt in the same repetition, medianed
   over repetitions per prompt, then a geometric mean over prompts.
+- With `paired`, every localspec system with drafting also runs each prompt with drafting switched
+  off, in its own process, right before or after (alternating) its own run: the paired speedup is the
+  ratio of the two. It removes process-to-process speed differences (several percent on a shared VM)
+  from the comparison, at the cost of running those prompts twice.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import Callable, Sequence
 from . import anchor
 from .ceiling import percentile
 from .report import aggregate
-from .systems import LLAMA_CPP, SystemSpec, parse_systems
+from .systems import LLAMA_CPP, LOCALSPEC, SystemSpec, parse_systems
 from .workloads import BenchPrompt
 
 SCHEMA = "localspec-bench/1"
@@ -49,6 +53,7 @@ class BenchConfig:
     pair: str | None = None
     anchor_bin: str | None = None  # directory of the anchor binaries (default: the cache)
     cross_tokenizer: bool = False  # the draft's vocabulary differs from the oracle's (drafting through text)
+    paired: bool = False  # also time each localspec system with drafting off, in its own process
     warmup: bool = True
     progress: Callable[[str], None] | None = None
 
@@ -289,7 +294,7 @@ def run_bench(config: BenchConfig) -> dict:
                     done += 1
                     try:
                         record, output = _run_one(spec, prompt, prep, rep, workers, anchor_bins, models, threads,
-                                                  config.n_ctx)
+                                                  config.n_ctx, paired=config.paired, paired_first=(rep + i) % 2 == 0)
                     except Exception as e:
                         if spec.is_baseline:
                             raise BenchError(f"the baseline failed on {prompt.id}: {e}") from e
@@ -297,8 +302,10 @@ def run_bench(config: BenchConfig) -> dict:
                         continue
                     runs.append(record)
                     outputs[(spec.name, prompt.workload, prompt.id, rep)] = output
+                    paired_tps = record.get("paired_tokens_per_second")
                     say(f"[{done}/{total}] rep {rep + 1} {prompt.id} {spec.name}: "
-                        f"{record['tokens_per_second']:.1f} tok/s ({record['completion_tokens']} tokens)")
+                        f"{record['tokens_per_second']:.1f} tok/s ({record['completion_tokens']} tokens)"
+                        + (f", drafting off {paired_tps:.1f} tok/s" if paired_tps else ""))
         elapsed = time.perf_counter() - t_run
 
         for name, w in workers.items():
@@ -329,7 +336,7 @@ def run_bench(config: BenchConfig) -> dict:
             "pair": config.pair, "oracle": config.oracle, "draft": config.draft,
             "cross_tokenizer": config.cross_tokenizer,
             "oracle_path": oracle_path, "draft_path": draft_path, "threads": threads, "n_ctx": config.n_ctx,
-            "reps": config.reps, "temperature": 0.0,
+            "reps": config.reps, "temperature": 0.0, "paired": config.paired,
             "workloads": sorted({p.workload for p in config.prompts}),
             "prompts": [{"workload": p.workload, "id": p.id, "max_tokens": p.max_tokens,
                          "prompt_tokens": len(by_id[(p.workload, p.id)]["tokens"])} for p in config.prompts],
@@ -360,7 +367,8 @@ def cost_sizes(spec: SystemSpec, info: dict) -> list[int]:
 
 
 def _run_one(spec: SystemSpec, prompt: BenchPrompt, prep: dict, rep: int, workers: dict[str, Worker],
-             anchor_bins: dict[str, Path], models: dict, threads: int, n_ctx: int) -> tuple[dict, dict]:
+             anchor_bins: dict[str, Path], models: dict, threads: int, n_ctx: int, *, paired: bool = False,
+             paired_first: bool = True) -> tuple[dict, dict]:
     base = {"system": spec.name, "workload": prompt.workload, "prompt_id": prompt.id, "rep": rep,
             "prompt_tokens": len(prep["tokens"]), "max_tokens": prompt.max_tokens}
     if spec.kind == LLAMA_CPP:
@@ -379,7 +387,18 @@ def _run_one(spec: SystemSpec, prompt: BenchPrompt, prep: dict, rep: int, worker
         return record, {"text": r["text"], "tokens": None}
     w = workers[spec.name]
     costs = cost_sizes(spec, w.info) if rep == 0 else None  # the ceiling's costs, on the real contexts
+
+    def drafting_off() -> float:
+        return w.call(op="run", tokens=prep["tokens"], max_tokens=prompt.max_tokens, costs=None,
+                      speculative=False)["result"]["tokens_per_second"]
+
+    paired_tps = None
+    paired = paired and spec.kind == LOCALSPEC and not spec.is_baseline
+    if paired and paired_first:
+        paired_tps = drafting_off()
     r = w.call(op="run", tokens=prep["tokens"], max_tokens=prompt.max_tokens, costs=costs)["result"]
+    if paired and not paired_first:
+        paired_tps = drafting_off()
     latencies: list[float] = []
     prev = None
     for t, n in r["chunks"]:
@@ -393,6 +412,8 @@ def _run_one(spec: SystemSpec, prompt: BenchPrompt, prep: dict, rep: int, worker
               "finish_reason": r["finish_reason"], "latencies": latencies}
     if "costs" in r:
         record["costs"] = r["costs"]
+    if paired_tps is not None:
+        record["paired_tokens_per_second"] = paired_tps
     return record, {"text": r["text"], "tokens": r["tokens"]}
 
 

@@ -7,8 +7,9 @@ llama.cpp prints can corrupt the protocol):
 
     {"op": "load", "system": {...}, "models": {...}, "n_ctx": 4096, "threads": 2}  -> {"ok": true, "info": {...}}
     {"op": "prepare", "prompts": [...]}       -> rendered text and tokens of each prompt (load a baseline first)
-    {"op": "run", "tokens": [...], "max_tokens": N, "costs": [1, 2, ...] | null}
+    {"op": "run", "tokens": [...], "max_tokens": N, "costs": [1, 2, ...] | null, "speculative": true}
                                                -> tokens, text, stats, chunk arrival times, measured costs
+                                                  (speculative false: the same engine, drafting off)
     {"op": "rss"}                              -> peak RSS of this process
     {"op": "quit"}
 
@@ -99,12 +100,12 @@ class LocalspecRunner:
                         "anchor_tokens_match": match, "echo": echo})
         return out
 
-    def run(self, tokens: list[int], max_tokens: int, costs: list[int] | None) -> dict:
+    def run(self, tokens: list[int], max_tokens: int, costs: list[int] | None, speculative: bool = True) -> dict:
         from localspec.engine import Request
 
         for ctx in self._contexts():  # every run evaluates its whole prompt: no prefix reuse between runs
             ctx.reset()
-        request = Request(max_tokens=max_tokens)
+        request = Request(max_tokens=max_tokens, speculative=speculative)
         lengths: Counter[int] = Counter()  # draft length of every step, for the ceiling
         policy = self.engine.policy
         update = policy.update
@@ -207,7 +208,9 @@ class LlamaCppPythonRunner:
         return {"load_time": self.load_time, "num_pred_tokens": self.num_pred_tokens,
                 "llama_cpp_python": self.llama_cpp.__version__}
 
-    def run(self, tokens: list[int], max_tokens: int, costs: list[int] | None) -> dict:
+    def run(self, tokens: list[int], max_tokens: int, costs: list[int] | None, speculative: bool = True) -> dict:
+        if not speculative:
+            raise ValueError("llama-cpp-python's prompt lookup cannot be switched off per run")
         llm, lc = self.llm, self.llama_cpp
         vocab = lc.llama_model_get_vocab(llm.model)
         llm.reset()
@@ -290,7 +293,8 @@ def main() -> int:
             elif op == "prepare":
                 reply({"ok": True, "prompts": runner.prepare(msg["prompts"])})
             elif op == "run":
-                reply({"ok": True, "result": runner.run(msg["tokens"], msg["max_tokens"], msg.get("costs"))})
+                reply({"ok": True, "result": runner.run(msg["tokens"], msg["max_tokens"], msg.get("costs"),
+                                                        msg.get("speculative", True))})
             elif op == "rss":
                 reply({"ok": True, "peak_rss": peak_rss_bytes()})
             elif op == "quit":
