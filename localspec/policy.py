@@ -13,7 +13,9 @@ where a is the running acceptance rate of a draft token given the ones before it
 ones would do), draft_cost(k) the draft's time to propose k tokens (it first catches up on the
 tokens accepted since its last step, in one batch, then decodes one token at a time) and
 verify_cost(n) the oracle's cost of an n-token pass, all measured (at start-up by `calibrate`, then
-online). k = 0 is plain oracle decoding; when that wins, the policy still probes with a short draft
+online). k = 0 is plain oracle decoding, and it also wins unless the best k is predicted to beat it by
+`min_gain` (5%): a smaller predicted gain is within the error of the estimates, and drafting on it
+risks a loss for next to nothing. When k = 0 wins, the policy still probes with a short draft
 now and then, so a better-matched stretch of text is noticed. A probe after idle steps is dear (the
 draft first catches up on the text it skipped), so probing is held to a small share of the time spent
 (`probe_budget`): a badly matched draft costs next to nothing once the policy has stopped using it.
@@ -102,7 +104,7 @@ class AdaptiveLength:
 
     def __init__(self, *, k_max: int = 16, prior_acceptance: float = 0.9, decay: float = 0.9,
                  probe_every: int = 16, probe_budget: float = 0.01, probe_length: int = 2,
-                 min_trials: int = 8) -> None:
+                 min_trials: int = 8, min_gain: float = 0.05) -> None:
         self.k_max = k_max
         self.acceptance = prior_acceptance  # a: per drafted token, given the previous ones were accepted
         self.decay = decay
@@ -112,6 +114,7 @@ class AdaptiveLength:
         self.probe_budget = probe_budget  # most of the time spent that probes may take
         self.probe_length = probe_length
         self.min_trials = min_trials  # draft tokens judged before the policy may give up on drafting
+        self.min_gain = min_gain  # predicted speedup over k = 0 below which drafting is not worth it
         self.trials = 0
         self.time_spent = 0.0  # seconds, every step
         self.probe_time = 0.0  # seconds that probes took beyond a plain oracle step
@@ -153,7 +156,8 @@ class AdaptiveLength:
     def best_length(self, limit: int) -> int:
         ks = np.arange(0, min(limit, self.k_max) + 1)  # [K+1]
         rate = self._expected_tokens(ks) / self._step_times(ks)  # [K+1] tokens per second
-        return int(np.argmax(rate))  # the shortest k on a tie
+        k = int(np.argmax(rate))  # the shortest k on a tie
+        return k if rate[k] >= (1.0 + self.min_gain) * rate[0] else 0
 
     def draft_length(self, limit: int) -> int:
         self._probing = False

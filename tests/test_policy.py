@@ -35,6 +35,13 @@ def test_useless_draft_gives_k0():
     assert p.draft_length(16) == 0
 
 
+def test_a_marginal_predicted_gain_is_not_worth_drafting():
+    verify = lambda n: 0.030 + 0.004 * (n - 1)  # noqa: E731
+    assert calibrated(verify, 0.008, prior_acceptance=0.65, min_gain=0.0).best_length(16) == 2  # +0.3% predicted
+    assert calibrated(verify, 0.008, prior_acceptance=0.65).best_length(16) == 0  # within min_gain (5%)
+    assert calibrated(verify, 0.008, prior_acceptance=0.7).best_length(16) == 2  # +6% predicted
+
+
 def test_high_acceptance_and_cheap_verify_gives_large_k():
     verify = lambda n: 0.020 + 0.0005 * n  # noqa: E731  GPU-like: a wide pass costs little more
     p = calibrated(verify, draft_cost=0.001)
