@@ -229,6 +229,9 @@ class Engine:
         rng = np.random.default_rng(request.sampling.seed)
         detok = Detokenizer(self.oracle_model)
         text = TextStream(detok.feed, detok.flush, request.stop)
+        start_request = getattr(self.policy, "start_request", None)  # optional for a custom policy
+        if request.speculative and start_request is not None:
+            start_request()
         self._prefill(history, stats, speculative=request.speculative and self.proposer is not None)
         stats.prompt_time = time.perf_counter() - t_start
 

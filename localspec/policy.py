@@ -20,6 +20,14 @@ now and then, so a better-matched stretch of text is noticed. A probe after idle
 draft first catches up on the text it skipped), so probing is held to a small share of the time spent
 (`probe_budget`): a badly matched draft costs next to nothing once the policy has stopped using it.
 It stops only after judging `min_trials` draft tokens: an unlucky first step is not evidence enough.
+
+The acceptance estimate is a running mean over trials that settles into an exponential average
+(each trial weighs at least 1 - `decay`): quick to learn from a fresh start, steady afterwards. A
+probe drafts from a short window of recent text (catching up on all of it would cost more than the
+probe is worth), so its acceptance reads low. When the policy is idle on a close call (the best k
+predicted within `retry_ratio` of plain decoding) a new request re-tries drafting with the draft
+on its whole prompt, for `min_trials` draft tokens that count as fresh evidence: one hard prompt
+does not end drafting on a pair that usually pays, and a pair that never pays is not re-tried.
 """
 
 from __future__ import annotations
@@ -35,6 +43,9 @@ class LengthPolicy(Protocol):
 
     def update(self, *, n_drafted: int, n_accepted: int, draft_time: float, verify_time: float) -> None:
         """The outcome of the step just verified."""
+
+    def start_request(self) -> None:
+        """A new request begins (before its prompt is evaluated)."""
 
     @property
     def idle(self) -> bool:
@@ -57,6 +68,9 @@ class FixedLength:
         return self.k == 0
 
     def update(self, *, n_drafted: int, n_accepted: int, draft_time: float, verify_time: float) -> None:
+        pass
+
+    def start_request(self) -> None:
         pass
 
 
@@ -102,11 +116,12 @@ class CostCurve:
 class AdaptiveLength:
     """Cost-aware draft length (see the module docstring)."""
 
-    def __init__(self, *, k_max: int = 16, prior_acceptance: float = 0.9, decay: float = 0.9,
-                 probe_every: int = 16, probe_budget: float = 0.01, probe_length: int = 2,
-                 min_trials: int = 8, min_gain: float = 0.05) -> None:
+    def __init__(self, *, k_max: int = 16, prior_acceptance: float = 0.9, prior_weight: float = 4.0,
+                 decay: float = 0.97, probe_every: int = 16, probe_budget: float = 0.01, probe_length: int = 2,
+                 min_trials: int = 8, min_gain: float = 0.05, retry_ratio: float = 0.9) -> None:
         self.k_max = k_max
         self.acceptance = prior_acceptance  # a: per drafted token, given the previous ones were accepted
+        self.prior_weight = prior_weight  # the prior (or, on a re-try, the old estimate) counts as this many trials
         self.decay = decay
         self.verify_cost = CostCurve()  # seconds for an oracle pass of n tokens
         self.draft_cost = CostCurve()  # seconds for the draft to propose k tokens
@@ -115,7 +130,9 @@ class AdaptiveLength:
         self.probe_length = probe_length
         self.min_trials = min_trials  # draft tokens judged before the policy may give up on drafting
         self.min_gain = min_gain  # predicted speedup over k = 0 below which drafting is not worth it
-        self.trials = 0
+        self.retry_ratio = retry_ratio  # idle on a closer call than this: re-try at the next request
+        self.trials = 0  # draft tokens judged, ever
+        self.fresh_trials = 0  # since the start or the last re-try
         self.time_spent = 0.0  # seconds, every step
         self.probe_time = 0.0  # seconds that probes took beyond a plain oracle step
         self._idle = 0  # consecutive k = 0 steps
@@ -128,7 +145,7 @@ class AdaptiveLength:
 
     @property
     def idle(self) -> bool:
-        return self.calibrated and self.trials >= self.min_trials and self.best_length(self.k_max) == 0
+        return self.calibrated and self.fresh_trials >= self.min_trials and self.best_length(self.k_max) == 0
 
     def calibrate(self, time_verify: Callable[[int], float], time_draft: Callable[[int], float],
                   sizes: tuple[int, ...] = (1, 2, 4, 8, 16)) -> None:
@@ -153,18 +170,26 @@ class AdaptiveLength:
     def _step_times(self, ks: np.ndarray) -> np.ndarray:
         return np.where(ks > 0, self.draft_cost.many(ks), 0.0) + self.verify_cost.many(ks + 1)
 
-    def best_length(self, limit: int) -> int:
+    def _rates(self, limit: int) -> np.ndarray:
         ks = np.arange(0, min(limit, self.k_max) + 1)  # [K+1]
-        rate = self._expected_tokens(ks) / self._step_times(ks)  # [K+1] tokens per second
+        return self._expected_tokens(ks) / self._step_times(ks)  # [K+1] tokens per second
+
+    def best_length(self, limit: int) -> int:
+        rate = self._rates(limit)  # [K+1]
         k = int(np.argmax(rate))  # the shortest k on a tie
         return k if rate[k] >= (1.0 + self.min_gain) * rate[0] else 0
+
+    def start_request(self) -> None:
+        rate = self._rates(self.k_max)  # [K+1]
+        if self.idle and rate[1:].max(initial=0.0) >= self.retry_ratio * rate[0]:
+            self.fresh_trials = 0  # a close call: judge min_trials draft tokens on this prompt
 
     def draft_length(self, limit: int) -> int:
         self._probing = False
         if limit <= 0:
             return 0
         k = self.best_length(limit)
-        if k == 0 and self.trials < self.min_trials:
+        if k == 0 and self.fresh_trials < self.min_trials:
             k = min(self.probe_length, limit)  # one or two early rejections are not evidence enough
         elif k == 0:
             self._idle += 1
@@ -178,11 +203,12 @@ class AdaptiveLength:
         return k
 
     def update(self, *, n_drafted: int, n_accepted: int, draft_time: float, verify_time: float) -> None:
-        d = self.decay
         trials = n_accepted + (n_accepted < n_drafted)  # the accepted tokens and the first rejected one
-        self.trials += trials
-        weight = d ** trials  # an EMA over trials: each trial moves a by (1 - d)
-        self.acceptance = weight * self.acceptance + (1 - weight) * (n_accepted / trials if trials else 0.0)
+        for i in range(trials):
+            self.trials += 1
+            self.fresh_trials += 1
+            weight = max(1.0 - self.decay, 1.0 / (self.prior_weight + self.fresh_trials))
+            self.acceptance += weight * ((i < n_accepted) - self.acceptance)
         self.time_spent += draft_time + verify_time
         if self._probing:
             self.probe_time += max(0.0, draft_time + verify_time - self.verify_cost(1))

@@ -137,3 +137,33 @@ def test_grows_k_from_a_short_start_when_drafts_keep_being_accepted():
         p.update(n_drafted=k, n_accepted=k, draft_time=0.0106 * k, verify_time=0.0236 + 0.0024 * k)
     assert p.draft_length(16) >= 6
     assert p.acceptance > 0.9
+
+
+def test_acceptance_learns_fast_from_the_prior_then_holds_steady():
+    p = AdaptiveLength(prior_acceptance=0.9)
+    p.update(n_drafted=8, n_accepted=0, draft_time=0.0, verify_time=0.01)  # one trial: the first rejected
+    assert p.acceptance == pytest.approx(0.9 - 0.9 / 5)  # the prior counts as 4 trials
+    for _ in range(8):
+        p.update(n_drafted=1, n_accepted=0, draft_time=0.0, verify_time=0.01)
+    assert p.acceptance < 0.5  # nine rejections in a row outweigh the prior
+    for _ in range(200):
+        p.update(n_drafted=4, n_accepted=4, draft_time=0.0, verify_time=0.01)
+    settled = p.acceptance
+    p.update(n_drafted=4, n_accepted=0, draft_time=0.0, verify_time=0.01)
+    assert settled - p.acceptance == pytest.approx(0.03 * settled)  # later, one rejection moves it by 1 - decay
+
+
+def test_a_new_request_retries_drafting_on_a_close_call_only():
+    verify = lambda n: 0.030 + 0.004 * (n - 1)  # noqa: E731
+    close = calibrated(verify, 0.008, prior_acceptance=0.65)  # +0.3% predicted: idle, but a close call
+    close.fresh_trials = close.trials = 8
+    assert close.idle
+    close.start_request()
+    assert not close.idle and close.draft_length(16) == 2  # judged afresh, on the whole prompt
+    close.update(n_drafted=2, n_accepted=2, draft_time=0.016, verify_time=verify(3))
+    assert close.acceptance == pytest.approx(0.65 + 0.35 / 5 + (1 - 0.72) / 6)  # the old estimate as a 4-trial prior
+
+    hopeless = calibrated(verify, 0.008, prior_acceptance=0.1)
+    hopeless.fresh_trials = hopeless.trials = 8
+    hopeless.start_request()
+    assert hopeless.idle and hopeless.draft_length(16) == 0
