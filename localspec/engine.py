@@ -30,7 +30,7 @@ from .outputs import Chunk, Result, Stats, TokenLogprob, TopLogprob
 from .policy import AdaptiveLength, FixedLength, LengthPolicy
 from .proposers import (EMPTY_DRAFT, CrossTokenizerProposer, Draft, DraftModelProposer, HybridProposer,
                         PromptLookupProposer, Proposer)
-from .sampling import SamplingParams, coupled_choice, log_softmax, logits_to_probs
+from .sampling import SamplingParams, coupled_choice, log_softmax, logits_to_probs, seed_key
 from .text import TextStream
 
 log = logging.getLogger("localspec.engine")
@@ -226,7 +226,8 @@ class Engine:
     def _run(self, history: list[int], request: Request) -> Iterator[Chunk]:
         stats = Stats(prompt_tokens=len(history))
         t_start = time.perf_counter()
-        rng = np.random.default_rng(request.sampling.seed)
+        seed = request.sampling.seed
+        rng = np.random.default_rng(None if seed is None else seed_key(seed))
         detok = Detokenizer(self.oracle_model)
         text = TextStream(detok.feed, detok.flush, request.stop)
         start_request = getattr(self.policy, "start_request", None)  # optional for a custom policy

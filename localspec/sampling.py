@@ -316,10 +316,15 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 # accepts more often but ties the output to the draft's choices.)
 
 
+def seed_key(seed: int) -> int:
+    """Any integer seed (the OpenAI API allows negative ones) as the non-negative one numpy takes."""
+    return seed & 0xFFFFFFFFFFFFFFFF
+
+
 @lru_cache(maxsize=256)
 def gumbel_noise(seed: int, position: int, vocab: int) -> np.ndarray:
     """[vocab] standard Gumbel noise for one position of one seeded generation (read-only)."""
-    noise = np.random.default_rng((seed & 0xFFFFFFFFFFFFFFFF, position)).gumbel(size=vocab)
+    noise = np.random.default_rng((seed_key(seed), position)).gumbel(size=vocab)
     noise.flags.writeable = False
     return noise
 

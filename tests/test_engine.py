@@ -134,6 +134,14 @@ def test_seeded_sampling_is_the_same_with_or_without_speculation(engine):
     assert same >= 3
 
 
+def test_a_negative_seed_is_a_seed_like_any_other(engine):
+    """The OpenAI API takes any integer seed; numpy's generators take non-negative ones only."""
+    opts = dict(max_tokens=6, temperature=0.9)
+    a = engine.generate(chat(PROMPTS[0]), seed=-9999, **opts)
+    b = engine.generate(chat(PROMPTS[0]), seed=-9999, speculative=False, **opts)
+    assert a.tokens and a.tokens == b.tokens
+
+
 def test_unseeded_sampling_varies(engine):
     runs = {tuple(engine.generate(chat(PROMPTS[0]), max_tokens=16, temperature=1.0).tokens) for _ in range(3)}
     assert len(runs) > 1
