@@ -181,8 +181,10 @@ class AdaptiveLength:
         return k if rate[k] >= (1.0 + self.min_gain) * rate[0] else 0
 
     def start_request(self) -> None:
+        if not self.idle:
+            return
         rate = self._rates(self.k_max)  # [K+1]
-        if self.idle and rate[1:].max(initial=0.0) >= self.retry_ratio * rate[0]:
+        if rate[1:].max(initial=0.0) >= self.retry_ratio * rate[0]:
             self.fresh_trials = 0  # a close call: judge min_trials draft tokens on this prompt
 
     def draft_length(self, limit: int) -> int:
