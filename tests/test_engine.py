@@ -81,10 +81,16 @@ def test_speculative_greedy_text_equals_oracle_alone_on_most_prompts(engine):
 
 
 def test_default_pair_acceptance_is_high(engine):
-    r = engine.generate(chat("Write a haiku about the sea."), max_tokens=64)
-    assert r.stats.acceptance_rate > 0.8
-    assert r.stats.mean_accepted_length > 2
-    assert r.stats.steps < r.stats.completion_tokens
+    """Over a few prompts: on one alone (a haiku) the draft may be unsure at every other token and
+    stop early (its p_min cut-off), which says nothing about the pair."""
+    steps = drafted = accepted = tokens = 0
+    for p in PROMPTS:
+        s = engine.generate(chat(p), max_tokens=64).stats
+        steps, drafted, accepted, tokens = steps + s.steps, drafted + s.drafted, accepted + s.accepted, \
+            tokens + s.completion_tokens
+    assert accepted / drafted > 0.8
+    assert accepted / steps > 2  # draft tokens accepted per step (measured here: 3.8 with k = 6)
+    assert tokens / steps > 3
 
 
 def test_cli_generate_json_on_the_default_pair():
