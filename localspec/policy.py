@@ -3,18 +3,25 @@
 The engine asks `draft_length(limit)` before each step and reports the outcome with `update(...)`,
 so a policy can hide any schedule (fixed, cost-aware) behind two calls.
 
-`AdaptiveLength` (the default) picks the k that maximises expected tokens per second:
+`AdaptiveLength` (the default) picks the draft allowance k that maximises expected tokens per second.
+The draft may stop before k (its confidence cut-off, p_min; a lookup match that runs out), so
 
-    expected tokens per step   E(k) = 1 + a + a^2 + ... + a^k
-    time per step              T(k) = draft_cost(k) + verify_cost(k + 1)        (draft_cost(0) = 0)
+    P(draft token i+1 is proposed | token i was)    = c       (the continuation rate)
+    P(tokens 1..i are all proposed and accepted)     = a^i * c_acc^(i-1)
+    expected tokens per step   E(k) = 1 + sum_{i=1..k} a^i * c_acc^(i-1)
+    time per step              T(k) = sum_l P(L = l | k) * (draft_cost(l) + verify_cost(l + 1)),  T(0) = verify_cost(1)
 
-where a is the running acceptance rate of a draft token given the ones before it were accepted
-(each drafted token up to the first rejection is one trial, so short drafts also teach what long
-ones would do), draft_cost(k) the draft's time to propose k tokens (it first catches up on the
-tokens accepted since its last step, in one batch, then decodes one token at a time) and
-verify_cost(n) the oracle's cost of an n-token pass, all measured (at start-up by `calibrate`, then
-online). k = 0 is plain oracle decoding, and it also wins unless the best k is predicted to beat it by
-`min_gain` (5%): a smaller predicted gain is within the error of the estimates, and drafting on it
+where L is the number of tokens drafted (P(L = l) = c^(l-1) * (1 - c) for l < k, c^(k-1) for l = k),
+a the running acceptance rate of a draft token given the ones before it were accepted (each drafted
+token up to the first rejection is one trial, so short drafts also teach what long ones would do),
+c_acc the continuation rate after an accepted token (a confident draft is more often right), and
+draft_cost(l) the draft's time to propose l tokens (it first catches up on the tokens accepted since
+its last step, in one batch, then decodes one token at a time) and verify_cost(n) the oracle's cost
+of an n-token pass, all measured (at start-up by `calibrate`, then online). A long allowance is cheap
+when the draft often stops early: the policy does not pay for tokens that are never drafted.
+k = 0 is plain oracle decoding, and it also wins unless the best k is predicted to beat it by
+`min_gain` (10%): a smaller predicted gain is within the error of the estimates (measured: ~15% on
+the badly matched Q2_K pair, where the acceptance estimate lags the text), and drafting on it
 risks a loss for next to nothing. When k = 0 wins, the policy still probes with a short draft
 now and then, so a better-matched stretch of text is noticed. A probe after idle steps is dear (the
 draft first catches up on the text it skipped), so probing is held to a small share of the time spent
@@ -23,8 +30,8 @@ It stops only after judging `min_trials` draft tokens: an unlucky first step is 
 
 The acceptance estimate is a running mean over trials that settles into an exponential average
 (each trial weighs at least 1 - `decay`): quick to learn from a fresh start, steady afterwards. A
-probe drafts from a short window of recent text (catching up on all of it would cost more than the
-probe is worth), so its acceptance reads low. When the policy is idle on a close call (the best k
+probe after a pause drafts from the start of the text and a short window of recent text, not all of
+it (catching up would cost more than the probe is worth), so its acceptance may read low. When the policy is idle on a close call (the best k
 predicted within `retry_ratio` of plain decoding) a new request re-tries drafting with the draft
 on its whole prompt, for `min_trials` draft tokens that count as fresh evidence: one hard prompt
 does not end drafting on a pair that usually pays, and a pair that never pays is not re-tried.
@@ -116,11 +123,15 @@ class CostCurve:
 class AdaptiveLength:
     """Cost-aware draft length (see the module docstring)."""
 
-    def __init__(self, *, k_max: int = 16, prior_acceptance: float = 0.9, prior_weight: float = 4.0,
+    def __init__(self, *, k_max: int = 16, prior_acceptance: float = 0.9, prior_continuation: float = 1.0,
+                 prior_weight: float = 4.0,
                  decay: float = 0.97, probe_every: int = 16, probe_budget: float = 0.01, probe_length: int = 2,
-                 min_trials: int = 8, min_gain: float = 0.05, retry_ratio: float = 0.9) -> None:
+                 min_trials: int = 8, min_gain: float = 0.10, retry_ratio: float = 0.9) -> None:
         self.k_max = k_max
         self.acceptance = prior_acceptance  # a: per drafted token, given the previous ones were accepted
+        self.continuation = prior_continuation  # c: the draft proposes one more token (allowance left)
+        self.continuation_accepted = prior_continuation  # c_acc: the same, after a token that was accepted
+        self._continuations = [0, 0]  # events behind each of the two
         self.prior_weight = prior_weight  # the prior (or, on a re-try, the old estimate) counts as this many trials
         self.decay = decay
         self.verify_cost = CostCurve()  # seconds for an oracle pass of n tokens
@@ -159,21 +170,30 @@ class AdaptiveLength:
         self.draft_cost.mean[self.k_max] = catch_up + (self.k_max - 1) * per_token
 
     def expected_tokens(self, k: int) -> float:
-        return float(self._expected_tokens(np.array([k]))[0])
+        return float(self._expected_tokens(k)[k])
 
     def step_time(self, k: int) -> float:
-        return float(self._step_times(np.array([k]))[0])
+        return float(self._step_times(k)[k])
 
-    def _expected_tokens(self, ks: np.ndarray) -> np.ndarray:
-        a = self.acceptance
-        return ks + 1.0 if a >= 1.0 else (1.0 - a ** (ks + 1.0)) / (1.0 - a)
+    def _expected_tokens(self, k_top: int) -> np.ndarray:
+        """E(k) for k = 0..k_top [k_top+1]."""
+        i = np.arange(1, k_top + 1)  # [K] draft positions
+        reached = self.acceptance ** i * self.continuation_accepted ** (i - 1)  # [K] P(1..i proposed and accepted)
+        return 1.0 + np.concatenate(([0.0], np.cumsum(reached)))
 
-    def _step_times(self, ks: np.ndarray) -> np.ndarray:
-        return np.where(ks > 0, self.draft_cost.many(ks), 0.0) + self.verify_cost.many(ks + 1)
+    def _step_times(self, k_top: int) -> np.ndarray:
+        """T(k) for k = 0..k_top [k_top+1]."""
+        lengths = np.arange(1, k_top + 1)  # [K] tokens drafted
+        cost = self.draft_cost.many(lengths) + self.verify_cost.many(lengths + 1)  # [K]
+        c = self.continuation
+        at_least = c ** (lengths - 1)  # [K] P(L >= l)
+        stopped = np.concatenate(([0.0], np.cumsum(at_least * (1.0 - c) * cost)))[:-1]  # [K] drafts ending before l
+        plain = self.verify_cost.many(np.array([1]))  # [1]
+        return np.concatenate((plain, stopped + at_least * cost))
 
     def _rates(self, limit: int) -> np.ndarray:
-        ks = np.arange(0, min(limit, self.k_max) + 1)  # [K+1]
-        return self._expected_tokens(ks) / self._step_times(ks)  # [K+1] tokens per second
+        k_top = min(limit, self.k_max)
+        return self._expected_tokens(k_top) / self._step_times(k_top)  # [K+1] tokens per second
 
     def best_length(self, limit: int) -> int:
         rate = self._rates(limit)  # [K+1]
@@ -213,8 +233,9 @@ class AdaptiveLength:
         for i in range(trials):
             self.trials += 1
             self.fresh_trials += 1
-            weight = max(1.0 - self.decay, 1.0 / (self.prior_weight + self.fresh_trials))
-            self.acceptance += weight * ((i < n_accepted) - self.acceptance)
+            self.acceptance = self._blend(self.acceptance, i < n_accepted, self.fresh_trials)
+        if n_drafted:
+            self._observe_continuation(n_drafted, n_accepted, allowance=max(self.last_k, n_drafted))
         self.time_spent += draft_time + verify_time
         if self._probing:
             self.probe_time += max(0.0, draft_time + verify_time - self.verify_cost(1))
@@ -222,3 +243,23 @@ class AdaptiveLength:
         # a probe after idle steps pays for the draft catching up on all of them: not a fair sample
         if n_drafted and not self._probing:
             self.draft_cost.observe(n_drafted, draft_time)
+
+    def _observe_continuation(self, n_drafted: int, n_accepted: int, *, allowance: int) -> None:
+        """After each drafted token the draft went on (it is not the last) or stopped (the last, short
+        of the allowance); the last token of a draft that used its whole allowance tells nothing."""
+        for i in range(1, n_drafted + 1):
+            went_on = i < n_drafted
+            if not went_on and n_drafted == allowance:
+                break
+            self._continuations[0] += 1
+            self.continuation = self._blend(self.continuation, went_on, self._continuations[0])
+            if i <= n_accepted:
+                self._continuations[1] += 1
+                self.continuation_accepted = self._blend(self.continuation_accepted, went_on,
+                                                         self._continuations[1])
+
+    def _blend(self, estimate: float, outcome: bool, n: int) -> float:
+        """A running mean over the n outcomes so far (the prior counting as prior_weight of them)
+        that settles into an exponential average: each outcome weighs at least 1 - decay."""
+        weight = max(1.0 - self.decay, 1.0 / (self.prior_weight + n))
+        return estimate + weight * (outcome - estimate)

@@ -52,26 +52,34 @@ class DraftModelProposer:
         self.ctx = ctx
         self.p_min = p_min
         self.max_catch_up = max_catch_up
-        self.start = 0  # the draft's cache holds history[start:] (a window after a long pause)
+        # the draft's cache holds history[:keep] + history[start:]: all of it (keep == start), or after
+        # a long pause in drafting, the start it still held and the recent text, with a gap between
+        self.keep = self.start = 0
         self.tokens_evaluated = 0  # draft-side tokens decoded, prompt included
 
     def prefill(self, tokens: Sequence[int], *, evaluate: bool = True) -> None:
         """A new prompt: evaluate it (all but its last token) on the draft, reusing its cached
-        prefix; `evaluate=False` leaves that to the first `propose` (which may then draft from a
-        window of recent text)."""
-        self.start = 0
+        prefix; `evaluate=False` leaves that to the first `propose` (which may then draft with a gap)."""
+        self.keep = self.start = 0
         if evaluate:
             _, n_eval = self.ctx.sync(tokens, n_logits=0)
             self.tokens_evaluated += n_eval
 
+    def _view(self, history: Sequence[int]) -> list[int]:
+        """The tokens the draft conditions on. After many steps without drafting, catching up on all
+        of them would cost more than a probe is worth: the draft keeps the start of the text it
+        already holds (the prompt says what the text is about) and evaluates only the latest
+        `max_catch_up` tokens after it, as if the text in between were not there."""
+        view = list(history[:self.keep]) + list(history[self.start:])
+        if len(view) - self.ctx.common_prefix(view) <= self.max_catch_up:
+            return view
+        self.keep = self.ctx.common_prefix(history)
+        self.start = max(self.keep, len(history) - self.max_catch_up)
+        return list(history[:self.keep]) + list(history[self.start:])
+
     def propose(self, history: Sequence[int], max_len: int, sampling: SamplingParams,
                 rng: np.random.Generator) -> Draft:
-        view = history[self.start:]
-        if len(view) - self.ctx.common_prefix(view) > self.max_catch_up:
-            # after many steps without drafting, catching up would cost more than a probe is worth:
-            # draft from the recent text only
-            self.start = len(history) - self.max_catch_up
-            view = history[self.start:]
+        view = self._view(history)
         max_len = min(max_len, self.ctx.n_ctx - len(view) + 1)
         if max_len <= 0 or not view:
             return EMPTY_DRAFT

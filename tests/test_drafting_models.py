@@ -65,7 +65,7 @@ def test_a_request_without_drafting_leaves_the_draft_and_the_policy_alone(pair_p
         assert not policy.calibrated and policy.trials == 0 and policy.time_spent == 0.0
 
 
-def test_a_new_prompt_resets_the_drafts_window_even_when_not_evaluated(pair_paths):
+def test_after_a_pause_the_draft_keeps_the_start_it_holds_and_catches_up_on_recent_text_only(pair_paths):
     import numpy as np
 
     from localspec.sampling import SamplingParams
@@ -74,12 +74,21 @@ def test_a_new_prompt_resets_the_drafts_window_even_when_not_evaluated(pair_path
         drafter, rng, greedy = engine.proposer, np.random.default_rng(0), SamplingParams()
         long = engine.oracle_model.tokenize(PASSAGE * 2, add_special=True, parse_special=False)
         drafter.prefill(long[:10])
-        drafter.propose(long, 4, greedy, rng)  # 70+ tokens to catch up: drafts from a recent window
-        assert drafter.start > 0
+        before = drafter.tokens_evaluated
+        draft = drafter.propose(long, 4, greedy, rng)  # 70+ tokens to catch up: only the latest 16
+        assert (drafter.keep, drafter.start) == (10, len(long) - 16)
+        assert drafter.ctx.tokens[:26] == long[:10] + long[-16:]  # the prompt's start, a gap, the recent text
+        assert drafter.tokens_evaluated - before == 16 + len(draft) - 1
+        more = long + [int(draft.tokens[0]), long[20]]  # the first draft token accepted, then a recovered one
+        drafter.propose(more, 4, greedy, rng)  # drafting goes on after the gap: no new window
+        assert (drafter.keep, drafter.start) == (10, len(long) - 16)
+        assert drafter.ctx.tokens[:28] == long[:10] + more[-18:]
+
         short = engine.oracle_model.tokenize("Name three fruits.", add_special=True, parse_special=False)
-        drafter.prefill(short[:-1], evaluate=False)
-        assert drafter.start == 0
+        drafter.prefill(short[:-1], evaluate=False)  # a new prompt: the gap is forgotten
+        assert drafter.keep == drafter.start == 0
         assert len(drafter.propose(short, 4, greedy, rng)) >= 1
+        assert drafter.ctx.tokens[:len(short)] == short
 
 
 def test_incompatible_pair_refused_without_cross_tokenizer(registry, pair_paths):

@@ -38,8 +38,8 @@ def test_useless_draft_gives_k0():
 def test_a_marginal_predicted_gain_is_not_worth_drafting():
     verify = lambda n: 0.030 + 0.004 * (n - 1)  # noqa: E731
     assert calibrated(verify, 0.008, prior_acceptance=0.65, min_gain=0.0).best_length(16) == 2  # +0.3% predicted
-    assert calibrated(verify, 0.008, prior_acceptance=0.65).best_length(16) == 0  # within min_gain (5%)
-    assert calibrated(verify, 0.008, prior_acceptance=0.7).best_length(16) == 2  # +6% predicted
+    assert calibrated(verify, 0.008, prior_acceptance=0.7).best_length(16) == 0  # +6%: within min_gain (10%)
+    assert calibrated(verify, 0.008, prior_acceptance=0.75).best_length(16) == 2  # +12% predicted
 
 
 def test_high_acceptance_and_cheap_verify_gives_large_k():
@@ -167,3 +167,40 @@ def test_a_new_request_retries_drafting_on_a_close_call_only():
     hopeless.fresh_trials = hopeless.trials = 8
     hopeless.start_request()
     assert hopeless.idle and hopeless.draft_length(16) == 0
+
+
+def test_a_draft_that_stops_early_is_charged_for_what_it_drafts():
+    """E(k) and T(k) with the continuation rates: c for the draft's length, c_acc after an accepted token."""
+    p = calibrated(lambda n: 0.02 + 0.01 * n, draft_cost=0.005, prior_acceptance=0.8)
+    p.continuation, p.continuation_accepted = 0.5, 0.6
+    cost = {l: p.draft_cost(l) + p.verify_cost(l + 1) for l in (1, 2)}
+    assert p.step_time(0) == pytest.approx(p.verify_cost(1))
+    assert p.step_time(1) == pytest.approx(cost[1])
+    assert p.step_time(2) == pytest.approx(0.5 * cost[1] + 0.5 * cost[2])  # stops after one token half the time
+    assert p.expected_tokens(2) == pytest.approx(1 + 0.8 + 0.8 ** 2 * 0.6)
+
+
+def test_continuation_is_learned_from_where_drafts_stop():
+    p = AdaptiveLength(prior_continuation=1.0, prior_weight=4.0)
+    p.last_k = 8  # the allowance granted
+    p.update(n_drafted=3, n_accepted=1, draft_time=0.0, verify_time=0.01)  # went on, went on, stopped
+    went_on = 1.0 + (1 - 1.0) / 5
+    assert p.continuation == pytest.approx(went_on + (0 - went_on) / 7)
+    assert p.continuation_accepted == 1.0  # the one accepted token was followed by another
+    before = p.continuation
+    p.last_k = 2
+    p.update(n_drafted=2, n_accepted=2, draft_time=0.0, verify_time=0.01)  # the allowance used up: one event
+    assert p.continuation == pytest.approx(before + (1 - before) / 8)
+
+
+def test_a_draft_that_stops_itself_when_unsure_gets_a_long_allowance():
+    """The default pair's measured costs; the draft (with its p_min cut-off) proposes 3 tokens a step
+    and all are accepted. Charging every allowed token would cap k; the policy sees it is not paid for."""
+    table = {1: 0.0236, 2: 0.0278, 4: 0.0337, 8: 0.0412, 16: 0.0601}
+    p = calibrated(lambda n: table[n], draft_cost=0.0106)
+    for _ in range(60):
+        k = p.draft_length(16)
+        n = min(k, 3)
+        p.update(n_drafted=n, n_accepted=n, draft_time=0.0106 * n, verify_time=0.0236 + 0.0024 * n)
+    assert 0.6 < p.continuation < 0.8
+    assert p.draft_length(16) == 16
