@@ -204,17 +204,3 @@ def test_a_draft_that_stops_itself_when_unsure_gets_a_long_allowance():
         p.update(n_drafted=n, n_accepted=n, draft_time=0.0106 * n, verify_time=0.0236 + 0.0024 * n)
     assert 0.6 < p.continuation < 0.8
     assert p.draft_length(16) == 16
-
-
-def test_a_hard_stretch_on_a_pair_that_pays_shortens_drafts_instead_of_stopping_them():
-    verify = lambda n: 0.030 + 0.004 * (n - 1)  # noqa: E731
-    good = calibrated(verify, 0.008, prior_acceptance=0.95)
-    for _ in range(100):  # a long run of well-guessed text
-        good.update(n_drafted=4, n_accepted=4, draft_time=0.032, verify_time=verify(5))
-    good.acceptance = 0.7  # then a hard stretch: +6% predicted, under min_gain
-    assert good.long_acceptance > 0.95 and good.best_length(16) == 2
-    good.acceptance = 0.5  # drafting would lose even here: stop
-    assert good.best_length(16) == 0
-
-    marginal = calibrated(verify, 0.008, prior_acceptance=0.7)  # marginal in the long run too
-    assert marginal.best_length(16) == 0
