@@ -26,10 +26,6 @@ risks a loss for next to nothing. When k = 0 wins, the policy still probes with 
 now and then, so a better-matched stretch of text is noticed. A probe after idle steps is dear (the
 draft first catches up on the text it skipped), so probing is held to a small share of the time spent
 (`probe_budget`): a badly matched draft costs next to nothing once the policy has stopped using it.
-The margin is waived while the long-run acceptance (over a few hundred trials, `long_decay`) says the
-pair pays by more than `min_gain`: a hard stretch of text on a well-matched pair then shortens the
-drafts instead of stopping them, and stopping (from which only probes bring the policy back) is left
-to text the draft truly cannot guess.
 It stops only after judging `min_trials` draft tokens: an unlucky first step is not evidence enough.
 
 The acceptance estimate is a running mean over trials that settles into an exponential average
@@ -130,12 +126,9 @@ class AdaptiveLength:
     def __init__(self, *, k_max: int = 16, prior_acceptance: float = 0.9, prior_continuation: float = 1.0,
                  prior_weight: float = 4.0,
                  decay: float = 0.97, probe_every: int = 16, probe_budget: float = 0.01, probe_length: int = 2,
-                 min_trials: int = 8, min_gain: float = 0.10, retry_ratio: float = 0.9,
-                 long_decay: float = 0.995) -> None:
+                 min_trials: int = 8, min_gain: float = 0.10, retry_ratio: float = 0.9) -> None:
         self.k_max = k_max
         self.acceptance = prior_acceptance  # a: per drafted token, given the previous ones were accepted
-        self.long_acceptance = prior_acceptance  # the same over the last few hundred trials
-        self.long_decay = long_decay
         self.continuation = prior_continuation  # c: the draft proposes one more token (allowance left)
         self.continuation_accepted = prior_continuation  # c_acc: the same, after a token that was accepted
         self._continuations = [0, 0]  # events behind each of the two
@@ -182,11 +175,10 @@ class AdaptiveLength:
     def step_time(self, k: int) -> float:
         return float(self._step_times(k)[k])
 
-    def _expected_tokens(self, k_top: int, acceptance: float | None = None) -> np.ndarray:
+    def _expected_tokens(self, k_top: int) -> np.ndarray:
         """E(k) for k = 0..k_top [k_top+1]."""
-        a = self.acceptance if acceptance is None else acceptance
         i = np.arange(1, k_top + 1)  # [K] draft positions
-        reached = a ** i * self.continuation_accepted ** (i - 1)  # [K] P(1..i proposed and accepted)
+        reached = self.acceptance ** i * self.continuation_accepted ** (i - 1)  # [K] P(1..i proposed and accepted)
         return 1.0 + np.concatenate(([0.0], np.cumsum(reached)))
 
     def _step_times(self, k_top: int) -> np.ndarray:
@@ -199,19 +191,14 @@ class AdaptiveLength:
         plain = self.verify_cost.many(np.array([1]))  # [1]
         return np.concatenate((plain, stopped + at_least * cost))
 
-    def _rates(self, limit: int, acceptance: float | None = None) -> np.ndarray:
+    def _rates(self, limit: int) -> np.ndarray:
         k_top = min(limit, self.k_max)
-        return self._expected_tokens(k_top, acceptance) / self._step_times(k_top)  # [K+1] tokens per second
+        return self._expected_tokens(k_top) / self._step_times(k_top)  # [K+1] tokens per second
 
     def best_length(self, limit: int) -> int:
         rate = self._rates(limit)  # [K+1]
         k = int(np.argmax(rate))  # the shortest k on a tie
-        if k == 0 or rate[k] >= (1.0 + self.min_gain) * rate[0]:
-            return k
-        # a marginal gain on the recent text: worth taking when the pair pays well in the long run
-        # (a hard stretch of text on a good pair passes), not on a pair that is marginal anyway
-        long_rate = self._rates(self.k_max, self.long_acceptance)  # [K+1]
-        return k if long_rate.max() >= (1.0 + self.min_gain) * long_rate[0] else 0
+        return k if rate[k] >= (1.0 + self.min_gain) * rate[0] else 0
 
     def start_request(self) -> None:
         if not self.idle:
@@ -247,7 +234,6 @@ class AdaptiveLength:
             self.trials += 1
             self.fresh_trials += 1
             self.acceptance = self._blend(self.acceptance, i < n_accepted, self.fresh_trials)
-            self.long_acceptance = self._blend(self.long_acceptance, i < n_accepted, self.trials, self.long_decay)
         if n_drafted:
             self._observe_continuation(n_drafted, n_accepted, allowance=max(self.last_k, n_drafted))
         self.time_spent += draft_time + verify_time
@@ -272,8 +258,8 @@ class AdaptiveLength:
                 self.continuation_accepted = self._blend(self.continuation_accepted, went_on,
                                                          self._continuations[1])
 
-    def _blend(self, estimate: float, outcome: bool, n: int, decay: float | None = None) -> float:
+    def _blend(self, estimate: float, outcome: bool, n: int) -> float:
         """A running mean over the n outcomes so far (the prior counting as prior_weight of them)
         that settles into an exponential average: each outcome weighs at least 1 - decay."""
-        weight = max(1.0 - (self.decay if decay is None else decay), 1.0 / (self.prior_weight + n))
+        weight = max(1.0 - self.decay, 1.0 / (self.prior_weight + n))
         return estimate + weight * (outcome - estimate)
