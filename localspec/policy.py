@@ -20,21 +20,22 @@ its last step, in one batch, then decodes one token at a time) and verify_cost(n
 of an n-token pass, all measured (at start-up by `calibrate`, then online). A long allowance is cheap
 when the draft often stops early: the policy does not pay for tokens that are never drafted.
 k = 0 is plain oracle decoding, and it also wins unless the best k is predicted to beat it by
-`min_gain` (10%): a smaller predicted gain is within the error of the estimates (measured: ~15% on
-the badly matched Q2_K pair, where the acceptance estimate lags the text), and drafting on it
-risks a loss for next to nothing. When k = 0 wins, the policy still probes with a short draft
-now and then, so a better-matched stretch of text is noticed. A probe after idle steps is dear (the
+`min_gain` (10%): a smaller predicted gain is within the error of the estimates and of a shared
+machine's timings (the acceptance estimate lags the text), and drafting on it risks a loss for next
+to nothing. When k = 0 wins, the policy still probes with a short draft now and then, so a
+better-matched stretch of text is noticed. A probe after idle steps is dear (the
 draft first catches up on the text it skipped), so probing is held to a small share of the time spent
 (`probe_budget`): a badly matched draft costs next to nothing once the policy has stopped using it.
 It stops only after judging `min_trials` draft tokens: an unlucky first step is not evidence enough.
 
-The acceptance estimate is a running mean over trials that settles into an exponential average
-(each trial weighs at least 1 - `decay`): quick to learn from a fresh start, steady afterwards. A
-probe after a pause drafts from the start of the text and a short window of recent text, not all of
-it (catching up would cost more than the probe is worth), so its acceptance may read low. When the policy is idle on a close call (the best k
-predicted within `retry_ratio` of plain decoding) a new request re-tries drafting with the draft
-on its whole prompt, for `min_trials` draft tokens that count as fresh evidence: one hard prompt
-does not end drafting on a pair that usually pays, and a pair that never pays is not re-tried.
+The acceptance and continuation estimates are running means over trials that settle into an
+exponential average (each trial weighs at least 1 - `decay`): quick to learn from a fresh start,
+steady afterwards. A probe after a pause drafts from the start of the text and a short window of
+recent text, not all of it (catching up would cost more than the probe is worth), so its acceptance
+may read low. When the policy is idle on a close call (the best k predicted within `retry_ratio` of
+plain decoding) a new request re-tries drafting with the draft on its whole prompt, for
+`min_trials` draft tokens that count as fresh evidence: one hard prompt does not end drafting on a
+pair that usually pays, and a pair that never pays is not re-tried.
 """
 
 from __future__ import annotations
