@@ -132,7 +132,7 @@ class AdaptiveLength:
         self.acceptance = prior_acceptance  # a: per drafted token, given the previous ones were accepted
         self.continuation = prior_continuation  # c: the draft proposes one more token (allowance left)
         self.continuation_accepted = prior_continuation  # c_acc: the same, after a token that was accepted
-        self._continuations = [0, 0]  # events behind each of the two
+        self._continuation_events = self._continuation_accepted_events = 0  # outcomes behind each
         self.prior_weight = prior_weight  # the prior (or, on a re-try, the old estimate) counts as this many trials
         self.decay = decay
         self.verify_cost = CostCurve()  # seconds for an oracle pass of n tokens
@@ -185,12 +185,12 @@ class AdaptiveLength:
     def _step_times(self, k_top: int) -> np.ndarray:
         """T(k) for k = 0..k_top [k_top+1]."""
         lengths = np.arange(1, k_top + 1)  # [K] tokens drafted
-        cost = self.draft_cost.many(lengths) + self.verify_cost.many(lengths + 1)  # [K]
+        verify = self.verify_cost.many(np.arange(1, k_top + 2))  # [K+1] passes of 1..K+1 tokens
+        cost = self.draft_cost.many(lengths) + verify[1:]  # [K]
         c = self.continuation
         at_least = c ** (lengths - 1)  # [K] P(L >= l)
         stopped = np.concatenate(([0.0], np.cumsum(at_least * (1.0 - c) * cost)))[:-1]  # [K] drafts ending before l
-        plain = self.verify_cost.many(np.array([1]))  # [1]
-        return np.concatenate((plain, stopped + at_least * cost))
+        return np.concatenate((verify[:1], stopped + at_least * cost))
 
     def _rates(self, limit: int) -> np.ndarray:
         k_top = min(limit, self.k_max)
@@ -252,12 +252,12 @@ class AdaptiveLength:
             went_on = i < n_drafted
             if not went_on and n_drafted == allowance:
                 break
-            self._continuations[0] += 1
-            self.continuation = self._blend(self.continuation, went_on, self._continuations[0])
+            self._continuation_events += 1
+            self.continuation = self._blend(self.continuation, went_on, self._continuation_events)
             if i <= n_accepted:
-                self._continuations[1] += 1
+                self._continuation_accepted_events += 1
                 self.continuation_accepted = self._blend(self.continuation_accepted, went_on,
-                                                         self._continuations[1])
+                                                         self._continuation_accepted_events)
 
     def _blend(self, estimate: float, outcome: bool, n: int) -> float:
         """A running mean over the n outcomes so far (the prior counting as prior_weight of them)
