@@ -340,6 +340,10 @@ class ContextParams:
     n_threads: int | None = None  # None: all cores
 
 
+FLASH_ATTN_TYPES = {"auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+                    "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED}
+
+
 def default_threads() -> int:
     try:
         return max(1, len(os.sched_getaffinity(0)))
@@ -355,10 +359,16 @@ class LlamaContext:
     """
 
     def __init__(self, model: LlamaModel, *, n_ctx: int = 4096, n_batch: int = 512,
-                 n_threads: int | None = None) -> None:
+                 n_threads: int | None = None, flash_attn: str = "auto") -> None:
+        """`flash_attn`: "on", "off" or "auto" (llama.cpp's own choice: on wherever the backend
+        supports it, the CPU included)."""
         self.model = model
         threads = n_threads or default_threads()
+        if flash_attn not in FLASH_ATTN_TYPES:
+            raise ValueError(f"flash_attn must be one of {', '.join(FLASH_ATTN_TYPES)}, got {flash_attn!r}")
+        self.flash_attn = flash_attn
         params = llama_cpp.llama_context_default_params()
+        params.flash_attn_type = FLASH_ATTN_TYPES[flash_attn]
         params.n_ctx = n_ctx
         params.n_batch = n_batch
         params.n_ubatch = n_batch
