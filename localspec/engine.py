@@ -118,6 +118,25 @@ class Engine:
                 policy = AdaptiveLength(k_max=draft_max)
         self.policy: LengthPolicy = policy
 
+    @classmethod
+    def from_parts(cls, *, oracle: LlamaContext, proposer: Proposer | None = None,
+                   policy: LengthPolicy | None = None, draft: LlamaContext | None = None) -> "Engine":
+        """An engine over parts built elsewhere: the oracle's context (its `model` is the oracle
+        model), an optional proposer (and the draft context it drafts on, if any) and a length
+        policy (default: none drafted without a proposer, else adaptive). The caller owns the parts:
+        `close()` leaves them open. Tests plug scripted contexts in here."""
+        engine = cls.__new__(cls)
+        engine._closers = []
+        engine._warned_no_template = False
+        engine.oracle = oracle
+        engine.oracle_model = oracle.model
+        engine.draft_ctx = draft
+        engine.draft_model = draft.model if draft is not None else None
+        engine.proposer = proposer
+        engine.policy = policy if policy is not None else (
+            FixedLength(0) if proposer is None else AdaptiveLength(k_max=DEFAULT_DRAFT_MAX))
+        return engine
+
     def _draft_model_proposer(self, path, *, gpu_layers: int, n_batch: int, n_threads: int | None,
                               p_min: float, cross_tokenizer: bool) -> Proposer:
         self.draft_model = self._own(LlamaModel(path, n_gpu_layers=gpu_layers))
