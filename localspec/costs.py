@@ -16,7 +16,10 @@ accepted since its last step, one or two, sits in w0).
 
 `PassCost` fits w by exponentially weighted least squares (recent steps count most, so it follows a
 machine whose speed drifts), pulled toward a prior whose shape is a typical CPU's and whose scale is
-set by the first measurement. Nothing is timed on purpose: every step is a measurement.
+set by the first measurement. The context terms are held firmly to their prior until passes over
+contexts of many lengths show otherwise: within one request the context grows as time passes, so a
+machine that slows down for a minute would otherwise read as attention that grows with the
+context. Nothing is timed on purpose: every step is a measurement.
 
 `CostStore` keeps fitted models (and the draft's acceptance) in the cache between processes, one
 file per key in `<cache>/costs` (`$LOCALSPEC_COST_CACHE` moves it); the key holds everything that
@@ -42,12 +45,18 @@ log = logging.getLogger("localspec.costs")
 
 N_FEATURES = 5
 CONTEXT_UNIT = 1024.0  # context lengths enter the fit in units of 1024 tokens
-# relative prior shapes (times in units of the first measurement): an oracle pass of n tokens costs
-# 1 + 0.2 [n > 1] + 0.1 (n - 1) one-token passes (a CPU; a GPU learns its flatter curve in a few
-# steps); a draft of n tokens costs n + 0.5 of its one-token decodes (the catch-up is one or two)
-VERIFY_SHAPE = (0.9, 0.2, 0.1, 0.0, 0.0)
-DRAFT_SHAPE = (0.5, 0.0, 1.0, 0.0, 0.0)
-STATE_VERSION = 1
+# relative prior shapes (times in units of a one-token pass at no context): an oracle pass of n
+# tokens costs 1 + 0.2 [n > 1] + 0.1 (n - 1) one-token passes, 0.15 + 0.02 n more per 1024 tokens of
+# context (an F32 oracle on a 2-core AVX512 CPU without flash attention; a GPU learns its flatter
+# curve in a few steps); a draft of n tokens costs n + 0.5 of its one-token decodes (its catch-up is
+# one or two) and, a small model's weights being cheap, relatively more for its attention
+VERIFY_SHAPE = (0.9, 0.2, 0.1, 0.15, 0.02)
+DRAFT_SHAPE = (0.5, 0.0, 1.0, 0.2, 0.3)
+# how far each weight may plausibly sit from the prior, in the same units, and the noise of one
+# measured step (a shared VM's steps vary by 10-20%): together they say how much evidence moves it
+PRIOR_SPREAD = (1.0, 0.5, 0.5, 0.1, 0.03)
+NOISE = 0.15
+STATE_VERSION = 2
 
 
 def features(ns: np.ndarray, context: float) -> np.ndarray:
@@ -61,15 +70,16 @@ class PassCost:
     """t(n, c) in seconds, fitted online (see the module docstring).
 
     `decay`: each new observation multiplies the weight of the older ones by this (0.99: the last
-    ~100 steps count). `prior_weight`: how many observations the prior is worth. Observations more
-    than `outlier` times off the prediction are clipped (a VM's hiccup must not teach a new cost).
+    ~100 steps count). `spread` [5] / `noise`: the prior's uncertainty per weight and a step's, both
+    relative to the one-token time. Observations more than `outlier` times off the prediction are
+    clipped (a VM's hiccup must not teach a new cost).
     """
 
-    def __init__(self, shape: Sequence[float] = VERIFY_SHAPE, *, decay: float = 0.99, prior_weight: float = 0.1,
-                 outlier: float = 3.0) -> None:
+    def __init__(self, shape: Sequence[float] = VERIFY_SHAPE, *, decay: float = 0.99,
+                 spread: Sequence[float] = PRIOR_SPREAD, noise: float = NOISE, outlier: float = 3.0) -> None:
         self.shape = np.asarray(shape, dtype=np.float64)  # [5]
         self.decay = decay
-        self.prior_weight = prior_weight
+        self.ridge = np.diag((noise / np.asarray(spread, dtype=np.float64)) ** 2)  # [5, 5]
         self.outlier = outlier
         self.scale: float | None = None  # seconds per unit of the shape: set by the first observation
         self.gram = np.zeros((N_FEATURES, N_FEATURES))  # [5, 5] sum of decayed phi phi^T
@@ -99,14 +109,14 @@ class PassCost:
         self._w = None
 
     def weights(self) -> np.ndarray:
-        """w [5]: the ridge solution of min sum_i d_i (phi_i w - t_i)^2 + prior_weight |w - w_prior|^2,
-        d_i the decayed weight of observation i: with no data it is the prior, and a weight that
-        the data cannot tell apart (all passes of one size, say) stays near the prior's."""
+        """w [5]: the ridge (maximum a posteriori) solution of
+        min sum_i d_i (phi_i w - t_i)^2 + sum_j r_j (w_j - w_prior_j)^2, d_i the decayed weight of
+        observation i and r_j = (noise / spread_j)^2: with no data it is the prior, and a weight
+        that the data cannot tell apart (all passes of one size, say) stays near the prior's."""
         if self._w is None:
             assert self.scale is not None
             prior = self.scale * self.shape  # [5]
-            ridge = self.prior_weight * np.eye(N_FEATURES)
-            self._w = np.linalg.solve(self.gram + ridge, self.moment + ridge @ prior)
+            self._w = np.linalg.solve(self.gram + self.ridge, self.moment + self.ridge @ prior)
         return self._w
 
     def predict(self, ns: np.ndarray, context: int) -> np.ndarray:

@@ -37,11 +37,13 @@ The acceptance and continuation estimates are running means over trials that set
 exponential average (each trial weighs at least 1 - `decay`): quick to learn from a fresh start,
 steady afterwards; they too are kept between processes (`acceptance_state`). A probe after a pause
 drafts from the start of the text and a short window of recent text, not all of it (catching up
-would cost more than the probe is worth), so its acceptance may read low. When the policy is idle
-on a close call (the best k predicted within `retry_ratio` of plain decoding) a new request
-re-tries drafting with the draft on its whole prompt, for `min_trials` draft tokens that count as
-fresh evidence: one hard prompt does not end drafting on a pair that usually pays, and a pair that
-never pays is not re-tried.
+would cost more than the probe is worth), so its acceptance may read low. A slower estimate,
+`long_acceptance` (each trial weighs 1 - `long_decay`: the last few hundred count), says whether
+the pair pays in the long run: when the policy is idle but the long run says drafting pays by
+`min_gain`, a new request re-tries drafting with the draft on its whole prompt, for `min_trials`
+draft tokens that count as fresh evidence. One hard prompt does not end drafting on a pair that
+usually pays, and a pair that does not pay is not re-tried (each re-try costs the draft a pass
+over the prompt: on a one-shot run of a badly matched pair that alone would cost a few percent).
 """
 
 from __future__ import annotations
@@ -109,7 +111,7 @@ class AdaptiveLength:
     def __init__(self, *, k_max: int = 16, prior_acceptance: float = 0.9, prior_continuation: float = 1.0,
                  prior_weight: float = 4.0, draft_cost_ratio: float = 0.5,
                  decay: float = 0.97, probe_every: int = 16, probe_budget: float = 0.01, probe_length: int = 2,
-                 min_trials: int = 8, min_gain: float = 0.10, retry_ratio: float = 0.9) -> None:
+                 min_trials: int = 8, min_gain: float = 0.10, long_decay: float = 0.995) -> None:
         self.k_max = k_max
         self.acceptance = prior_acceptance  # a: per drafted token, given the previous ones were accepted
         self.continuation = prior_continuation  # c: the draft proposes one more token (allowance left)
@@ -125,7 +127,8 @@ class AdaptiveLength:
         self.probe_length = probe_length
         self.min_trials = min_trials  # draft tokens judged before the policy may give up on drafting
         self.min_gain = min_gain  # predicted speedup over k = 0 below which drafting is not worth it
-        self.retry_ratio = retry_ratio  # idle on a closer call than this: re-try at the next request
+        self.long_acceptance = prior_acceptance  # a over the last few hundred trials: does the pair pay at all?
+        self.long_decay = long_decay
         self.trials = 0  # draft tokens judged, ever (in earlier processes too)
         self.fresh_trials = 0  # since the start or the last re-try
         self.time_spent = 0.0  # seconds, every step
@@ -142,15 +145,15 @@ class AdaptiveLength:
                 and self.best_length(self.k_max) == 0)
 
     def expected_tokens(self, k: int) -> float:
-        return float(self._expected_tokens(k)[k])
+        return float(self._expected_tokens(k, self.acceptance)[k])
 
     def step_time(self, k: int, context: int | None = None) -> float:
         return float(self._step_times(k, self.context if context is None else context)[k])
 
-    def _expected_tokens(self, k_top: int) -> np.ndarray:
+    def _expected_tokens(self, k_top: int, acceptance: float) -> np.ndarray:
         """E(k) for k = 0..k_top [k_top+1]."""
         i = np.arange(1, k_top + 1)  # [K] draft positions
-        reached = self.acceptance ** i * self.continuation_accepted ** (i - 1)  # [K] P(1..i proposed and accepted)
+        reached = acceptance ** i * self.continuation_accepted ** (i - 1)  # [K] P(1..i proposed and accepted)
         return 1.0 + np.concatenate(([0.0], np.cumsum(reached)))
 
     def draft_times(self, lengths: np.ndarray, context: int) -> np.ndarray:
@@ -170,10 +173,12 @@ class AdaptiveLength:
         stopped = np.concatenate(([0.0], np.cumsum(at_least * (1.0 - c) * cost)))[:-1]  # [K] drafts ending before l
         return np.concatenate((verify[:1], stopped + at_least * cost))
 
-    def rates(self, limit: int, context: int | None = None) -> np.ndarray:
-        """Expected tokens per second for k = 0..min(limit, k_max) [K+1] (needs a measured pass)."""
+    def rates(self, limit: int, context: int | None = None, *, acceptance: float | None = None) -> np.ndarray:
+        """Expected tokens per second for k = 0..min(limit, k_max) [K+1] (needs a measured pass), at
+        the running acceptance or the one given."""
         k_top = min(limit, self.k_max)
-        return self._expected_tokens(k_top) / self._step_times(k_top, self.context if context is None else context)
+        expected = self._expected_tokens(k_top, self.acceptance if acceptance is None else acceptance)
+        return expected / self._step_times(k_top, self.context if context is None else context)
 
     def best_length(self, limit: int, context: int | None = None) -> int:
         if not self.verify_cost.ready:
@@ -185,9 +190,9 @@ class AdaptiveLength:
     def start_request(self) -> None:
         if not self.idle:
             return
-        rate = self.rates(self.k_max)  # [K+1]
-        if rate[1:].max(initial=0.0) >= self.retry_ratio * rate[0]:
-            self.fresh_trials = 0  # a close call: judge min_trials draft tokens on this prompt
+        rate = self.rates(self.k_max, acceptance=self.long_acceptance)  # [K+1]
+        if rate[1:].max(initial=0.0) >= (1.0 + self.min_gain) * rate[0]:
+            self.fresh_trials = 0  # it pays in the long run: judge min_trials draft tokens on this prompt
 
     def draft_length(self, limit: int, context: int = 0) -> int:
         self._probing = False
@@ -218,6 +223,8 @@ class AdaptiveLength:
             self.trials += 1
             self.fresh_trials += 1
             self.acceptance = self._blend(self.acceptance, i < n_accepted, self.fresh_trials)
+            weight = max(1.0 - self.long_decay, 1.0 / (self.prior_weight + self.trials))
+            self.long_acceptance += weight * ((i < n_accepted) - self.long_acceptance)
         if n_drafted:
             self._observe_continuation(n_drafted, n_accepted, allowance=max(self.last_k, n_drafted))
         spent = step.draft_time + step.verify_time
@@ -253,18 +260,19 @@ class AdaptiveLength:
     # -- persistence (the engine keeps these between processes)
 
     def acceptance_state(self) -> dict[str, Any]:
-        return {"acceptance": self.acceptance, "continuation": self.continuation,
-                "continuation_accepted": self.continuation_accepted, "trials": self.trials,
+        return {"acceptance": self.acceptance, "long_acceptance": self.long_acceptance,
+                "continuation": self.continuation, "continuation_accepted": self.continuation_accepted,
+                "trials": self.trials,
                 "continuation_events": self._continuation_events,
                 "continuation_accepted_events": self._continuation_accepted_events}
 
     def load_acceptance_state(self, state: Mapping[str, Any]) -> None:
         """Go on from an earlier process's estimates: they count as evidence (up to `min_trials`
         of it), so a pair known not to pay starts idle and one known to pay drafts at once."""
-        values = [float(state[k]) for k in ("acceptance", "continuation", "continuation_accepted")]
+        values = [float(state[k]) for k in ("acceptance", "long_acceptance", "continuation", "continuation_accepted")]
         if not all(0.0 <= v <= 1.0 for v in values):
             raise ValueError("malformed acceptance state")
-        self.acceptance, self.continuation, self.continuation_accepted = values
+        self.acceptance, self.long_acceptance, self.continuation, self.continuation_accepted = values
         self.trials = max(0, int(state.get("trials", 0)))
         self.fresh_trials = min(self.trials, self.min_trials)
         self._continuation_events = max(0, int(state.get("continuation_events", 0)))

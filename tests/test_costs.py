@@ -16,12 +16,13 @@ def cpu_like(n, c):
 
 def test_the_fit_recovers_a_cost_that_has_the_models_form():
     cost = PassCost(VERIFY_SHAPE)
-    for c in (64, 300, 700, 1500):
-        for n in (1, 2, 5, 9, 17):
-            cost.observe(n, c, cpu_like(n, c))
+    for _ in range(5):  # the context terms move from the prior only on evidence from many contexts
+        for c in (64, 300, 700, 1500):
+            for n in (1, 2, 5, 9, 17):
+                cost.observe(n, c, cpu_like(n, c))
     for c in (100, 1000, 2000):  # contexts it never saw, the longest past them all
         ns = np.arange(1, 18)
-        assert cost.predict(ns, c) == pytest.approx([cpu_like(n, c) for n in ns], rel=0.01)
+        assert cost.predict(ns, c) == pytest.approx([cpu_like(n, c) for n in ns], rel=0.02)
 
 
 def test_before_any_step_the_prior_is_scaled_by_the_first_measurement():
@@ -37,6 +38,16 @@ def test_before_any_step_the_prior_is_scaled_by_the_first_measurement():
     draft = PassCost(DRAFT_SHAPE)
     draft.observe(3, 50, 0.035)  # 3.5 tokens' worth (its catch-up is half a token on average)
     assert draft(1, 50) == pytest.approx(0.015, rel=0.05)
+
+
+def test_a_machine_slowing_down_within_a_request_is_not_read_as_attention_growing_with_the_context():
+    cost = PassCost(VERIFY_SHAPE)
+    for c in range(100, 400):  # one long answer, during which the machine gets 40% slower
+        slowdown = 1 + 0.4 * (c - 100) / 300
+        cost.observe(1 if c % 5 else 9, c, slowdown * cpu_like(1 if c % 5 else 9, 100))
+    # now at 1.4x: the fit follows the machine, and does not extrapolate a steep context slope
+    assert cost(9, 400) == pytest.approx(1.4 * cpu_like(9, 100), rel=0.1)
+    assert cost(9, 2000) < 1.4 * cpu_like(9, 2000) * 1.2
 
 
 def test_it_follows_a_machine_that_slows_down_and_shrugs_off_a_hiccup():

@@ -155,20 +155,28 @@ def test_acceptance_learns_fast_from_the_prior_then_holds_steady():
     assert settled - p.acceptance == pytest.approx(0.03 * settled)  # later, one rejection moves it by 1 - decay
 
 
-def test_a_new_request_retries_drafting_on_a_close_call_only():
+def test_a_new_request_retries_drafting_only_on_a_pair_that_pays_in_the_long_run():
+    """A hard prompt drags the running acceptance down until the policy idles; the next request
+    tries again (on its whole prompt) if the long-run acceptance says the pair pays, not otherwise."""
     verify = lambda n: 0.030 + 0.004 * (n - 1)  # noqa: E731
-    close = calibrated(verify, 0.008, prior_acceptance=0.68)  # +3% predicted: idle, but a close call
-    close.fresh_trials = close.trials = 8
-    assert close.idle
-    close.start_request()
-    assert not close.idle and close.draft_length(16, CONTEXT) == 2  # judged afresh, on the whole prompt
-    close.update(step(2, 2, 0.016, verify(3)))
-    assert close.acceptance == pytest.approx(0.68 + 0.32 / 5 + (1 - 0.744) / 6)  # the old estimate as a 4-trial prior
+    usually_pays = calibrated(verify, 0.008, prior_acceptance=0.95)
+    for _ in range(300):  # a long record of good drafts ...
+        usually_pays.update(step(4, 4, 0.040, verify(5)))
+    for _ in range(12):  # ... then a hard prompt
+        usually_pays.update(step(2, 0, 0.024, verify(3)))
+    assert usually_pays.idle and usually_pays.long_acceptance > 0.9
+    usually_pays.start_request()
+    assert not usually_pays.idle and usually_pays.draft_length(16, CONTEXT) == 2  # judged afresh
+    before = usually_pays.acceptance
+    usually_pays.update(step(2, 2, 0.024, verify(3)))
+    assert usually_pays.acceptance == pytest.approx(before + (1 - before) / 5 + (1 - before - (1 - before) / 5) / 6)
 
-    hopeless = calibrated(verify, 0.008, prior_acceptance=0.1)
-    hopeless.fresh_trials = hopeless.trials = 8
-    hopeless.start_request()
-    assert hopeless.idle and hopeless.draft_length(16, CONTEXT) == 0
+    close_call = calibrated(verify, 0.008, prior_acceptance=0.68)  # +3% predicted: never worth a re-try
+    for i in range(300):  # two drafts in three accepted
+        close_call.update(step(1, int(i % 3 != 0), 0.016, verify(2)))
+    assert close_call.idle
+    close_call.start_request()
+    assert close_call.idle and close_call.draft_length(16, CONTEXT) == 0
 
 
 def test_a_draft_that_stops_early_is_charged_for_what_it_drafts():
