@@ -30,7 +30,7 @@ from .outputs import Chunk, Result, Stats, TokenLogprob, TopLogprob
 from .policy import AdaptiveLength, FixedLength, LengthPolicy
 from .proposers import (EMPTY_DRAFT, CrossTokenizerProposer, Draft, DraftModelProposer, HybridProposer,
                         PromptLookupProposer, Proposer)
-from .sampling import SamplingParams, coupled_choice, log_softmax, logits_to_probs, seed_key
+from .sampling import SamplingParams, coupled_choice, greedy_argmax, log_softmax, logits_to_probs, seed_key
 from .text import TextStream
 
 log = logging.getLogger("localspec.engine")
@@ -369,7 +369,7 @@ class Engine:
         """Accepted draft tokens + a recovered or bonus token. `position`: where the first verified
         token goes in the sequence (keys the noise of seeded sampling)."""
         if sampling.greedy:
-            return accept_greedy(draft.tokens, logits.argmax(axis=1))  # target argmax [k+1]
+            return accept_greedy(draft.tokens, greedy_argmax(logits))  # target argmax [k+1]
         target_probs = logits_to_probs(logits, sampling)  # [k+1, vocab]
         if sampling.coupled:
             picks = [coupled_choice(row, sampling.seed, position + i) for i, row in enumerate(target_probs)]

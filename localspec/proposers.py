@@ -13,7 +13,7 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from .llama import ContextFullError, LlamaContext
-from .sampling import SamplingParams, coupled_choice, logits_to_probs, sample
+from .sampling import SamplingParams, coupled_choice, greedy_argmax, logits_to_probs, sample
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ class DraftModelProposer:
               probs: list[np.ndarray], position: int) -> tuple[int, bool]:
         """Choose the next draft token from logits `row` [vocab]; say whether to keep drafting."""
         if sampling.greedy:
-            token = int(row.argmax())
+            token = int(greedy_argmax(row))
             if self.p_min <= 0:
                 return token, True
             top = 1.0 / np.exp(row.astype(np.float64) - row[token]).sum()  # softmax at the argmax

@@ -97,6 +97,17 @@ def _check_finite_max(m: np.ndarray) -> None:
         raise ValueError("every row of logits needs a finite maximum (got a row that is all -inf, or has +inf/NaN)")
 
 
+def greedy_argmax(logits: np.ndarray) -> np.ndarray:
+    """The greedy token of each row: logits [n, vocab] -> [n] int (or [vocab] -> a 0-d array),
+    the first maximal id on ties. Raises the sampled paths' ValueError for a row without a finite
+    maximum: numpy's argmax returns the index of the first NaN, so a NaN anywhere in a row shows
+    up at its argmax, as do +inf and an all -inf row. O(vocab), one check per row."""
+    x = _as_rows(logits)  # [n, vocab]
+    best = np.argmax(x, axis=1)  # [n]
+    _check_finite_max(x[np.arange(x.shape[0]), best])
+    return best.reshape(np.shape(logits)[:-1])
+
+
 def _top_k_ids(x: np.ndarray, k: int) -> np.ndarray:
     """Ids of the k largest entries of the row x [vocab] (ties: lower id first), ascending. O(vocab).
 
@@ -197,11 +208,8 @@ def logits_to_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     x = _as_rows(logits)  # [n, vocab]
     n, vocab = x.shape
     if params.greedy:
-        rows = np.arange(n)
-        best = np.argmax(x, axis=1)  # [n], first maximal id on ties
-        _check_finite_max(x[rows, best])
         out = np.zeros((n, vocab), dtype=np.float64)
-        out[rows, best] = 1.0
+        out[np.arange(n), greedy_argmax(x)] = 1.0
         return out.reshape(shape)
 
     temperature = float(params.temperature)

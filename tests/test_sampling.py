@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from localspec.sampling import SamplingParams, log_softmax, logits_to_probs, sample
+from localspec.sampling import SamplingParams, greedy_argmax, log_softmax, logits_to_probs, sample
 from scripted import ScriptedRng
 
 
@@ -132,6 +132,19 @@ def test_rows_without_a_finite_max_raise(params, bad):
     x = np.array([[0.0, 1.0, 2.0], bad], dtype=np.float32)
     with pytest.raises(ValueError, match="finite"):
         logits_to_probs(x, params)
+
+
+@pytest.mark.parametrize("bad", [[-np.inf, -np.inf, -np.inf], [0.0, np.nan, 1.0], [np.nan, 0.0, 5.0],
+                                 [0.0, np.inf, 1.0]])
+def test_greedy_argmax_raises_like_the_sampled_paths(bad):
+    """numpy's argmax returns a NaN's index: greedy must not emit it (nor +inf's, nor an all -inf row's)."""
+    x = np.array([[0.0, 1.0, 2.0], bad], dtype=np.float32)
+    with pytest.raises(ValueError, match="finite maximum"):
+        greedy_argmax(x)
+    with pytest.raises(ValueError, match="finite maximum"):
+        greedy_argmax(x[1])
+    assert greedy_argmax(np.array([[1.0, 3.0, 3.0], [-np.inf, 0.0, -1.0]])).tolist() == [1, 1]
+    assert int(greedy_argmax(np.array([0.0, 2.0, 1.0]))) == 1
 
 
 # --- top-k -------------------------------------------------------------------------------------
