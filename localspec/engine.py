@@ -142,10 +142,13 @@ class Engine:
         self.draft_model = self._own(LlamaModel(path, n_gpu_layers=gpu_layers))
         self.draft_ctx = self._own(LlamaContext(self.draft_model, n_ctx=self.oracle.n_ctx, n_batch=n_batch,
                                                 n_threads=n_threads))
-        proposer = DraftModelProposer(self.draft_ctx, p_min=p_min)
         difference = first_difference(self.oracle_model, self.draft_model)
         if difference is not None and not cross_tokenizer:
             check_compatible(self.oracle_model, self.draft_model)  # raises, naming the difference
+        # a same-vocabulary draft drafts over the oracle's vocabulary (their sizes may differ a little);
+        # a cross-tokenizer one over its own
+        proposer = DraftModelProposer(self.draft_ctx, p_min=p_min,
+                                      n_vocab=self.oracle_model.n_vocab if difference is None else None)
         o, d = self.oracle_model, self.draft_model
         if d.size_bytes >= o.size_bytes or d.n_params > o.n_params:
             log.warning("the draft %s (%.0f MB, %.0fM params) is not smaller than the oracle %s (%.0f MB, %.0fM "
