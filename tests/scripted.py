@@ -37,6 +37,10 @@ BOS_TEXT, EOS_TEXT = b"<s>", b"</s>"
 BASE_PIECES = ([BOS_TEXT, EOS_TEXT] + [bytes([c]) for c in range(ord("a"), ord("z") + 1)]
                + [b" ", b".", b","] + [b"\xc3", b"\xa9", b"\xa8"] + [b"th", b"he", b"in", b"er", b"an", b"re"])
 EXTRA_PIECES = [b"on", b"at", b"en", b"nd", b"es", b"or", b"ti", b"te"]
+# another tokenizer over the same text: whole "\u00e9" and "\u00e8", other pairs (a cross-tokenizer draft)
+PAIR_PIECES = ([BOS_TEXT, EOS_TEXT] + [bytes([c]) for c in range(ord("a"), ord("z") + 1)]
+               + [b" ", b".", b","] + ["\u00e9".encode(), "\u00e8".encode()]
+               + [b"t ", b" t", b"e ", b"s ", b" a", b"ca", b"at", b"th", b"it", b"he", b"ou", b"st"])
 
 
 class ScriptedModel:
@@ -151,6 +155,26 @@ def related_logits(oracle: Logits, n_oracle: int, seed: int, n_vocab: int, *, we
         return row
 
     return logits
+
+
+def copying(logits: Logits, *, bonus: float = 3.0) -> Logits:
+    """`logits` plus `bonus` on the token that followed the latest earlier occurrence of the history's
+    last token: a model that likes to repeat what it has read (as prompt lookup guesses it will)."""
+    memo: dict[tuple[int, ...], np.ndarray] = {}
+
+    def at(history: tuple[int, ...]) -> np.ndarray:
+        row = memo.get(history)
+        if row is None:
+            row = logits(history).copy()
+            for i in range(len(history) - 2, -1, -1):
+                if history[i] == history[-1]:
+                    row[history[i + 1]] += bonus
+                    break
+            row.flags.writeable = False
+            memo[history] = row
+        return row
+
+    return at
 
 
 class ScriptedContext:
