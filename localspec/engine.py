@@ -30,7 +30,8 @@ from .outputs import Chunk, Result, Stats, TokenLogprob, TopLogprob
 from .policy import AdaptiveLength, FixedLength, LengthPolicy
 from .proposers import (EMPTY_DRAFT, CrossTokenizerProposer, Draft, DraftModelProposer, HybridProposer,
                         PromptLookupProposer, Proposer)
-from .sampling import SamplingParams, coupled_choice, greedy_argmax, log_softmax, logits_to_probs, seed_key
+from .sampling import (SamplingParams, coupled_choice, greedy_argmax, log_softmax, logits_to_probs, seed_key,
+                       top_ids)
 from .text import TextStream
 
 log = logging.getLogger("localspec.engine")
@@ -380,17 +381,17 @@ class Engine:
         return accept_draft(draft.tokens, draft.probs, target_probs, rng)
 
     def _logprobs(self, logits: np.ndarray, tokens: np.ndarray, top_n: int) -> list[TokenLogprob]:
-        """The oracle's own log-probabilities (raw model distribution) of `tokens` [n] from logits [n, vocab]."""
+        """The oracle's own log-probabilities (raw model distribution) of `tokens` [n] from logits
+        [n, vocab], with each token's real bytes; the top `top_n` most likely first, ties by token id."""
         logp = log_softmax(logits)  # [n, vocab]
         model = self.oracle_model
+
+        def text_and_bytes(token: int) -> tuple[str, bytes]:
+            piece = model.token_piece(token)
+            return piece.decode(errors="replace"), piece
+
         out = []
         for row, token in zip(logp, tokens.tolist()):
-            top: tuple[TopLogprob, ...] = ()
-            if top_n > 0:
-                idx = np.argpartition(-row, top_n)[:top_n]
-                idx = idx[np.argsort(-row[idx], kind="stable")]
-                top = tuple(TopLogprob(int(t), model.token_piece(int(t)).decode(errors="replace"), float(row[t]))
-                            for t in idx)
-            piece = model.token_piece(token)
-            out.append(TokenLogprob(token, piece.decode(errors="replace"), piece, float(row[token]), top))
+            top = tuple(TopLogprob(t, *text_and_bytes(t), float(row[t])) for t in top_ids(row, top_n).tolist())
+            out.append(TokenLogprob(token, *text_and_bytes(token), float(row[token]), top))
         return out

@@ -125,6 +125,16 @@ def _top_k_ids(x: np.ndarray, k: int) -> np.ndarray:
     return ids
 
 
+def top_ids(values: np.ndarray, n: int) -> np.ndarray:
+    """Ids of the n largest entries of values [vocab], largest first, in a stable order: among
+    equal values the lower id makes the cut and comes first. O(vocab + n log n)."""
+    n = min(n, values.size)
+    if n <= 0:
+        return np.zeros(0, dtype=np.intp)
+    ids = _top_k_ids(values, n)  # [n] ascending
+    return ids[np.argsort(-values[ids], kind="stable")]
+
+
 def _nucleus(p: np.ndarray, top_p: float | None, min_p: float | None) -> np.ndarray:
     """Positions in p [m] (normalised) kept by top-p, then min-p; either may be None (off).
 

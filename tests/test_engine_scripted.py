@@ -269,3 +269,43 @@ def test_the_distribution_test_tells_the_draft_from_the_oracle():
     mean_counts = {o: N_SAMPLES * p for o, p in drafts.items()}  # the draft alone's expected counts
     noncentrality, critical = chi_square(mean_counts, expected, N_SAMPLES)
     assert noncentrality > 3 * critical  # the statistic would be ~ df + noncentrality, sd ~ sqrt(2 (df + 2 nc))
+
+
+# --- logprobs: real bytes, stable order -----------------------------------------------------------
+
+
+def test_logprobs_carry_each_tokens_real_bytes():
+    """A token holding part of a UTF-8 character ("\u00e9" is two tokens here) reports its own bytes,
+    for the emitted token and its rivals alike (not the replacement character's EF BF BD)."""
+    model, logits = oracle_parts()
+    oracle = ScriptedContext(model, copying(logits, bonus=8.0))  # repeats the prompt's text
+    engine = Engine.from_parts(oracle=oracle, proposer=PromptLookupProposer(), policy=FixedLength(3))
+    r = engine.generate("caf\u00e9 \u00e8. caf\u00e9 \u00e8. ", max_tokens=24, logprobs=5)
+    assert "\u00e8" in r.text
+    partial = 0
+    for lp in r.logprobs:
+        partial += lp.bytes in (b"\xc3", b"\xa9", b"\xa8")
+        assert lp.bytes == model.token_piece(lp.token) and lp.text == lp.bytes.decode(errors="replace")
+        assert len(lp.top) == 5
+        for t in lp.top:
+            assert t.bytes == model.token_piece(t.token) and t.text == t.bytes.decode(errors="replace")
+            partial += t.bytes in (b"\xc3", b"\xa9", b"\xa8")
+    assert partial > 0
+    assert b"".join(lp.bytes for lp in r.logprobs).decode() == r.text
+
+
+def test_top_logprobs_ties_come_in_token_id_order():
+    rng = np.random.default_rng(0)
+    rows = {}
+
+    def tied(history):  # a few levels of value: many exact ties, a new pattern at every position
+        if history not in rows:
+            rows[history] = rng.integers(0, 3, ORACLE_VOCAB).astype(np.float32) * (np.arange(ORACLE_VOCAB) != EOS)
+        return rows[history]
+
+    engine = Engine.from_parts(oracle=ScriptedContext(ScriptedModel.sized(ORACLE_VOCAB), tied))
+    r = engine.generate("the", max_tokens=10, logprobs=7)
+    assert len(r.logprobs) == 10
+    for i, lp in enumerate(r.logprobs):
+        row = rows[tuple(engine.oracle_model.tokenize("the") + r.tokens[:i])]
+        assert [t.token for t in lp.top] == sorted(range(ORACLE_VOCAB), key=lambda t: (-row[t], t))[:7]
