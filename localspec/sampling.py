@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import math
 import numbers
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 
@@ -339,11 +340,35 @@ def seed_key(seed: int) -> int:
     return seed & 0xFFFFFFFFFFFFFFFF
 
 
-@lru_cache(maxsize=256)
+# Noise rows are regenerated on demand (a row is a pure function of seed, position and vocabulary, so
+# what the cache keeps never changes an output) and the most recent ones are kept, up to this many
+# bytes: each position is used twice in a step (the draft's pick, then the oracle's), and a rejected
+# position's row comes back in the next step. 32 MiB holds 27 rows at 152k tokens (a 16-token step
+# needs 17), 85 at SmolLM2's 49k; the cache used to hold 256 rows whatever their size (~311 MB at 152k).
+NOISE_CACHE_BYTES = 32 * 2**20
+
+_noise_rows: OrderedDict[tuple[int, int, int], np.ndarray] = OrderedDict()  # least recently used first
+_noise_bytes = 0
+_noise_lock = threading.Lock()
+
+
 def gumbel_noise(seed: int, position: int, vocab: int) -> np.ndarray:
     """[vocab] standard Gumbel noise for one position of one seeded generation (read-only)."""
-    noise = np.random.default_rng((seed_key(seed), position)).gumbel(size=vocab)
+    global _noise_bytes
+    key = (seed, position, vocab)
+    with _noise_lock:
+        noise = _noise_rows.get(key)
+        if noise is not None:
+            _noise_rows.move_to_end(key)
+            return noise
+    noise = np.random.default_rng((seed_key(seed), position)).gumbel(size=vocab)  # [vocab] float64
     noise.flags.writeable = False
+    with _noise_lock:
+        if key not in _noise_rows and noise.nbytes <= NOISE_CACHE_BYTES:
+            _noise_rows[key] = noise
+            _noise_bytes += noise.nbytes
+            while _noise_bytes > NOISE_CACHE_BYTES:
+                _noise_bytes -= _noise_rows.popitem(last=False)[1].nbytes
     return noise
 
 
