@@ -82,7 +82,8 @@ class SamplingParams:
     @property
     def coupled(self) -> bool:
         """Seeded sampling: each position's token is drawn with noise keyed by (seed, position)
-        (see `coupled_choice`), so the output depends on the seed alone, not on the draft length."""
+        (see `coupled_choice`), so the output depends on the seed alone, not on the draft length
+        (up to near-ties in llama.cpp's batch-size-dependent logits, as with greedy)."""
         return not self.greedy and self.seed is not None
 
 
@@ -331,8 +332,10 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 # seed and that position's distribution only. The draft picks its token with the same noise, and the
 # verifier accepts it iff the oracle's own Gumbel-max pick is the same token, exactly like greedy
 # verification: the output is an exact sample from the oracle, identical for any draft, any draft
-# length, or none at all. (Unseeded sampling uses speculative sampling in acceptance.py, which
-# accepts more often but ties the output to the draft's choices.)
+# length, or none at all, given the same logits. (llama.cpp's logits vary very slightly with the size
+# of the batch that computed them, so on a near-tie of two noisy scores another draft length can
+# rarely pick the other token, as greedy can; see the README.) (Unseeded sampling uses speculative
+# sampling in acceptance.py, which accepts more often but ties the output to the draft's choices.)
 
 
 def seed_key(seed: int) -> int:
