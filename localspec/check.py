@@ -55,7 +55,7 @@ def run_check(engine: Engine, prompts: list, *, oracle: str, draft: str,
     report = CheckReport(oracle=oracle, draft=draft, compatible=difference is None, difference=difference,
                          prompts=len(prompts))
     adaptive = engine.policy
-    engine.generate(prompts[0].request, max_tokens=8)  # warm-up (and the adaptive policy's calibration)
+    engine.generate(prompts[0].request, max_tokens=8)  # warm-up
 
     progress("measuring the oracle alone ...")
     base_tps, _ = _throughput(engine, prompts, speculative=False)
@@ -79,7 +79,8 @@ def run_check(engine: Engine, prompts: list, *, oracle: str, draft: str,
         progress("measuring adaptive drafting ...")
         tps, _ = _throughput(engine, prompts)
         report.measured["adaptive"] = tps / base_tps if base_tps else 0.0
-        report.verify_cost_ms = {n: 1000 * t for n, t in sorted(adaptive.verify_cost.mean.items())}
+        if adaptive.verify_cost.ready:
+            report.verify_cost_ms = {n: 1000 * adaptive.verify_cost(n, adaptive.context) for n in (1, 2, 4, 8, 16)}
 
     if report.verify_cost_ms:
         curve = cost_curve(report.verify_cost_ms)

@@ -58,6 +58,12 @@ def progress(message: str) -> None:
 # ---------------------------------------------------------------- shared options
 
 
+FLASH_ATTN_OPTION = click.option(
+    "--flash-attn", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+    help="Flash attention for both models. auto: what `localspec check` measured faster here, else off on a "
+         "CPU (a multi-token pass then stays flat as the context grows) and on with GPU offload.")
+
+
 def model_options(fn: Callable) -> Callable:
     """Which models to run and how: shared by generate, chat, serve, check and bench."""
     options = [
@@ -82,6 +88,7 @@ def model_options(fn: Callable) -> Callable:
         click.option("--ctx", "n_ctx", type=click.IntRange(64, 1 << 20), default=4096, show_default=True,
                      help="Context size in tokens."),
         click.option("--threads", type=click.IntRange(1, 1024), default=None, help="CPU threads (default: all cores)."),
+        FLASH_ATTN_OPTION,
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -109,7 +116,7 @@ def sampling_kwargs(kw: dict[str, Any]) -> dict[str, Any]:
 
 
 def open_engine(*, pair, oracle, draft, no_draft, draft_max, draft_length, p_min, lookup, cross_tokenizer,
-                gpu_layers, draft_gpu_layers, n_ctx, threads, **_):
+                gpu_layers, draft_gpu_layers, n_ctx, threads, flash_attn="auto", **_):
     """Resolve the models (fetching them on first use) and load them."""
     from .engine import DEFAULT_DRAFT_MAX, DEFAULT_P_MIN, Engine
     from .models import Registry
@@ -125,7 +132,7 @@ def open_engine(*, pair, oracle, draft, no_draft, draft_max, draft_length, p_min
             progress("no --draft given for this oracle: running it alone")
         cross_tokenizer = cross_tokenizer or chosen.cross_tokenizer
     return Engine(oracle, draft, n_ctx=n_ctx, n_threads=threads, gpu_layers=gpu_layers,
-                  draft_gpu_layers=draft_gpu_layers, draft_length=draft_length,
+                  draft_gpu_layers=draft_gpu_layers, flash_attn=flash_attn, draft_length=draft_length,
                   draft_max=DEFAULT_DRAFT_MAX if draft_max is None else draft_max,
                   p_min=DEFAULT_P_MIN if p_min is None else p_min, lookup=lookup,
                   cross_tokenizer=cross_tokenizer, progress=progress)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -25,8 +26,9 @@ import numpy as np
 from . import chat
 from .acceptance import accept_draft, accept_greedy
 from .compat import check_compatible, first_difference
-from .llama import Detokenizer, LlamaContext, LlamaModel
-from .outputs import Chunk, Result, Stats, TokenLogprob, TopLogprob
+from .costs import CostStore, file_fingerprint, machine_identity
+from .llama import Detokenizer, LlamaContext, LlamaModel, default_threads, resolve_flash_attn
+from .outputs import Chunk, Result, Stats, StepRecord, TokenLogprob, TopLogprob
 from .policy import AdaptiveLength, FixedLength, LengthPolicy
 from .proposers import (EMPTY_DRAFT, CrossTokenizerProposer, Draft, DraftModelProposer, HybridProposer,
                         PromptLookupProposer, Proposer)
@@ -76,35 +78,52 @@ class Engine:
 
     def __init__(self, oracle: str | os.PathLike, draft: str | os.PathLike | None = None, *,
                  n_ctx: int = 4096, n_batch: int = 512, n_threads: int | None = None,
-                 gpu_layers: int = -1, draft_gpu_layers: int = -1,
+                 gpu_layers: int = -1, draft_gpu_layers: int = -1, flash_attn: str = "auto",
                  draft_length: int | None = None, draft_max: int = DEFAULT_DRAFT_MAX,
                  p_min: float = DEFAULT_P_MIN, lookup: bool = False, cross_tokenizer: bool = False,
-                 policy: LengthPolicy | None = None,
+                 policy: LengthPolicy | None = None, cost_cache: bool = True,
                  progress: Callable[[str], None] | None = None) -> None:
         """`draft`: a model (name or path), "ngram" (prompt lookup, no model) or None (oracle alone).
         `draft_length`: a fixed k; None chooses k per step from measured costs and acceptance
         (capped by `draft_max`). `p_min`: the draft stops when its top probability falls below it.
         `lookup`: try prompt lookup first and the draft model when it finds nothing.
-        `cross_tokenizer`: allow a draft whose vocabulary differs (re-tokenizes text between them)."""
+        `cross_tokenizer`: allow a draft whose vocabulary differs (re-tokenizes text between them).
+        `flash_attn`: "auto" (see `llama.resolve_flash_attn`: off on a CPU, on with GPU offload,
+        unless `localspec check` measured otherwise here), "on" or "off"; for both models.
+        `cost_cache`: keep the adaptive policy's fitted costs and acceptance in the cache, so the
+        next process starts from them."""
         from .models import Registry  # models pulls in the registry file; keep it lazy
 
         self._closers: list[Callable[[], None]] = []
         self._warned_no_template = False
+        self.n_threads = n_threads or default_threads()
+        self._cost_keys: dict[str, dict] = {}
+        self.cost_store = CostStore() if cost_cache else None
         try:
             registry = Registry.load()
             oracle_path = registry.resolve(str(oracle), progress=progress)
-            self.oracle_model = self._own(LlamaModel(oracle_path, n_gpu_layers=gpu_layers))
-            self.oracle = self._own(LlamaContext(self.oracle_model, n_ctx=n_ctx, n_batch=n_batch,
-                                                 n_threads=n_threads))
+            draft_path = registry.resolve(str(draft), progress=progress) if draft not in (None, NGRAM) else None
             self.draft_model: LlamaModel | None = None
             self.draft_ctx: LlamaContext | None = None
+            # the two models load at once (llama.cpp releases the GIL): a one-shot run starts sooner
+            with ThreadPoolExecutor(max_workers=1) as pool:
+                loading = pool.submit(self._load_draft, draft_path, gpu_layers=draft_gpu_layers, flash_attn=flash_attn,
+                                      n_ctx=n_ctx, n_batch=n_batch) if draft_path is not None else None
+                try:
+                    self.oracle_model = self._own(LlamaModel(oracle_path, n_gpu_layers=gpu_layers))
+                    oracle_fa = resolve_flash_attn(flash_attn, n_gpu_layers=gpu_layers,
+                                                   measured=self._measured_kernel(oracle_path, gpu_layers))
+                    self.oracle = self._own(LlamaContext(self.oracle_model, n_ctx=n_ctx, n_batch=n_batch,
+                                                         n_threads=self.n_threads, flash_attn=oracle_fa))
+                finally:
+                    if loading is not None:
+                        wait([loading])  # its own failure is raised below, after the oracle's
             self.proposer: Proposer | None = None
             if draft == NGRAM:
                 self.proposer = PromptLookupProposer()
-            elif draft is not None:
-                self.proposer = self._draft_model_proposer(
-                    registry.resolve(str(draft), progress=progress), gpu_layers=draft_gpu_layers,
-                    n_batch=n_batch, n_threads=n_threads, p_min=p_min, cross_tokenizer=cross_tokenizer)
+            elif loading is not None:
+                self.draft_model, self.draft_ctx = loading.result()
+                self.proposer = self._draft_model_proposer(p_min=p_min, cross_tokenizer=cross_tokenizer)
                 if lookup:
                     self.proposer = HybridProposer(PromptLookupProposer(), self.proposer)
         except BaseException:
@@ -116,8 +135,12 @@ class Engine:
             elif draft_length is not None:
                 policy = FixedLength(min(draft_length, draft_max))
             else:
-                policy = AdaptiveLength(k_max=draft_max)
+                policy = AdaptiveLength(k_max=draft_max, draft_cost_ratio=self._draft_cost_ratio())
         self.policy: LengthPolicy = policy
+        if self.cost_store is not None and isinstance(policy, AdaptiveLength):
+            self._cost_keys = self._cost_identities(gpu_layers=gpu_layers, draft_gpu_layers=draft_gpu_layers,
+                                                    p_min=p_min)
+            self._load_costs(policy)
 
     @classmethod
     def from_parts(cls, *, oracle: LlamaContext, proposer: Proposer | None = None,
@@ -129,6 +152,9 @@ class Engine:
         engine = cls.__new__(cls)
         engine._closers = []
         engine._warned_no_template = False
+        engine.n_threads = 0
+        engine.cost_store = None
+        engine._cost_keys = {}
         engine.oracle = oracle
         engine.oracle_model = oracle.model
         engine.draft_ctx = draft
@@ -138,11 +164,15 @@ class Engine:
             FixedLength(0) if proposer is None else AdaptiveLength(k_max=DEFAULT_DRAFT_MAX))
         return engine
 
-    def _draft_model_proposer(self, path, *, gpu_layers: int, n_batch: int, n_threads: int | None,
-                              p_min: float, cross_tokenizer: bool) -> Proposer:
-        self.draft_model = self._own(LlamaModel(path, n_gpu_layers=gpu_layers))
-        self.draft_ctx = self._own(LlamaContext(self.draft_model, n_ctx=self.oracle.n_ctx, n_batch=n_batch,
-                                                n_threads=n_threads))
+    def _load_draft(self, path, *, gpu_layers: int, flash_attn: str, n_ctx: int,
+                    n_batch: int) -> tuple[LlamaModel, LlamaContext]:
+        model = self._own(LlamaModel(path, n_gpu_layers=gpu_layers))
+        ctx = self._own(LlamaContext(model, n_ctx=n_ctx, n_batch=n_batch, n_threads=self.n_threads,
+                                     flash_attn=resolve_flash_attn(flash_attn, n_gpu_layers=gpu_layers)))
+        return model, ctx
+
+    def _draft_model_proposer(self, *, p_min: float, cross_tokenizer: bool) -> Proposer:
+        assert self.draft_model is not None and self.draft_ctx is not None
         difference = first_difference(self.oracle_model, self.draft_model)
         if difference is not None and not cross_tokenizer:
             check_compatible(self.oracle_model, self.draft_model)  # raises, naming the difference
@@ -160,6 +190,79 @@ class Engine:
             return proposer
         log.info("draft and oracle vocabularies differ (%s): drafting through text", difference)
         return CrossTokenizerProposer(proposer, oracle=self.oracle_model, draft=self.draft_model)
+
+    # -- costs kept between processes
+
+    def _draft_cost_ratio(self) -> float:
+        """A first guess at a draft token's cost in one-token oracle passes, until one is measured:
+        between the ratio of the models' sizes (a pass that streams its weights from memory) and of
+        their parameters (one that is compute-bound); prompt lookup costs next to nothing."""
+        if self.draft_model is None:
+            return 0.01
+        o, d = self.oracle_model, self.draft_model
+        ratio = ((d.size_bytes / max(o.size_bytes, 1)) * (d.n_params / max(o.n_params, 1))) ** 0.5
+        return float(min(1.0, max(0.02, ratio)))
+
+    def _proposer_kind(self) -> str:
+        p = self.proposer
+        if isinstance(p, HybridProposer):
+            return "hybrid"
+        if isinstance(p, CrossTokenizerProposer):
+            return "cross-tokenizer"
+        return "lookup" if isinstance(p, PromptLookupProposer) else "model"
+
+    def _measured_kernel(self, oracle_path, gpu_layers: int) -> str | None:
+        """The attention kernel `localspec check` measured faster for this oracle here, if any."""
+        if self.cost_store is None:
+            return None
+        state = self.cost_store.load("kernel", self.kernel_identity(oracle_path, gpu_layers))
+        return state.get("flash_attn") if state else None
+
+    def kernel_identity(self, oracle_path, gpu_layers: int) -> dict:
+        return {"model": file_fingerprint(oracle_path), "threads": self.n_threads, "gpu_layers": gpu_layers,
+                **machine_identity()}
+
+    def _cost_identities(self, *, gpu_layers: int, draft_gpu_layers: int, p_min: float) -> dict[str, dict]:
+        machine = machine_identity()
+        oracle = file_fingerprint(self.oracle_model.path)
+        draft = file_fingerprint(self.draft_model.path) if self.draft_model is not None else None
+        kind = self._proposer_kind()
+        return {
+            "verify": {"model": oracle, "threads": self.n_threads, "gpu_layers": gpu_layers, "n_ctx": self.n_ctx,
+                       "flash_attn": self.oracle.flash_attn, **machine},
+            "draft": {"proposer": kind, "model": draft, "oracle": oracle if kind != "model" else None,
+                      "threads": self.n_threads, "gpu_layers": draft_gpu_layers, "p_min": p_min,
+                      "flash_attn": self.draft_ctx.flash_attn if self.draft_ctx is not None else None, **machine},
+            "acceptance": {"proposer": kind, "oracle": oracle, "draft": draft, "p_min": p_min},
+        }
+
+    def _load_costs(self, policy: AdaptiveLength) -> None:
+        assert self.cost_store is not None
+        for kind, target in (("verify", policy.verify_cost), ("draft", policy.draft_cost)):
+            state = self.cost_store.load(kind, self._cost_keys[kind])
+            try:
+                if state:
+                    target.load(state)
+            except (KeyError, TypeError, ValueError) as e:
+                log.debug("ignoring the saved %s costs: %s", kind, e)
+        state = self.cost_store.load("acceptance", self._cost_keys["acceptance"])
+        try:
+            if state:
+                policy.load_acceptance_state(state)
+        except (KeyError, TypeError, ValueError) as e:
+            log.debug("ignoring the saved acceptance: %s", e)
+
+    def save_costs(self) -> None:
+        """Write the adaptive policy's fitted costs and acceptance to the cache (after each request)."""
+        policy = self.policy
+        if self.cost_store is None or not self._cost_keys or not isinstance(policy, AdaptiveLength):
+            return
+        if policy.verify_cost.ready:
+            self.cost_store.save("verify", self._cost_keys["verify"], policy.verify_cost.state())
+        if policy.draft_cost.ready:
+            self.cost_store.save("draft", self._cost_keys["draft"], policy.draft_cost.state())
+        if policy.trials:
+            self.cost_store.save("acceptance", self._cost_keys["acceptance"], policy.acceptance_state())
 
     @classmethod
     def from_pair(cls, name: str | None = None, **kwargs) -> "Engine":
@@ -247,21 +350,25 @@ class Engine:
         return self._run(list(prompt_tokens), request)
 
     def _run(self, history: list[int], request: Request) -> Iterator[Chunk]:
-        stats = Stats(prompt_tokens=len(history))
+        stats = Stats(prompt_tokens=len(history), flash_attn=self.oracle.flash_attn,
+                      draft_flash_attn=self.draft_ctx.flash_attn if self.draft_ctx is not None else None)
         t_start = time.perf_counter()
         seed = request.sampling.seed
         rng = np.random.default_rng(None if seed is None else seed_key(seed))
         detok = Detokenizer(self.oracle_model)
         text = TextStream(detok.feed, detok.flush, request.stop)
-        start_request = getattr(self.policy, "start_request", None)  # optional for a custom policy
-        if request.speculative and start_request is not None:
-            start_request()
-        self._prefill(history, stats, speculative=request.speculative and self.proposer is not None)
+        speculative = request.speculative and self.proposer is not None
+        if speculative:
+            self.policy.start_request()
+        self._prefill(history, stats, speculative=speculative)
         stats.prompt_time = time.perf_counter() - t_start
 
         finish = None
         while finish is None:
-            limit = self._draft_limit(history, request, request.max_tokens - stats.completion_tokens)
+            # the first token comes from a plain oracle step, as fast as the oracle alone gives it;
+            # the draft evaluates the prompt in the next step
+            limit = self._draft_limit(history, request, request.max_tokens - stats.completion_tokens) \
+                if stats.steps else 0
             out, logprobs = self._step(history, limit, request, rng, stats)
             emitted, finish = self._emit(out, history, text, request, stats)
             if stats.time_to_first_token == 0.0:
@@ -271,6 +378,8 @@ class Engine:
             if finish:
                 piece = text.finish()
                 stats.total_time = time.perf_counter() - t_start
+                if speculative:
+                    self.save_costs()
                 yield Chunk(piece, emitted, logprobs, finish_reason=finish, stats=stats)
             elif emitted:
                 yield Chunk(text.release(), emitted, logprobs, stats=stats)  # stats so far
@@ -293,43 +402,14 @@ class Engine:
         return emitted, None
 
     def _prefill(self, history: list[int], stats: Stats, *, speculative: bool) -> None:
-        """Bring the oracle's cache (and a same-vocabulary draft's) to history[:-1], reusing what
-        they already hold. `speculative`: whether this request drafts at all."""
+        """Bring the oracle's cache to history[:-1], reusing what it already holds. The draft is
+        not run here: its first proposal evaluates what it has not seen (all of the prompt while
+        drafting pays; a probe's window of it while the policy is idle). `speculative`: whether
+        this request drafts at all."""
         _, n_eval = self.oracle.sync(history[:-1], n_logits=0)
         stats.prompt_tokens_evaluated = n_eval + 1  # the last prompt token is evaluated in step one
-        drafter = self.proposer.model if isinstance(self.proposer, HybridProposer) else self.proposer
-        if isinstance(drafter, DraftModelProposer):
-            # not evaluated while drafting does not pay (or the request does not draft): TTFT is then
-            # the oracle's alone
-            drafter.prefill(history[:-1], evaluate=speculative and not getattr(self.policy, "idle", False))
-        if speculative and isinstance(self.policy, AdaptiveLength) and not self.policy.calibrated:
-            self._calibrate(history)
-
-    def _calibrate(self, history: list[int]) -> None:
-        """Time oracle passes of a few sizes and one draft token, at the current position; the
-        caches are rolled back afterwards. Runs once per engine."""
-        def timed(ctx: LlamaContext, n: int) -> float:
-            base = ctx.n_past
-            vocab_safe = [t % ctx.n_vocab for t in history]  # a cross-tokenizer draft has another vocabulary
-            tokens = (vocab_safe * (n // len(vocab_safe) + 1))[:n]
-            best = float("inf")
-            for _ in range(2):
-                t0 = time.perf_counter()
-                ctx.decode(tokens, n_logits=n)
-                best = min(best, time.perf_counter() - t0)
-                ctx.rollback(base)
-            return best
-
-        sizes = tuple(n for n in (1, 2, 4, 8, 16) if self.oracle.n_past + n <= self.n_ctx)
-        if len(sizes) < 2:
-            return
-        draft_ctx = self.draft_ctx
-        if draft_ctx is None or draft_ctx.n_past + 2 > draft_ctx.n_ctx:
-            time_draft = lambda n: 0.0  # noqa: E731  (prompt lookup costs next to nothing)
-        else:
-            time_draft = lambda n: timed(draft_ctx, n)  # noqa: E731
-        timed(self.oracle, 1)  # warm-up
-        self.policy.calibrate(lambda n: timed(self.oracle, n), time_draft, sizes)
+        if speculative:
+            self.proposer.start(catch_up=not self.policy.idle)
 
     def _draft_limit(self, history: list[int], request: Request, remaining: int) -> int:
         """Most draft tokens worth proposing now: each step emits up to k+1 tokens, and the oracle
@@ -345,26 +425,28 @@ class Engine:
               stats: Stats) -> tuple[list[int], list[TokenLogprob] | None]:
         """One propose -> verify -> accept -> rollback step. Returns the tokens it yields (accepted
         draft tokens, then a recovered or bonus token) and, if asked, their oracle logprobs."""
+        context = len(history) - 1  # the oracle holds all but the last token
         t0 = time.perf_counter()
-        k = self.policy.draft_length(limit) if limit > 0 else 0
+        k = self.policy.draft_length(limit, context) if limit > 0 else 0
         draft = self.proposer.propose(history, k, request.sampling, rng) if k > 0 else EMPTY_DRAFT
         t1 = time.perf_counter()
         logits, _ = self.oracle.sync(history + draft.tokens.tolist(), n_logits=len(draft) + 1)  # [k+1, vocab]
         out, n_accepted = self._accept(draft, logits, request.sampling, rng, len(history))
-        logprobs = self._logprobs(logits[:len(out)], out, request.logprobs) if request.logprobs is not None else None
         self.oracle.rollback(len(history) + n_accepted)  # keep last + accepted; the new last stays out
         t2 = time.perf_counter()
+        # the logits stay valid until the next decode: logprobs are not part of the verify time
+        logprobs = self._logprobs(logits[:len(out)], out, request.logprobs) if request.logprobs is not None else None
 
+        step = StepRecord(k=k, drafted=len(draft), accepted=n_accepted, draft_time=t1 - t0, verify_time=t2 - t1,
+                          context=context, draft_evaluated=draft.evaluated)
         if request.speculative:  # a request that does not draft teaches the policy nothing
-            if self.proposer is not None:
-                self.proposer.observe(len(draft), n_accepted)
-            self.policy.update(n_drafted=len(draft), n_accepted=n_accepted, draft_time=t1 - t0,
-                               verify_time=t2 - t1)
+            self.policy.update(step)
+        stats.records.append(step)
         stats.steps += 1
-        stats.drafted += len(draft)
-        stats.accepted += n_accepted
-        stats.draft_time += t1 - t0
-        stats.verify_time += t2 - t1
+        stats.drafted += step.drafted
+        stats.accepted += step.accepted
+        stats.draft_time += step.draft_time
+        stats.verify_time += step.verify_time
         return out.tolist(), logprobs
 
     @staticmethod

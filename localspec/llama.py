@@ -50,26 +50,28 @@ _initialised = False
 
 # ggml_log_level: 1 DEBUG, 2 INFO, 3 WARN, 4 ERROR, 5 CONT (continues the previous line)
 _LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
-_log_buffer: list[str] = []
-_log_level = [logging.DEBUG]
-_load_errors: list[str] | None = None  # llama.cpp's error lines while a model loads (under _init_lock)
+# llama.cpp logs from the thread that called it, in pieces: each thread assembles its own lines, and
+# a thread loading a model collects its error lines (two models may load at once)
+_log_state = threading.local()
 
 
 @llama_cpp.llama_log_callback
 def _log_callback(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
-    # llama.cpp emits lines in pieces; level 5 (CONT) continues the previous one.
-    if level != 5:
-        _log_level[0] = _LEVELS.get(level, logging.DEBUG)
-    _log_buffer.append(text.decode("utf-8", errors="replace"))
-    if _log_buffer[-1].endswith("\n"):
-        line = "".join(_log_buffer).rstrip()
-        _log_buffer.clear()
+    state = _log_state
+    if not hasattr(state, "buffer"):
+        state.buffer, state.level, state.load_errors = [], logging.DEBUG, None
+    if level != 5:  # 5 (CONT) continues the previous line
+        state.level = _LEVELS.get(level, logging.DEBUG)
+    state.buffer.append(text.decode("utf-8", errors="replace"))
+    if state.buffer[-1].endswith("\n"):
+        line = "".join(state.buffer).rstrip()
+        state.buffer.clear()
         if line:
-            if _load_errors is not None and _log_level[0] >= logging.ERROR:
-                _load_errors.append(line)  # a model load is under way: its error goes into the exception
+            if state.load_errors is not None and state.level >= logging.ERROR:
+                state.load_errors.append(line)  # a model load is under way: its error goes into the exception
                 log.debug("%s", line)
             else:
-                log.log(_log_level[0], "%s", line)
+                log.log(state.level, "%s", line)
 
 
 def _ensure_backend() -> None:
@@ -201,13 +203,13 @@ class LlamaModel:
         # The CPU "extra buffer types" (AMX / repacked weights) crash llama_decode on Q4_1 on some
         # x86 machines; plain CPU buffers are always correct, and GPU offload is unaffected.
         params.use_extra_bufts = False
-        global _load_errors
-        with _init_lock:
-            _load_errors = []
-            try:
-                self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), params)
-            finally:
-                errors, _load_errors = _load_errors, None
+        if not hasattr(_log_state, "buffer"):
+            _log_state.buffer, _log_state.level = [], logging.DEBUG
+        _log_state.load_errors = errors = []
+        try:
+            self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), params)
+        finally:
+            _log_state.load_errors = None
         if not self._model:
             reason = next((e for e in errors if "error loading model" in e), errors[0] if errors else "")
             reason = reason.split("error loading model:", 1)[-1].strip()
@@ -225,9 +227,7 @@ class LlamaModel:
         self.size_bytes: int = llama_cpp.llama_model_size(self._model)
         self.name: str = self.metadata("general.name") or self.path.stem
         self._pieces: dict[int, bytes] = {}
-        self._eog = np.zeros(self.n_vocab, dtype=bool)
-        for t in range(self.n_vocab):
-            self._eog[t] = llama_cpp.llama_vocab_is_eog(self._vocab, t)
+        self._eog: dict[int, bool] = {}  # asked token by token: a whole vocabulary's worth costs ~20 ms at load
 
     # -- lifetime
     def close(self) -> None:
@@ -307,12 +307,13 @@ class LlamaModel:
         return b"".join(self.token_piece(t) for t in tokens).decode("utf-8", errors="replace")
 
     def is_eog(self, token: int) -> bool:
-        return bool(self._eog[token])
-
-    @property
-    def eog_mask(self) -> np.ndarray:
-        """[vocab] bool: end-of-generation tokens (EOS, EOT, <|im_end|>, ...)."""
-        return self._eog
+        """Whether `token` ends a generation (EOS, EOT, <|im_end|>, ...)."""
+        eog = self._eog.get(token)
+        if eog is None:
+            if not 0 <= token < self.n_vocab:
+                raise IndexError(f"token {token} is outside the vocabulary ({self.n_vocab})")
+            eog = self._eog[token] = bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
+        return eog
 
 
 class Detokenizer:
@@ -342,6 +343,25 @@ class ContextParams:
 
 FLASH_ATTN_TYPES = {"auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
                     "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED}
+
+
+def resolve_flash_attn(setting: str, *, n_gpu_layers: int, measured: str | None = None) -> str:
+    """"on" or "off" for a context whose model offloads `n_gpu_layers` layers (-1: all).
+
+    "auto" is what is faster for speculation's passes (several tokens, over a growing context):
+    the kernel `localspec check` measured faster on this machine if it did (`measured`), else on
+    where the layers run on a GPU and off on a CPU. On a CPU, flash attention makes a multi-token
+    pass cost more as the context grows (measured on an AVX512 EPYC and on an AVX512+AMX Xeon: a
+    9-token F32 pass at 1000-2000 tokens of context costs 15-50% more with it), while llama.cpp's
+    own "auto" turns it on wherever the backend supports it."""
+    if setting not in FLASH_ATTN_TYPES:
+        raise ValueError(f"flash attention must be one of {', '.join(FLASH_ATTN_TYPES)}, got {setting!r}")
+    if setting != "auto":
+        return setting
+    if measured in ("on", "off"):
+        return measured
+    offloaded = n_gpu_layers != 0 and bool(llama_cpp.llama_supports_gpu_offload())
+    return "on" if offloaded else "off"
 
 
 def default_threads() -> int:

@@ -2,12 +2,31 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One speculative step, as the engine ran it. Times in seconds."""
+
+    k: int  # draft tokens the policy allowed
+    drafted: int  # draft tokens proposed (fewer than k when the draft stopped early)
+    accepted: int  # of those, accepted by the oracle
+    draft_time: float  # proposing
+    verify_time: float  # the oracle's pass over [last, d1..d_drafted] and the acceptance test
+    context: int  # tokens in the oracle's cache before the verify pass
+    draft_evaluated: int = 0  # tokens the draft model evaluated for this proposal (its catch-up included)
+
+    @property
+    def emitted(self) -> int:
+        """Tokens the step produced before any stop: the accepted ones and a recovered or bonus token."""
+        return self.accepted + 1
 
 
 @dataclass
 class Stats:
-    """Per-call counters. Times in seconds."""
+    """Per-call counters. Times in seconds. `records` holds every step (left out of `to_dict`
+    unless asked for: a long answer has hundreds)."""
 
     prompt_tokens: int = 0  # tokens in the prompt
     prompt_tokens_evaluated: int = 0  # of those, evaluated by the oracle (the rest came from its cache)
@@ -20,6 +39,9 @@ class Stats:
     verify_time: float = 0.0  # oracle passes plus acceptance
     time_to_first_token: float = 0.0
     total_time: float = 0.0
+    flash_attn: str = ""  # the oracle's attention kernel: "on" or "off"
+    draft_flash_attn: str | None = None  # the draft model's, if there is one
+    records: list[StepRecord] = field(default_factory=list, repr=False)
 
     @property
     def acceptance_rate(self) -> float:
@@ -40,10 +62,12 @@ class Stats:
         t = self.total_time - self.prompt_time
         return self.completion_tokens / t if t > 0 else 0.0
 
-    def to_dict(self) -> dict:
-        d = asdict(self)
+    def to_dict(self, *, records: bool = False) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "records"}
         d.update(acceptance_rate=self.acceptance_rate, mean_accepted_length=self.mean_accepted_length,
                  tokens_per_step=self.tokens_per_step, tokens_per_second=self.tokens_per_second)
+        if records:
+            d["records"] = [asdict(r) for r in self.records]
         return d
 
 

@@ -1,8 +1,8 @@
 """Proposers: where draft tokens come from. Each is a small class behind one `propose` call.
 
 `propose(history, max_len, sampling, rng)` returns a `Draft` of at most `max_len` tokens that would
-follow `history` (every token so far, the not-yet-verified last one included). `observe` tells the
-proposer how many of its tokens the oracle accepted.
+follow `history` (every token so far, the not-yet-verified last one included). `start(catch_up=...)`
+says a new request begins; nothing is evaluated then, so the oracle's first token comes first.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ class Draft:
 
     tokens: np.ndarray  # [k] int32
     probs: np.ndarray | None  # [k, oracle vocab] the distributions the tokens were drawn from; None: point masses
+    evaluated: int = 0  # tokens a draft model evaluated to propose these (its catch-up included)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -35,7 +36,9 @@ class Proposer(Protocol):
     def propose(self, history: Sequence[int], max_len: int, sampling: SamplingParams,
                 rng: np.random.Generator) -> Draft: ...
 
-    def observe(self, n_proposed: int, n_accepted: int) -> None: ...
+    def start(self, *, catch_up: bool) -> None:
+        """A new request begins. `catch_up`: the first proposal conditions on the whole prompt
+        (drafting is expected to pay); otherwise a later probe may condition on part of it."""
 
 
 class DraftModelProposer:
@@ -43,6 +46,7 @@ class DraftModelProposer:
 
     The draft context's cache is synced lazily: each `propose` reuses the longest prefix it already
     holds and evaluates only what is new (the accepted tokens and the last emitted one), in one batch.
+    A new prompt is evaluated by the first proposal after it, not before the oracle's first token.
 
     Greedy decoding drafts the argmax and hands the verifier point masses (probs=None). Sampled
     decoding draws each token from the draft's filtered distribution and hands that distribution on,
@@ -69,28 +73,26 @@ class DraftModelProposer:
         self.n_vocab = ctx.n_vocab if n_vocab is None else n_vocab
         # the draft's cache holds history[:keep] + history[start:]: all of it (keep == start), or after
         # a long pause in drafting, the start it still held and the recent text, with a gap between
-        self.keep = self.start = 0
+        self.keep = self.gap_start = 0
+        self.catch_up = False  # the next proposal evaluates all it has not seen, however much
         self.tokens_evaluated = 0  # draft-side tokens decoded, prompt included
 
-    def prefill(self, tokens: Sequence[int], *, evaluate: bool = True) -> None:
-        """A new prompt: evaluate it (all but its last token) on the draft, reusing its cached
-        prefix; `evaluate=False` leaves that to the first `propose` (which may then draft with a gap)."""
-        self.keep = self.start = 0
-        if evaluate:
-            _, n_eval = self.ctx.sync(self._readable(tokens), n_logits=0)
-            self.tokens_evaluated += n_eval
+    def start(self, *, catch_up: bool) -> None:
+        self.keep = self.gap_start = 0
+        self.catch_up = catch_up
 
     def _view(self, history: Sequence[int]) -> list[int]:
         """The tokens the draft conditions on. After many steps without drafting, catching up on all
         of them would cost more than a probe is worth: the draft keeps the start of the text it
         already holds (the prompt says what the text is about) and evaluates only the latest
         `max_catch_up` tokens after it, as if the text in between were not there."""
-        view = self._readable(list(history[:self.keep]) + list(history[self.start:]))
-        if len(view) - self.ctx.common_prefix(view) <= self.max_catch_up:
+        view = self._readable(list(history[:self.keep]) + list(history[self.gap_start:]))
+        if self.catch_up or len(view) - self.ctx.common_prefix(view) <= self.max_catch_up:
+            self.catch_up = False
             return view
         self.keep = self.ctx.common_prefix(history)
-        self.start = max(self.keep, len(history) - self.max_catch_up)
-        return self._readable(list(history[:self.keep]) + list(history[self.start:]))
+        self.gap_start = max(self.keep, len(history) - self.max_catch_up)
+        return self._readable(list(history[:self.keep]) + list(history[self.gap_start:]))
 
     def _readable(self, tokens: list[int]) -> list[int]:
         """`tokens` without the ids the draft's vocabulary lacks (none unless it is the smaller one)."""
@@ -108,6 +110,7 @@ class DraftModelProposer:
         except ContextFullError:
             return EMPTY_DRAFT
         self.tokens_evaluated += n_eval
+        evaluated = n_eval
         tokens: list[int] = []
         probs: list[np.ndarray] = []
         while True:
@@ -118,7 +121,8 @@ class DraftModelProposer:
                 break  # nothing worth drafting past the end of the generation
             logits = self.ctx.decode([token])
             self.tokens_evaluated += 1
-        return Draft(np.asarray(tokens, dtype=np.int32), np.stack(probs) if probs else None)
+            evaluated += 1
+        return Draft(np.asarray(tokens, dtype=np.int32), np.stack(probs) if probs else None, evaluated)
 
     def _in_oracle_vocab(self, row: np.ndarray) -> np.ndarray:
         """The draft's logits [draft vocab] as logits over the oracle's vocabulary [n_vocab]."""
@@ -145,9 +149,6 @@ class DraftModelProposer:
             probs.append(dist)
             token = sample(dist, rng)
         return token, self.p_min <= 0 or dist.max() >= self.p_min
-
-    def observe(self, n_proposed: int, n_accepted: int) -> None:
-        pass  # the cache is re-synced on the next propose
 
 
 class PromptLookupProposer:
@@ -178,8 +179,8 @@ class PromptLookupProposer:
                 return Draft(tokens[follow:follow + max_len].copy(), None)
         return EMPTY_DRAFT
 
-    def observe(self, n_proposed: int, n_accepted: int) -> None:
-        pass
+    def start(self, *, catch_up: bool) -> None:
+        pass  # nothing to evaluate
 
 
 class HybridProposer:
@@ -194,8 +195,8 @@ class HybridProposer:
         draft = self.lookup.propose(history, max_len, sampling, rng)
         return draft if len(draft) else self.model.propose(history, max_len, sampling, rng)
 
-    def observe(self, n_proposed: int, n_accepted: int) -> None:
-        self.model.observe(n_proposed, n_accepted)
+    def start(self, *, catch_up: bool) -> None:
+        self.model.start(catch_up=catch_up)
 
 
 class CrossTokenizerProposer:
@@ -238,7 +239,7 @@ class CrossTokenizerProposer:
             return EMPTY_DRAFT
         text = self.draft.detokenize(proposal.tokens.tolist())
         tokens = self.oracle.tokenize(text, add_special=False, parse_special=False)[:max_len]
-        return Draft(np.asarray(tokens, dtype=np.int32), None)
+        return Draft(np.asarray(tokens, dtype=np.int32), None, proposal.evaluated)
 
-    def observe(self, n_proposed: int, n_accepted: int) -> None:
-        pass
+    def start(self, *, catch_up: bool) -> None:
+        self.inner.start(catch_up=catch_up)

@@ -4,7 +4,23 @@ the download once."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_cost_cache(tmp_path_factory):
+    """Fitted costs and acceptance persist between processes (see localspec/costs.py): the suite keeps
+    its own, so what one test (or the user's own runs) taught cannot steer another's drafting."""
+    path = tmp_path_factory.mktemp("costs")
+    old = os.environ.get("LOCALSPEC_COST_CACHE")
+    os.environ["LOCALSPEC_COST_CACHE"] = str(path)  # subprocesses (the CLI, the server) inherit it
+    yield path
+    if old is None:
+        os.environ.pop("LOCALSPEC_COST_CACHE", None)
+    else:
+        os.environ["LOCALSPEC_COST_CACHE"] = old
 
 
 @pytest.fixture(scope="session")

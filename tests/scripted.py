@@ -182,6 +182,8 @@ class ScriptedContext:
     the logits at each position are `logits(history up to and including that token)`. Like
     llama.cpp, a token id outside the vocabulary is an error (llama_decode refuses the batch)."""
 
+    flash_attn = "off"  # no attention kernel to choose
+
     def __init__(self, model: ScriptedModel, logits: Logits, *, n_ctx: int = 512) -> None:
         self.model = model
         self.n_ctx = n_ctx

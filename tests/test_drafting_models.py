@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from localspec.compat import IncompatibleModels
@@ -29,22 +30,63 @@ def test_prompt_lookup_on_a_grounded_prompt(pair_paths):
     assert spec.text == base.text
 
 
-def test_adaptive_is_the_default_and_calibrates(pair_paths):
-    with Engine(*pair_paths, n_ctx=512) as engine:
+def test_adaptive_is_the_default_and_learns_its_costs_from_the_steps_alone(pair_paths, tmp_path, monkeypatch):
+    """A fresh engine times nothing on purpose: the oracle decodes the prompt once and then once per
+    step; the first step drafts nothing (the first token as soon as the oracle alone gives it) and
+    the draft evaluates the prompt in the second. The fitted costs are kept for the next engine of
+    the same setting, and ignored by one whose setting differs."""
+    monkeypatch.setenv("LOCALSPEC_COST_CACHE", str(tmp_path))
+    messages = [{"role": "user", "content": "Name three fruits."}]
+    with Engine(*pair_paths, n_ctx=512, n_threads=2) as engine:
         assert isinstance(engine.policy, AdaptiveLength)
-        r = engine.generate([{"role": "user", "content": "Name three fruits."}], max_tokens=24)
-        assert engine.policy.calibrated
-        assert engine.policy.verify_cost(1) > 0 and engine.policy.draft_cost(4) > 0
-        assert set(engine.policy.verify_cost.mean) >= {1, 2, 4, 8, 16}
-        assert r.stats.steps >= 1
+        assert not engine.policy.verify_cost.ready  # nothing measured yet, nothing timed at start-up
+        decodes = []
+        original = engine.oracle.decode
+        monkeypatch.setattr(engine.oracle, "decode", lambda tokens, **kw: decodes.append(len(tokens)) or
+                            original(tokens, **kw))
+        r = engine.generate(messages, max_tokens=24)
+        s = r.stats
+        assert len(decodes) == 1 + s.steps  # the prompt, then one verify pass per step
+        assert s.records[0].drafted == 0 and s.records[0].k == 0
+        assert s.records[1].draft_evaluated >= r.stats.prompt_tokens - 1  # the draft caught up in step two
+        assert sum(x.drafted for x in s.records) == s.drafted and sum(x.accepted for x in s.records) == s.accepted
+        assert sum(x.draft_time for x in s.records) == pytest.approx(s.draft_time)
+        assert sum(x.verify_time for x in s.records) == pytest.approx(s.verify_time)
+        assert [x.context for x in s.records] == sorted(x.context for x in s.records)
+        assert s.records[0].context == s.prompt_tokens - 1
+        policy = engine.policy
+        assert policy.verify_cost.ready and policy.draft_cost.ready and policy.trials > 0
+        learned = policy.verify_cost(9, 100), policy.draft_cost(4, 100), policy.acceptance
+    assert sorted(p.name.split("-")[0] for p in tmp_path.iterdir()) == ["acceptance", "draft", "verify"]
+    with Engine(*pair_paths, n_ctx=512, n_threads=2) as again:
+        assert (again.policy.verify_cost(9, 100), again.policy.draft_cost(4, 100),
+                again.policy.acceptance) == pytest.approx(learned)
+        assert again.policy.fresh_trials == min(again.policy.trials, again.policy.min_trials)
+    with Engine(*pair_paths, n_ctx=512, n_threads=1) as other:  # another thread count: other costs
+        assert not other.policy.verify_cost.ready and not other.policy.draft_cost.ready
+        assert other.policy.acceptance == pytest.approx(learned[2])  # acceptance does not depend on threads
+
+
+def test_the_attention_kernel_reaches_both_contexts_and_the_stats(pair_paths):
+    messages = [{"role": "user", "content": "Name three fruits."}]
+    for setting, expected in (("on", "on"), ("off", "off"), ("auto", "off")):  # auto: off on a CPU build
+        with Engine(*pair_paths, n_ctx=256, flash_attn=setting, draft_length=2, cost_cache=False) as engine:
+            assert engine.oracle.flash_attn == engine.draft_ctx.flash_attn == expected
+            r = engine.generate(messages, max_tokens=4)
+            assert (r.stats.flash_attn, r.stats.draft_flash_attn) == (expected, expected)
+            assert r.stats.to_dict()["flash_attn"] == expected
+    with pytest.raises(ValueError, match="flash attention"):
+        Engine(*pair_paths, n_ctx=256, flash_attn="fast")
 
 
 def test_a_draft_that_does_not_pay_costs_nothing(pair_paths):
     """When the measured costs say drafting cannot win, the draft model is not run at all: no
     prompt evaluation on it (TTFT is the oracle's alone) and no drafting, probes aside."""
-    with Engine(*pair_paths, n_ctx=512) as engine:
+    with Engine(*pair_paths, n_ctx=512, cost_cache=False) as engine:
         policy = AdaptiveLength(probe_every=10_000, min_trials=0)
-        policy.calibrate(lambda n: 0.05 * n, lambda n: 1.0 * n)  # a draft token dearer than 20 oracle passes
+        for n in (1, 2, 4, 8, 16):  # a draft token dearer than 20 oracle passes
+            policy.verify_cost.observe(n, 20, 0.05 * n)
+            policy.draft_cost.observe(n, 20, 1.0 * n)
         engine.policy = policy
         assert policy.idle
         messages = [{"role": "user", "content": "Name three fruits."}]
@@ -57,38 +99,44 @@ def test_a_draft_that_does_not_pay_costs_nothing(pair_paths):
 def test_a_request_without_drafting_leaves_the_draft_and_the_policy_alone(pair_paths):
     """speculative=False is the oracle alone on the same engine (the bench's paired baseline): the
     draft model evaluates nothing and the length policy learns nothing from it."""
-    with Engine(*pair_paths, n_ctx=512) as engine:
+    with Engine(*pair_paths, n_ctx=512, cost_cache=False) as engine:
         r = engine.generate([{"role": "user", "content": "Name three fruits."}], max_tokens=12, speculative=False)
         policy = engine.policy
         assert r.stats.drafted == 0 and r.stats.steps == len(r.tokens)
         assert engine.proposer.tokens_evaluated == 0
-        assert not policy.calibrated and policy.trials == 0 and policy.time_spent == 0.0
+        assert not policy.verify_cost.ready and policy.trials == 0 and policy.time_spent == 0.0
 
 
 def test_after_a_pause_the_draft_keeps_the_start_it_holds_and_catches_up_on_recent_text_only(pair_paths):
-    import numpy as np
 
     from localspec.sampling import SamplingParams
 
     with Engine(*pair_paths, n_ctx=512, draft_length=4) as engine:
         drafter, rng, greedy = engine.proposer, np.random.default_rng(0), SamplingParams()
         long = engine.oracle_model.tokenize(PASSAGE * 2, add_special=True, parse_special=False)
-        drafter.prefill(long[:10])
+        drafter.ctx.sync(long[:10], n_logits=0)  # what an earlier request left in the draft's cache
+        drafter.start(catch_up=False)  # a probe while idle: no catching up on all of it
         before = drafter.tokens_evaluated
         draft = drafter.propose(long, 4, greedy, rng)  # 70+ tokens to catch up: only the latest 16
-        assert (drafter.keep, drafter.start) == (10, len(long) - 16)
+        assert (drafter.keep, drafter.gap_start) == (10, len(long) - 16)
         assert drafter.ctx.tokens[:26] == long[:10] + long[-16:]  # the prompt's start, a gap, the recent text
         assert drafter.tokens_evaluated - before == 16 + len(draft) - 1
         more = long + [int(draft.tokens[0]), long[20]]  # the first draft token accepted, then a recovered one
         drafter.propose(more, 4, greedy, rng)  # drafting goes on after the gap: no new window
-        assert (drafter.keep, drafter.start) == (10, len(long) - 16)
+        assert (drafter.keep, drafter.gap_start) == (10, len(long) - 16)
         assert drafter.ctx.tokens[:28] == long[:10] + more[-18:]
 
         short = engine.oracle_model.tokenize("Name three fruits.", add_special=True, parse_special=False)
-        drafter.prefill(short[:-1], evaluate=False)  # a new prompt: the gap is forgotten
-        assert drafter.keep == drafter.start == 0
+        drafter.start(catch_up=False)  # a new prompt: the gap is forgotten
+        assert drafter.keep == drafter.gap_start == 0
         assert len(drafter.propose(short, 4, greedy, rng)) >= 1
         assert drafter.ctx.tokens[:len(short)] == short
+
+        drafter.start(catch_up=True)  # drafting pays: the first proposal evaluates all it has not seen
+        before = drafter.tokens_evaluated
+        draft = drafter.propose(long, 4, greedy, rng)
+        assert drafter.ctx.tokens[:len(long)] == long
+        assert drafter.tokens_evaluated - before == draft.evaluated >= len(long) - 1
 
 
 def test_incompatible_pair_refused_without_cross_tokenizer(registry, pair_paths):
@@ -112,14 +160,17 @@ def test_cross_tokenizer_draft_keeps_greedy_output_the_oracles(registry, pair_pa
             return out, n
 
         monkeypatch.setattr(cross, "_accept", recording)
-        same = 0
         accepted = 0
         for p in prompts:
             spec = cross.generate(p, max_tokens=32)
             base = cross.generate(p, max_tokens=32, speculative=False)
-            same += spec.text == base.text
             accepted += spec.stats.accepted
+            # batched logits differ slightly from one-token logits: the texts may part only at a near-tie
+            i = next((j for j, (a, b) in enumerate(zip(spec.tokens, base.tokens)) if a != b), None)
+            if i is not None:
+                cross.oracle.reset()
+                row = np.array(cross.oracle.decode(cross.tokenize_prompt(p) + base.tokens[:i]))[0]
+                assert abs(row[base.tokens[i]] - row[spec.tokens[i]]) < 0.15, f"{p!r} parts at token {i}: not a near-tie"
         for argmax, out in steps:
-            assert out.tolist() == argmax[:len(out)].tolist()
+            assert out.tolist() == argmax[:len(out)].tolist()  # every emitted token is the oracle's argmax
     assert accepted > 0  # the re-tokenized drafts do get accepted
-    assert same >= len(prompts) - 1

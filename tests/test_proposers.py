@@ -69,8 +69,8 @@ class CountingModel:
         self.calls += 1
         return Draft(np.array([99] * max_len, dtype=np.int32), None)
 
-    def observe(self, n_proposed, n_accepted):
-        pass
+    def start(self, *, catch_up):
+        self.catch_up = catch_up
 
 
 def test_hybrid_uses_lookup_when_it_matches_and_the_model_otherwise():

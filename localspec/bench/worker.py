@@ -106,32 +106,15 @@ class LocalspecRunner:
         for ctx in self._contexts():  # every run evaluates its whole prompt: no prefix reuse between runs
             ctx.reset()
         request = Request(max_tokens=max_tokens, speculative=speculative)
-        lengths: Counter[int] = Counter()  # draft length of every step, for the ceiling
-        policy = self.engine.policy
-        update = policy.update
-
-        def recording_update(*, n_drafted: int, **kw) -> None:
-            lengths[n_drafted] += 1
-            update(n_drafted=n_drafted, **kw)
-
-        try:
-            policy.update = recording_update
-            recording = True
-        except (AttributeError, TypeError):  # a policy that cannot be wrapped: no per-step lengths
-            recording = False
         t_start = time.perf_counter()
         chunks: list[tuple[float, int]] = []
         out_tokens: list[int] = []
         text: list[str] = []
         final = None
-        try:
-            for final in self.engine.stream_tokens(list(tokens), request):
-                chunks.append((time.perf_counter() - t_start, len(final.tokens)))
-                out_tokens.extend(final.tokens)
-                text.append(final.text)
-        finally:
-            if recording:
-                del policy.update  # the class's method again
+        for final in self.engine.stream_tokens(list(tokens), request):
+            chunks.append((time.perf_counter() - t_start, len(final.tokens)))
+            out_tokens.extend(final.tokens)
+            text.append(final.text)
         assert final is not None and final.stats is not None
         s = final.stats
         result = {"tokens": out_tokens, "text": "".join(text), "finish_reason": final.finish_reason,
@@ -139,7 +122,7 @@ class LocalspecRunner:
                   "decode_time": s.total_time - s.prompt_time, "completion_tokens": s.completion_tokens,
                   "tokens_per_second": s.tokens_per_second, "ttft": s.time_to_first_token,
                   "drafted": s.drafted, "accepted": s.accepted, "steps": s.steps,
-                  "draft_lengths": {str(k): n for k, n in sorted(lengths.items())} if recording else None}
+                  "draft_lengths": {str(k): n for k, n in sorted(Counter(r.drafted for r in s.records).items())}}
         if costs:
             result["costs"] = self.measure_costs(costs)
         return result

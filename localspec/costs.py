@@ -1,0 +1,231 @@
+"""What a pass costs: time as a function of the tokens in it and of the context it runs at, learned
+from every speculative step and kept between processes.
+
+A llama.cpp pass of n tokens over a context of c tokens costs about
+
+    t(n, c) = w0 + w1*[n > 1] + w2*n + (w3 + w4*n) * c/1024
+
+    w0, w2   the weights are read once per pass, and each token adds its compute (a CPU is
+             compute-bound past a few tokens; a GPU hardly notices them)
+    w1       one token takes the matrix-vector kernels, two or more the matrix-matrix ones
+    w3, w4   attention reads the context, once per pass and for every token in it (flash
+             attention on a CPU makes w4 large)
+
+The same form serves the draft, with n the tokens it drafts in a step (its catch-up on the tokens
+accepted since its last step, one or two, sits in w0).
+
+`PassCost` fits w by exponentially weighted least squares (recent steps count most, so it follows a
+machine whose speed drifts), pulled toward a prior whose shape is a typical CPU's and whose scale is
+set by the first measurement. Nothing is timed on purpose: every step is a measurement.
+
+`CostStore` keeps fitted models (and the draft's acceptance) in the cache between processes, one
+file per key in `<cache>/costs` (`$LOCALSPEC_COST_CACHE` moves it); the key holds everything that
+changes the costs (model file, threads, build and backend, CPU model, attention kernel, GPU
+offload), so a changed setting starts afresh.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import secrets
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+log = logging.getLogger("localspec.costs")
+
+N_FEATURES = 5
+CONTEXT_UNIT = 1024.0  # context lengths enter the fit in units of 1024 tokens
+# relative prior shapes (times in units of the first measurement): an oracle pass of n tokens costs
+# 1 + 0.2 [n > 1] + 0.1 (n - 1) one-token passes (a CPU; a GPU learns its flatter curve in a few
+# steps); a draft of n tokens costs n + 0.5 of its one-token decodes (the catch-up is one or two)
+VERIFY_SHAPE = (0.9, 0.2, 0.1, 0.0, 0.0)
+DRAFT_SHAPE = (0.5, 0.0, 1.0, 0.0, 0.0)
+STATE_VERSION = 1
+
+
+def features(ns: np.ndarray, context: float) -> np.ndarray:
+    """phi(n, c) [m, 5] for pass sizes ns [m] at one context length."""
+    ns = np.asarray(ns, dtype=np.float64)
+    c = context / CONTEXT_UNIT
+    return np.stack([np.ones_like(ns), (ns > 1).astype(np.float64), ns, np.full_like(ns, c), ns * c], axis=1)
+
+
+class PassCost:
+    """t(n, c) in seconds, fitted online (see the module docstring).
+
+    `decay`: each new observation multiplies the weight of the older ones by this (0.99: the last
+    ~100 steps count). `prior_weight`: how many observations the prior is worth. Observations more
+    than `outlier` times off the prediction are clipped (a VM's hiccup must not teach a new cost).
+    """
+
+    def __init__(self, shape: Sequence[float] = VERIFY_SHAPE, *, decay: float = 0.99, prior_weight: float = 0.1,
+                 outlier: float = 3.0) -> None:
+        self.shape = np.asarray(shape, dtype=np.float64)  # [5]
+        self.decay = decay
+        self.prior_weight = prior_weight
+        self.outlier = outlier
+        self.scale: float | None = None  # seconds per unit of the shape: set by the first observation
+        self.gram = np.zeros((N_FEATURES, N_FEATURES))  # [5, 5] sum of decayed phi phi^T
+        self.moment = np.zeros(N_FEATURES)  # [5] sum of decayed phi * t
+        self.weight = 0.0  # sum of decayed observation weights
+        self.observations = 0  # ever, including those loaded
+        self._w: np.ndarray | None = None
+
+    @property
+    def ready(self) -> bool:
+        """Whether it can predict (it has seen a pass, here or in an earlier process)."""
+        return self.scale is not None
+
+    def observe(self, n: int, context: int, seconds: float) -> None:
+        if n < 1 or not seconds > 0:
+            return
+        phi = features(np.array([n]), context)[0]  # [5]
+        if self.scale is None:
+            self.scale = seconds / float(phi @ self.shape)
+        elif self.observations >= 5:
+            expected = float(self.predict(np.array([n]), context)[0])
+            seconds = min(max(seconds, expected / self.outlier), expected * self.outlier)
+        self.gram = self.decay * self.gram + np.outer(phi, phi)
+        self.moment = self.decay * self.moment + phi * seconds
+        self.weight = self.decay * self.weight + 1.0
+        self.observations += 1
+        self._w = None
+
+    def weights(self) -> np.ndarray:
+        """w [5]: the ridge solution of min sum_i d_i (phi_i w - t_i)^2 + prior_weight |w - w_prior|^2,
+        d_i the decayed weight of observation i: with no data it is the prior, and a weight that
+        the data cannot tell apart (all passes of one size, say) stays near the prior's."""
+        if self._w is None:
+            assert self.scale is not None
+            prior = self.scale * self.shape  # [5]
+            ridge = self.prior_weight * np.eye(N_FEATURES)
+            self._w = np.linalg.solve(self.gram + ridge, self.moment + ridge @ prior)
+        return self._w
+
+    def predict(self, ns: np.ndarray, context: int) -> np.ndarray:
+        """Seconds for passes of each size in ns [m] at `context`: never decreasing in n, never
+        below a tenth of the prior's one-token time."""
+        if self.scale is None:
+            raise ValueError("no cost observed yet")
+        w = self.weights()
+        c = context / CONTEXT_UNIT
+        base = w[0] + w[3] * c  # a one-token pass, without its per-token part
+        per_token = max(0.0, w[2] + w[4] * c)
+        ns = np.asarray(ns, dtype=np.float64)
+        out = base + np.where(ns > 1, max(0.0, w[1]), 0.0) + per_token * ns
+        return np.maximum(out, 0.1 * self.scale * float(self.shape[0] + self.shape[2]))
+
+    def __call__(self, n: int, context: int) -> float:
+        return float(self.predict(np.array([n]), context)[0])
+
+    # -- persistence
+
+    def state(self, *, max_weight: float = 64.0) -> dict[str, Any]:
+        """What another process needs to go on from here; the history counts as at most
+        `max_weight` observations there, so its own steps soon outweigh it."""
+        shrink = min(1.0, max_weight / self.weight) if self.weight > 0 else 1.0
+        return {"shape": self.shape.tolist(), "scale": self.scale, "gram": (self.gram * shrink).tolist(),
+                "moment": (self.moment * shrink).tolist(), "weight": self.weight * shrink,
+                "observations": self.observations}
+
+    def load(self, state: Mapping[str, Any]) -> None:
+        gram = np.asarray(state["gram"], dtype=np.float64)
+        moment = np.asarray(state["moment"], dtype=np.float64)
+        if gram.shape != (N_FEATURES, N_FEATURES) or moment.shape != (N_FEATURES,) or not (
+                np.all(np.isfinite(gram)) and np.all(np.isfinite(moment))):
+            raise ValueError("malformed cost state")
+        scale = state.get("scale")
+        self.scale = float(scale) if scale is not None and float(scale) > 0 else None
+        self.gram, self.moment = gram, moment
+        self.weight = float(state.get("weight", 0.0))
+        self.observations = int(state.get("observations", 0))
+        self._w = None
+
+
+# ------------------------------------------------------------------------------------ the store
+
+
+def file_fingerprint(path: str | os.PathLike) -> str:
+    """A cheap content fingerprint of a (large) file: its size and three 1 MiB samples (start,
+    middle, end). Reading gigabytes to hash them on every start would cost more than it saves."""
+    path = Path(path)
+    size = path.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    chunk = 1 << 20
+    with open(path, "rb") as f:
+        for offset in sorted({0, max(0, size // 2 - chunk // 2), max(0, size - chunk)}):
+            f.seek(offset)
+            h.update(f.read(chunk))
+    return h.hexdigest()[:32]
+
+
+@lru_cache(maxsize=1)
+def machine_identity() -> dict[str, str]:
+    """The CPU model and llama.cpp's build and backends: what a cost depends on beyond the model."""
+    import llama_cpp
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        system = llama_cpp.llama_print_system_info().decode("utf-8", errors="replace").strip()
+    except Exception:  # pragma: no cover - every binding has it; the key then just says less
+        system = ""
+    return {"cpu": cpu, "llama_cpp_python": getattr(llama_cpp, "__version__", "?"), "system": system}
+
+
+class CostStore:
+    """Fitted cost models and acceptance estimates in `<cache>/costs/<kind>-<key hash>.json`.
+
+    `identity` (a JSON-able mapping) is the key; it is stored beside the state so a person can tell
+    what a file is about. A file that is missing, unreadable or of another key reads as nothing."""
+
+    def __init__(self, directory: str | os.PathLike | None = None) -> None:
+        if directory is None:
+            from .models import cache_dir
+
+            directory = os.environ.get("LOCALSPEC_COST_CACHE") or cache_dir() / "costs"
+        self.directory = Path(directory)
+
+    def path(self, kind: str, identity: Mapping[str, Any]) -> Path:
+        key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
+        return self.directory / f"{kind}-{key}.json"
+
+    def load(self, kind: str, identity: Mapping[str, Any]) -> dict[str, Any] | None:
+        path = self.path(kind, identity)
+        try:
+            data = json.loads(path.read_text("utf-8"))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            log.debug("ignoring %s: %s", path, e)
+            return None
+        if not isinstance(data, dict) or data.get("version") != STATE_VERSION or data.get("identity") != dict(identity):
+            return None
+        state = data.get("state")
+        return state if isinstance(state, dict) else None
+
+    def save(self, kind: str, identity: Mapping[str, Any], state: Mapping[str, Any]) -> None:
+        """Write atomically (a reader never sees half a file); a failure is logged, never raised:
+        a cost model is worth keeping, not worth failing a generation for."""
+        path = self.path(kind, identity)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(3)}.tmp")
+            tmp.write_text(json.dumps({"version": STATE_VERSION, "identity": dict(identity), "state": dict(state)}),
+                           "utf-8")
+            os.replace(tmp, path)
+        except OSError as e:
+            log.debug("could not save %s: %s", path, e)

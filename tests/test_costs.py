@@ -1,0 +1,109 @@
+"""Pass-cost models fitted from steps, and their store between processes."""
+
+import json
+
+import numpy as np
+import pytest
+
+from localspec.costs import DRAFT_SHAPE, VERIFY_SHAPE, CostStore, PassCost, file_fingerprint
+
+
+def cpu_like(n, c):
+    """A CPU oracle without flash attention: 17 ms for one token, a jump to the matrix-matrix
+    kernels, 2.4 ms per token, and attention that grows with the context."""
+    return 0.017 + 0.006 * (n > 1) + 0.0024 * n + (0.002 + 0.0008 * n) * c / 1024
+
+
+def test_the_fit_recovers_a_cost_that_has_the_models_form():
+    cost = PassCost(VERIFY_SHAPE)
+    for c in (64, 300, 700, 1500):
+        for n in (1, 2, 5, 9, 17):
+            cost.observe(n, c, cpu_like(n, c))
+    for c in (100, 1000, 2000):  # contexts it never saw, the longest past them all
+        ns = np.arange(1, 18)
+        assert cost.predict(ns, c) == pytest.approx([cpu_like(n, c) for n in ns], rel=0.01)
+
+
+def test_before_any_step_the_prior_is_scaled_by_the_first_measurement():
+    cost = PassCost(VERIFY_SHAPE)
+    assert not cost.ready
+    with pytest.raises(ValueError):
+        cost(1, 0)
+    cost.observe(1, 50, 0.020)
+    assert cost.ready
+    assert cost(1, 50) == pytest.approx(0.020, rel=0.01)
+    # nothing measured past one token: the prior's CPU-like shape, 1 + 0.2 [n > 1] + 0.1 (n - 1)
+    assert cost(9, 50) == pytest.approx(0.020 * (1 + 0.2 + 0.8), rel=0.05)
+    draft = PassCost(DRAFT_SHAPE)
+    draft.observe(3, 50, 0.035)  # 3.5 tokens' worth (its catch-up is half a token on average)
+    assert draft(1, 50) == pytest.approx(0.015, rel=0.05)
+
+
+def test_it_follows_a_machine_that_slows_down_and_shrugs_off_a_hiccup():
+    cost = PassCost(VERIFY_SHAPE)
+    for _ in range(50):
+        for n in (1, 9):
+            cost.observe(n, 100, cpu_like(n, 100))
+    cost.observe(9, 100, 1.0)  # one step stalled by the VM: clipped to three times the prediction
+    assert cost(9, 100) == pytest.approx(cpu_like(9, 100), rel=0.1)
+    for _ in range(300):  # the machine is 30% slower from now on
+        for n in (1, 9):
+            cost.observe(n, 100, 1.3 * cpu_like(n, 100))
+    assert cost(9, 100) == pytest.approx(1.3 * cpu_like(9, 100), rel=0.02)
+
+
+def test_predictions_never_fall_with_more_tokens():
+    cost = PassCost(VERIFY_SHAPE)
+    for _ in range(5):  # noisy data that would fit a falling line
+        cost.observe(2, 100, 0.030)
+        cost.observe(16, 100, 0.025)
+    pred = cost.predict(np.arange(1, 18), 100)
+    assert np.all(np.diff(pred) >= 0) and np.all(pred > 0)
+
+
+def test_state_round_trips_and_the_history_is_capped(tmp_path):
+    cost = PassCost(VERIFY_SHAPE)
+    for _ in range(200):
+        for n in (1, 5, 9):
+            cost.observe(n, 300, cpu_like(n, 300))
+    store = CostStore(tmp_path)
+    key = {"model": "abc", "threads": 2}
+    store.save("verify", key, cost.state(max_weight=32))
+    again = PassCost(VERIFY_SHAPE)
+    again.load(store.load("verify", key))
+    assert again.weight == pytest.approx(32)  # counts as 32 steps here, so fresh steps soon outweigh it
+    # the same fit (the prior weighs a little more against the shrunk history)
+    assert again.predict(np.arange(1, 18), 300) == pytest.approx(cost.predict(np.arange(1, 18), 300), rel=0.01)
+    assert store.load("verify", {"model": "abc", "threads": 1}) is None  # another key: nothing
+    assert store.load("draft", key) is None
+
+
+def test_a_damaged_or_foreign_file_reads_as_nothing(tmp_path):
+    store = CostStore(tmp_path)
+    key = {"model": "abc"}
+    path = store.path("verify", key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for content in ("{not json", json.dumps([1, 2]), json.dumps({"version": 1, "identity": {"model": "xyz"},
+                                                                 "state": {}})):
+        path.write_text(content)
+        assert store.load("verify", key) is None
+    cost = PassCost()
+    with pytest.raises(ValueError):
+        cost.load({"gram": [[1.0]], "moment": [1.0], "scale": 0.01})
+
+
+def test_an_unwritable_store_does_not_fail_the_caller(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    CostStore(blocker / "costs").save("verify", {"model": "abc"}, {"scale": 1})  # logged, not raised
+
+
+def test_the_fingerprint_follows_the_content_not_the_name(tmp_path):
+    a, b, c = tmp_path / "a.gguf", tmp_path / "b.gguf", tmp_path / "c.gguf"
+    data = bytes(range(256)) * 20000  # 5 MB: the three samples do not overlap
+    a.write_bytes(data)
+    b.write_bytes(data)
+    changed = bytearray(data)
+    changed[len(data) // 2] ^= 1  # one byte in the middle sample
+    c.write_bytes(bytes(changed))
+    assert file_fingerprint(a) == file_fingerprint(b) != file_fingerprint(c)
