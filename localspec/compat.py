@@ -53,4 +53,5 @@ def check_compatible(oracle: Vocab, draft: Vocab) -> None:
     if diff is not None:
         raise IncompatibleModels(
             f"draft {draft.name!r} cannot draft for oracle {oracle.name!r}: {diff}. "
-            "Pick a draft from the oracle's model family (same tokenizer).")
+            "Pick a draft from the oracle's model family (same tokenizer), or draft through text with "
+            "--cross-tokenizer (cross_tokenizer=True in Python), which accepts fewer tokens than a same-family draft.")

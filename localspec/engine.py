@@ -32,7 +32,8 @@ from .outputs import Chunk, Result, Stats, StepRecord, TokenLogprob, TopLogprob
 from .policy import AdaptiveLength, FixedLength, LengthPolicy
 from .proposers import (EMPTY_DRAFT, CrossTokenizerProposer, Draft, DraftModelProposer, HybridProposer,
                         PromptLookupProposer, Proposer)
-from .sampling import SamplingParams, coupled_choice, log_softmax, logits_to_probs, seed_key
+from .sampling import (SamplingParams, coupled_choice, greedy_argmax, log_softmax, logits_to_probs, seed_key,
+                       top_ids)
 from .text import TextStream
 
 log = logging.getLogger("localspec.engine")
@@ -172,10 +173,13 @@ class Engine:
 
     def _draft_model_proposer(self, *, p_min: float, cross_tokenizer: bool) -> Proposer:
         assert self.draft_model is not None and self.draft_ctx is not None
-        proposer = DraftModelProposer(self.draft_ctx, p_min=p_min)
         difference = first_difference(self.oracle_model, self.draft_model)
         if difference is not None and not cross_tokenizer:
             check_compatible(self.oracle_model, self.draft_model)  # raises, naming the difference
+        # a same-vocabulary draft drafts over the oracle's vocabulary (their sizes may differ a little);
+        # a cross-tokenizer one over its own
+        proposer = DraftModelProposer(self.draft_ctx, p_min=p_min,
+                                      n_vocab=self.oracle_model.n_vocab if difference is None else None)
         o, d = self.oracle_model, self.draft_model
         if d.size_bytes >= o.size_bytes or d.n_params > o.n_params:
             log.warning("the draft %s (%.0f MB, %.0fM params) is not smaller than the oracle %s (%.0f MB, %.0fM "
@@ -451,7 +455,7 @@ class Engine:
         """Accepted draft tokens + a recovered or bonus token. `position`: where the first verified
         token goes in the sequence (keys the noise of seeded sampling)."""
         if sampling.greedy:
-            return accept_greedy(draft.tokens, logits.argmax(axis=1))  # target argmax [k+1]
+            return accept_greedy(draft.tokens, greedy_argmax(logits))  # target argmax [k+1]
         target_probs = logits_to_probs(logits, sampling)  # [k+1, vocab]
         if sampling.coupled:
             picks = [coupled_choice(row, sampling.seed, position + i) for i, row in enumerate(target_probs)]
@@ -459,17 +463,17 @@ class Engine:
         return accept_draft(draft.tokens, draft.probs, target_probs, rng)
 
     def _logprobs(self, logits: np.ndarray, tokens: np.ndarray, top_n: int) -> list[TokenLogprob]:
-        """The oracle's own log-probabilities (raw model distribution) of `tokens` [n] from logits [n, vocab]."""
+        """The oracle's own log-probabilities (raw model distribution) of `tokens` [n] from logits
+        [n, vocab], with each token's real bytes; the top `top_n` most likely first, ties by token id."""
         logp = log_softmax(logits)  # [n, vocab]
         model = self.oracle_model
+
+        def text_and_bytes(token: int) -> tuple[str, bytes]:
+            piece = model.token_piece(token)
+            return piece.decode(errors="replace"), piece
+
         out = []
         for row, token in zip(logp, tokens.tolist()):
-            top: tuple[TopLogprob, ...] = ()
-            if top_n > 0:
-                idx = np.argpartition(-row, top_n)[:top_n]
-                idx = idx[np.argsort(-row[idx], kind="stable")]
-                top = tuple(TopLogprob(int(t), model.token_piece(int(t)).decode(errors="replace"), float(row[t]))
-                            for t in idx)
-            piece = model.token_piece(token)
-            out.append(TokenLogprob(token, piece.decode(errors="replace"), piece, float(row[token]), top))
+            top = tuple(TopLogprob(t, *text_and_bytes(t), float(row[t])) for t in top_ids(row, top_n).tolist())
+            out.append(TokenLogprob(token, *text_and_bytes(token), float(row[token]), top))
         return out

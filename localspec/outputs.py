@@ -73,14 +73,19 @@ class Stats:
 
 @dataclass(frozen=True)
 class TopLogprob:
+    """One of the oracle's most likely tokens at a position. `bytes` is the token's own bytes; `text`
+    decodes them alone (a token holding part of a UTF-8 character shows U+FFFD there)."""
+
     token: int
     text: str
+    bytes: bytes
     logprob: float
 
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """The oracle's log-probability of an emitted token (from the verify pass), and its top rivals."""
+    """The oracle's log-probability of an emitted token (from the verify pass), and its top rivals
+    (most likely first; equal log-probabilities in token id order). `bytes` and `text` as in TopLogprob."""
 
     token: int
     text: str

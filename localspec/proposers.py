@@ -13,13 +13,16 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from .llama import ContextFullError, LlamaContext
-from .sampling import SamplingParams, coupled_choice, logits_to_probs, sample
+from .sampling import SamplingParams, coupled_choice, greedy_argmax, logits_to_probs, sample
 
 
 @dataclass(frozen=True)
 class Draft:
+    """Draft tokens in the oracle's vocabulary, and the distributions over the oracle's vocabulary
+    they were drawn from (the verifier compares them with the oracle's own, id for id)."""
+
     tokens: np.ndarray  # [k] int32
-    probs: np.ndarray | None  # [k, vocab] the distributions the tokens were drawn from; None: point masses
+    probs: np.ndarray | None  # [k, oracle vocab] the distributions the tokens were drawn from; None: point masses
     evaluated: int = 0  # tokens a draft model evaluated to propose these (its catch-up included)
 
     def __len__(self) -> int:
@@ -50,12 +53,24 @@ class DraftModelProposer:
     so the acceptance test uses exactly the probabilities the token was drawn from.
 
     `p_min`: stop drafting once the draft's own top probability falls below it (0 disables).
+
+    `n_vocab`: the oracle's vocabulary size (default: the draft's own). A same-family draft may have
+    a few more or fewer tokens than its oracle (llama.cpp allows 128 either way; Qwen2.5-0.5B has 151936
+    against Qwen2.5-7B's 152064), the shared ids meaning the same text. Each row of the draft's logits is
+    brought to the oracle's size before the draft picks, in every mode: ids the oracle does not have
+    are cut off (masked: the draft never proposes them, and its distribution is renormalised over the
+    rest), ids the draft does not have get logit -inf (probability 0). Drafted tokens, `Draft.probs`
+    and the seeded noise are then all over the oracle's vocabulary. The oracle may emit an id the
+    smaller draft lacks (llama_decode would refuse it): the draft reads the text as if it were not
+    there.
     """
 
-    def __init__(self, ctx: LlamaContext, *, p_min: float = 0.0, max_catch_up: int = 16) -> None:
+    def __init__(self, ctx: LlamaContext, *, p_min: float = 0.0, max_catch_up: int = 16,
+                 n_vocab: int | None = None) -> None:
         self.ctx = ctx
         self.p_min = p_min
         self.max_catch_up = max_catch_up
+        self.n_vocab = ctx.n_vocab if n_vocab is None else n_vocab
         # the draft's cache holds history[:keep] + history[start:]: all of it (keep == start), or after
         # a long pause in drafting, the start it still held and the recent text, with a gap between
         self.keep = self.gap_start = 0
@@ -71,13 +86,18 @@ class DraftModelProposer:
         of them would cost more than a probe is worth: the draft keeps the start of the text it
         already holds (the prompt says what the text is about) and evaluates only the latest
         `max_catch_up` tokens after it, as if the text in between were not there."""
-        view = list(history[:self.keep]) + list(history[self.gap_start:])
+        view = self._readable(list(history[:self.keep]) + list(history[self.gap_start:]))
         if self.catch_up or len(view) - self.ctx.common_prefix(view) <= self.max_catch_up:
             self.catch_up = False
             return view
         self.keep = self.ctx.common_prefix(history)
         self.gap_start = max(self.keep, len(history) - self.max_catch_up)
-        return list(history[:self.keep]) + list(history[self.gap_start:])
+        return self._readable(list(history[:self.keep]) + list(history[self.gap_start:]))
+
+    def _readable(self, tokens: list[int]) -> list[int]:
+        """`tokens` without the ids the draft's vocabulary lacks (none unless it is the smaller one)."""
+        n_draft = self.ctx.n_vocab
+        return tokens if n_draft >= self.n_vocab else [t for t in tokens if t < n_draft]
 
     def propose(self, history: Sequence[int], max_len: int, sampling: SamplingParams,
                 rng: np.random.Generator) -> Draft:
@@ -95,7 +115,7 @@ class DraftModelProposer:
         probs: list[np.ndarray] = []
         while True:
             position = len(history) + len(tokens)
-            token, confident = self._pick(logits[0], sampling, rng, probs, position)
+            token, confident = self._pick(self._in_oracle_vocab(logits[0]), sampling, rng, probs, position)
             tokens.append(token)
             if len(tokens) == max_len or not confident or self.ctx.model.is_eog(token):
                 break  # nothing worth drafting past the end of the generation
@@ -104,11 +124,20 @@ class DraftModelProposer:
             evaluated += 1
         return Draft(np.asarray(tokens, dtype=np.int32), np.stack(probs) if probs else None, evaluated)
 
+    def _in_oracle_vocab(self, row: np.ndarray) -> np.ndarray:
+        """The draft's logits [draft vocab] as logits over the oracle's vocabulary [n_vocab]."""
+        n_draft = row.shape[-1]
+        if n_draft >= self.n_vocab:
+            return row[:self.n_vocab]  # a view; the ids the oracle lacks are masked by leaving them out
+        padded = np.full(self.n_vocab, -np.inf, dtype=row.dtype)  # [n_vocab]
+        padded[:n_draft] = row
+        return padded
+
     def _pick(self, row: np.ndarray, sampling: SamplingParams, rng: np.random.Generator,
               probs: list[np.ndarray], position: int) -> tuple[int, bool]:
-        """Choose the next draft token from logits `row` [vocab]; say whether to keep drafting."""
+        """Choose the next draft token from logits `row` [oracle vocab]; say whether to keep drafting."""
         if sampling.greedy:
-            token = int(row.argmax())
+            token = int(greedy_argmax(row))
             if self.p_min <= 0:
                 return token, True
             top = 1.0 / np.exp(row.astype(np.float64) - row[token]).sum()  # softmax at the argmax

@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import math
 import numbers
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 
@@ -81,7 +82,8 @@ class SamplingParams:
     @property
     def coupled(self) -> bool:
         """Seeded sampling: each position's token is drawn with noise keyed by (seed, position)
-        (see `coupled_choice`), so the output depends on the seed alone, not on the draft length."""
+        (see `coupled_choice`), so the output depends on the seed alone, not on the draft length
+        (up to near-ties in llama.cpp's batch-size-dependent logits, as with greedy)."""
         return not self.greedy and self.seed is not None
 
 
@@ -95,6 +97,17 @@ def _as_rows(logits: np.ndarray) -> np.ndarray:
 def _check_finite_max(m: np.ndarray) -> None:
     if not np.all(np.isfinite(m)):
         raise ValueError("every row of logits needs a finite maximum (got a row that is all -inf, or has +inf/NaN)")
+
+
+def greedy_argmax(logits: np.ndarray) -> np.ndarray:
+    """The greedy token of each row: logits [n, vocab] -> [n] int (or [vocab] -> a 0-d array),
+    the first maximal id on ties. Raises the sampled paths' ValueError for a row without a finite
+    maximum: numpy's argmax returns the index of the first NaN, so a NaN anywhere in a row shows
+    up at its argmax, as do +inf and an all -inf row. O(vocab), one check per row."""
+    x = _as_rows(logits)  # [n, vocab]
+    best = np.argmax(x, axis=1)  # [n]
+    _check_finite_max(x[np.arange(x.shape[0]), best])
+    return best.reshape(np.shape(logits)[:-1])
 
 
 def _top_k_ids(x: np.ndarray, k: int) -> np.ndarray:
@@ -112,6 +125,16 @@ def _top_k_ids(x: np.ndarray, k: int) -> np.ndarray:
         tied = ids[x[ids] == kth][: k - above.size]
         ids = np.sort(np.concatenate((above, tied)))
     return ids
+
+
+def top_ids(values: np.ndarray, n: int) -> np.ndarray:
+    """Ids of the n largest entries of values [vocab], largest first, in a stable order: among
+    equal values the lower id makes the cut and comes first. O(vocab + n log n)."""
+    n = min(n, values.size)
+    if n <= 0:
+        return np.zeros(0, dtype=np.intp)
+    ids = _top_k_ids(values, n)  # [n] ascending
+    return ids[np.argsort(-values[ids], kind="stable")]
 
 
 def _nucleus(p: np.ndarray, top_p: float | None, min_p: float | None) -> np.ndarray:
@@ -197,11 +220,8 @@ def logits_to_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     x = _as_rows(logits)  # [n, vocab]
     n, vocab = x.shape
     if params.greedy:
-        rows = np.arange(n)
-        best = np.argmax(x, axis=1)  # [n], first maximal id on ties
-        _check_finite_max(x[rows, best])
         out = np.zeros((n, vocab), dtype=np.float64)
-        out[rows, best] = 1.0
+        out[np.arange(n), greedy_argmax(x)] = 1.0
         return out.reshape(shape)
 
     temperature = float(params.temperature)
@@ -312,8 +332,10 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 # seed and that position's distribution only. The draft picks its token with the same noise, and the
 # verifier accepts it iff the oracle's own Gumbel-max pick is the same token, exactly like greedy
 # verification: the output is an exact sample from the oracle, identical for any draft, any draft
-# length, or none at all. (Unseeded sampling uses speculative sampling in acceptance.py, which
-# accepts more often but ties the output to the draft's choices.)
+# length, or none at all, given the same logits. (llama.cpp's logits vary very slightly with the size
+# of the batch that computed them, so on a near-tie of two noisy scores another draft length can
+# rarely pick the other token, as greedy can; see the README.) (Unseeded sampling uses speculative
+# sampling in acceptance.py, which accepts more often but ties the output to the draft's choices.)
 
 
 def seed_key(seed: int) -> int:
@@ -321,11 +343,35 @@ def seed_key(seed: int) -> int:
     return seed & 0xFFFFFFFFFFFFFFFF
 
 
-@lru_cache(maxsize=256)
+# Noise rows are regenerated on demand (a row is a pure function of seed, position and vocabulary, so
+# what the cache keeps never changes an output) and the most recent ones are kept, up to this many
+# bytes: each position is used twice in a step (the draft's pick, then the oracle's), and a rejected
+# position's row comes back in the next step. 32 MiB holds 27 rows at 152k tokens (a 16-token step
+# needs 17), 85 at SmolLM2's 49k; the cache used to hold 256 rows whatever their size (~311 MB at 152k).
+NOISE_CACHE_BYTES = 32 * 2**20
+
+_noise_rows: OrderedDict[tuple[int, int, int], np.ndarray] = OrderedDict()  # least recently used first
+_noise_bytes = 0
+_noise_lock = threading.Lock()
+
+
 def gumbel_noise(seed: int, position: int, vocab: int) -> np.ndarray:
     """[vocab] standard Gumbel noise for one position of one seeded generation (read-only)."""
-    noise = np.random.default_rng((seed_key(seed), position)).gumbel(size=vocab)
+    global _noise_bytes
+    key = (seed, position, vocab)
+    with _noise_lock:
+        noise = _noise_rows.get(key)
+        if noise is not None:
+            _noise_rows.move_to_end(key)
+            return noise
+    noise = np.random.default_rng((seed_key(seed), position)).gumbel(size=vocab)  # [vocab] float64
     noise.flags.writeable = False
+    with _noise_lock:
+        if key not in _noise_rows and noise.nbytes <= NOISE_CACHE_BYTES:
+            _noise_rows[key] = noise
+            _noise_bytes += noise.nbytes
+            while _noise_bytes > NOISE_CACHE_BYTES:
+                _noise_bytes -= _noise_rows.popitem(last=False)[1].nbytes
     return noise
 
 

@@ -1,6 +1,18 @@
-"""Test doubles for the pure-numpy maths."""
+"""Test doubles: a scripted random generator for the pure-numpy maths, and a scripted model and
+context that stand in for llama.cpp's (`Engine.from_parts` runs the real step loop over them).
+
+A scripted model is a small vocabulary of byte pieces with a greedy longest-match tokenizer. A
+scripted context's logits are a deterministic function of the token history (`hashed_logits`: a
+generator seeded by a hash of the prefix), so an oracle's and a draft's distributions differ but are
+known exactly, and the exact distribution of what the oracle alone would emit can be enumerated.
+"""
 
 from __future__ import annotations
+
+import zlib
+from typing import Callable, Sequence
+
+import numpy as np
 
 
 class ScriptedRng:
@@ -13,3 +25,215 @@ class ScriptedRng:
     def random(self) -> float:
         self.calls += 1
         return self.us.pop(0)
+
+
+# ---------------------------------------------------------------- scripted models and contexts
+
+BOS, EOS = 0, 1
+BOS_TEXT, EOS_TEXT = b"<s>", b"</s>"
+
+# 40 tokens: BOS, EOS, a-z, three punctuation pieces, the two halves of "\u00e9" and the second half
+# of "\u00e8" (pieces that hold part of a UTF-8 character), and six common pairs
+BASE_PIECES = ([BOS_TEXT, EOS_TEXT] + [bytes([c]) for c in range(ord("a"), ord("z") + 1)]
+               + [b" ", b".", b","] + [b"\xc3", b"\xa9", b"\xa8"] + [b"th", b"he", b"in", b"er", b"an", b"re"])
+EXTRA_PIECES = [b"on", b"at", b"en", b"nd", b"es", b"or", b"ti", b"te"]
+# another tokenizer over the same text: whole "\u00e9" and "\u00e8", other pairs (a cross-tokenizer draft)
+PAIR_PIECES = ([BOS_TEXT, EOS_TEXT] + [bytes([c]) for c in range(ord("a"), ord("z") + 1)]
+               + [b" ", b".", b","] + ["\u00e9".encode(), "\u00e8".encode()]
+               + [b"t ", b" t", b"e ", b"s ", b" a", b"ca", b"at", b"th", b"it", b"he", b"ou", b"st"])
+
+
+class ScriptedModel:
+    """A vocabulary of byte pieces: ids 0 and 1 are BOS and EOS (control tokens, rendered empty
+    unless special=True), the rest are text. The tokenizer takes the longest piece that matches."""
+
+    vocab_type = 2  # BPE, as far as compat.py is concerned
+    chat_template = None
+    add_bos = True
+    add_eos = False
+
+    def __init__(self, pieces: Sequence[bytes], *, name: str = "scripted") -> None:
+        assert pieces[BOS] == BOS_TEXT and pieces[EOS] == EOS_TEXT
+        self.pieces = list(pieces)
+        self.name = name
+        self.n_vocab = len(self.pieces)
+        self.bos, self.eos = BOS, EOS
+        self._longest = max(len(p) for p in self.pieces)
+        self._ids = {p: i for i, p in enumerate(self.pieces) if i not in (BOS, EOS)}
+        self._specials = {BOS_TEXT: BOS, EOS_TEXT: EOS}
+
+    @classmethod
+    def sized(cls, n_vocab: int, name: str | None = None) -> "ScriptedModel":
+        """The base vocabulary cut or extended to n_vocab tokens (the same token text for shared
+        ids, as a family of models whose vocabularies are padded differently)."""
+        pieces = (BASE_PIECES + EXTRA_PIECES)[:n_vocab]
+        assert len(pieces) == n_vocab
+        return cls(pieces, name=name or f"scripted-{n_vocab}")
+
+    def is_eog(self, token: int) -> bool:
+        return token == EOS
+
+    @property
+    def eog_mask(self) -> np.ndarray:
+        mask = np.zeros(self.n_vocab, dtype=bool)
+        mask[EOS] = True
+        return mask
+
+    def token_piece(self, token: int, *, special: bool = False) -> bytes:
+        if not 0 <= token < self.n_vocab:
+            raise ValueError(f"token {token} is not in {self.name}'s vocabulary of {self.n_vocab}")
+        if token in (BOS, EOS) and not special:
+            return b""
+        return self.pieces[token]
+
+    def token_text(self, token: int) -> bytes:
+        return self.pieces[token]
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        data = text.encode("utf-8")
+        out = [BOS] if add_special else []
+        i = 0
+        while i < len(data):
+            if parse_special:
+                special = next((s for s in self._specials if data.startswith(s, i)), None)
+                if special is not None:
+                    out.append(self._specials[special])
+                    i += len(special)
+                    continue
+            for n in range(min(self._longest, len(data) - i), 0, -1):
+                token = self._ids.get(data[i:i + n])
+                if token is not None:
+                    out.append(token)
+                    i += n
+                    break
+            else:
+                i += 1  # a byte no piece holds: dropped (a real tokenizer has byte fallbacks)
+        return out
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return b"".join(self.token_piece(t) for t in tokens).decode("utf-8", errors="replace")
+
+
+Logits = Callable[[tuple[int, ...]], np.ndarray]  # token history -> next-token logits [vocab]
+
+
+def hashed_logits(seed: int, n_vocab: int, *, scale: float = 2.0) -> Logits:
+    """Logits [n_vocab] drawn from a generator seeded by (seed, a hash of the history): a fixed,
+    known function of the history. Memoised (the same prefixes come back on every request)."""
+    memo: dict[tuple[int, ...], np.ndarray] = {}
+
+    def logits(history: tuple[int, ...]) -> np.ndarray:
+        row = memo.get(history)
+        if row is None:
+            key = zlib.crc32(np.asarray(history, dtype=np.int64).tobytes())
+            row = (np.random.default_rng([seed, key]).standard_normal(n_vocab) * scale).astype(np.float32)
+            row.flags.writeable = False
+            memo[history] = row
+        return row
+
+    return logits
+
+
+def related_logits(oracle: Logits, n_oracle: int, seed: int, n_vocab: int, *, weight: float = 0.6,
+                   scale: float = 2.0, extra_bias: float = 2.0) -> Logits:
+    """A draft's logits over n_vocab tokens that share ids with an oracle of n_oracle tokens:
+    weight * the oracle's (cut to n_vocab) + (1 - weight) * its own hashed noise. Ids the oracle does
+    not have get the noise plus `extra_bias` (likely enough that a draft would pick them)."""
+    noise = hashed_logits(seed, n_vocab, scale=scale)
+    memo: dict[tuple[int, ...], np.ndarray] = {}
+
+    def logits(history: tuple[int, ...]) -> np.ndarray:
+        row = memo.get(history)
+        if row is None:
+            row = (1 - weight) * noise(history)  # [n_vocab]
+            shared = min(n_vocab, n_oracle)
+            row[:shared] += weight * oracle(history)[:shared]
+            row[shared:] += extra_bias
+            row = row.astype(np.float32)
+            row.flags.writeable = False
+            memo[history] = row
+        return row
+
+    return logits
+
+
+def copying(logits: Logits, *, bonus: float = 3.0) -> Logits:
+    """`logits` plus `bonus` on the token that followed the latest earlier occurrence of the history's
+    last token: a model that likes to repeat what it has read (as prompt lookup guesses it will)."""
+    memo: dict[tuple[int, ...], np.ndarray] = {}
+
+    def at(history: tuple[int, ...]) -> np.ndarray:
+        row = memo.get(history)
+        if row is None:
+            row = logits(history).copy()
+            for i in range(len(history) - 2, -1, -1):
+                if history[i] == history[-1]:
+                    row[history[i + 1]] += bonus
+                    break
+            row.flags.writeable = False
+            memo[history] = row
+        return row
+
+    return at
+
+
+class ScriptedContext:
+    """LlamaContext's interface over a scripted model: `tokens` is exactly what the "cache" holds;
+    the logits at each position are `logits(history up to and including that token)`. Like
+    llama.cpp, a token id outside the vocabulary is an error (llama_decode refuses the batch)."""
+
+    flash_attn = "off"  # no attention kernel to choose
+
+    def __init__(self, model: ScriptedModel, logits: Logits, *, n_ctx: int = 512) -> None:
+        self.model = model
+        self.n_ctx = n_ctx
+        self.n_vocab = model.n_vocab
+        self.logits = logits
+        self.tokens: list[int] = []
+        self.n_decoded = 0  # tokens evaluated over the context's life
+
+    @property
+    def n_past(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def n_free(self) -> int:
+        return self.n_ctx - len(self.tokens)
+
+    def rollback(self, n_past: int) -> None:
+        del self.tokens[n_past:]
+
+    def reset(self) -> None:
+        self.tokens.clear()
+
+    def common_prefix(self, tokens: Sequence[int]) -> int:
+        n = 0
+        for a, b in zip(self.tokens, tokens):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    def decode(self, tokens: Sequence[int], *, n_logits: int = 1) -> np.ndarray:
+        tokens = [int(t) for t in tokens]
+        bad = [t for t in tokens if not 0 <= t < self.n_vocab]
+        if bad:
+            raise ValueError(f"invalid token {bad[0]} for {self.model.name} (vocabulary of {self.n_vocab})")
+        if len(self.tokens) + len(tokens) > self.n_ctx:
+            from localspec.llama import ContextFullError
+
+            raise ContextFullError(f"context full: {len(self.tokens)} + {len(tokens)} tokens > n_ctx {self.n_ctx}")
+        start = len(self.tokens)
+        self.tokens.extend(tokens)
+        self.n_decoded += len(tokens)
+        n_logits = min(n_logits, len(tokens))
+        rows = [self.logits(tuple(self.tokens[:start + i + 1])) for i in range(len(tokens) - n_logits, len(tokens))]
+        out = np.stack(rows) if rows else np.zeros((0, self.n_vocab), dtype=np.float32)  # [n_logits, vocab]
+        out.flags.writeable = False
+        return out
+
+    def sync(self, tokens: Sequence[int], *, n_logits: int = 1) -> tuple[np.ndarray, int]:
+        n_keep = min(self.common_prefix(tokens), len(tokens) - n_logits)
+        self.rollback(n_keep)
+        todo = list(tokens[n_keep:])
+        return self.decode(todo, n_logits=n_logits), len(todo)

@@ -40,6 +40,12 @@ def test_tokens_below_5_are_not_compared():
     assert first_difference(FakeVocab(), FakeVocab(overrides={3: b"<pad>"})) is None
 
 
+def test_error_points_to_cross_tokenizer():
+    with pytest.raises(IncompatibleModels, match=r"vocabulary types differ.*Pick a draft from the oracle's model "
+                                                 r"family.*--cross-tokenizer \(cross_tokenizer=True"):
+        check_compatible(FakeVocab(name="gemma"), FakeVocab(name="smol", vocab_type=1))
+
+
 def test_error_names_both_models():
     with pytest.raises(IncompatibleModels, match=r"draft 'small' cannot draft for oracle 'big': token 9"):
         check_compatible(FakeVocab(name="big"), FakeVocab(name="small", overrides={9: b"?"}))

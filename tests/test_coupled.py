@@ -6,7 +6,8 @@ import pytest
 from localspec.acceptance import accept_greedy
 from localspec.engine import Engine
 from localspec.proposers import Draft
-from localspec.sampling import SamplingParams, coupled_choice, gumbel_noise, logits_to_probs
+from localspec.sampling import (NOISE_CACHE_BYTES, SamplingParams, coupled_choice, gumbel_noise, logits_to_probs,
+                                seed_key)
 
 
 def tv(counts, probs):
@@ -93,3 +94,31 @@ def test_coupled_sequences_follow_the_oracles_distribution():
 def test_accept_greedy_on_the_oracles_picks_is_what_coupled_uses():
     out, n = accept_greedy(np.array([3, 4]), np.array([3, 1, 2]))
     assert out.tolist() == [3, 1] and n == 1
+
+
+def test_noise_is_the_documented_draw_whatever_the_cache_holds():
+    """The noise is a function of (seed, position, vocab) alone: a row regenerated after it left the
+    cache is the same row, so seeded output does not depend on what the cache kept."""
+    first = gumbel_noise(-3, 11, 1000).copy()
+    for position in range(400):  # more rows than any cache keeps
+        gumbel_noise(-3, 1000 + position, 1000)
+    again = gumbel_noise(-3, 11, 1000)
+    np.testing.assert_array_equal(first, again)
+    np.testing.assert_array_equal(again, np.random.default_rng((seed_key(-3), 11)).gumbel(size=1000))
+
+
+def test_noise_cache_is_bounded_by_bytes():
+    """A seeded generation at Qwen2.5-7B's vocabulary (152064 tokens, 1.2 MB of float64 noise per
+    position) keeps a bounded amount of noise alive (the cache used to hold 256 rows, ~311 MB)."""
+    import tracemalloc
+
+    vocab = 152064
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for position in range(80):  # 97 MB of noise rows in all
+            gumbel_noise(5, position, vocab)
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held <= NOISE_CACHE_BYTES + 2 * vocab * 8

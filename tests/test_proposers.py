@@ -1,10 +1,11 @@
-"""Proposer logic on plain token arrays (no model)."""
+"""Proposer logic on plain token arrays and scripted draft contexts (no model)."""
 
 import numpy as np
 import pytest
 
-from localspec.proposers import EMPTY_DRAFT, Draft, HybridProposer, PromptLookupProposer
-from localspec.sampling import SamplingParams
+from localspec.proposers import EMPTY_DRAFT, Draft, DraftModelProposer, HybridProposer, PromptLookupProposer
+from localspec.sampling import SamplingParams, logits_to_probs
+from scripted import ScriptedContext, ScriptedModel, hashed_logits, related_logits
 
 GREEDY = SamplingParams()
 
@@ -86,3 +87,45 @@ def test_hybrid_uses_lookup_when_it_matches_and_the_model_otherwise():
 
 def test_empty_draft_constant():
     assert len(EMPTY_DRAFT) == 0 and EMPTY_DRAFT.probs is None
+
+
+# --- a draft model whose vocabulary size differs from the oracle's -------------------------------
+
+
+def oracle_sized(row: np.ndarray, n_oracle: int) -> np.ndarray:
+    """The reference: a draft's logits row cut to the oracle's size, or padded with -inf."""
+    out = np.full(n_oracle, -np.inf, dtype=row.dtype)
+    n = min(row.size, n_oracle)
+    out[:n] = row[:n]
+    return out
+
+
+@pytest.mark.parametrize("n_draft", [36, 40, 44])
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, seed=4),
+                                      SamplingParams(temperature=0.8, top_k=5)], ids=["greedy", "sampled", "seeded", "top-k"])
+def test_draft_model_drafts_over_the_oracles_vocabulary(n_draft, sampling):
+    """Ids the oracle lacks (44 > 40) are masked before the draft picks; ids the draft lacks (36 < 40)
+    get probability 0; the draft's distributions are over the oracle's 40 ids, in every mode."""
+    n_oracle = 40
+    model = ScriptedModel.sized(n_draft)
+    logits = related_logits(hashed_logits(1, n_oracle), n_oracle, 2, n_draft, extra_bias=3.0)  # extra ids likely
+    ctx = ScriptedContext(model, logits)
+    proposer = DraftModelProposer(ctx, n_vocab=n_oracle)
+    history = model.tokenize("the")
+    picked_extra = False
+    for seed in range(20):
+        ctx.reset()
+        draft = proposer.propose(history, 4, sampling, np.random.default_rng(seed))
+        tokens = draft.tokens.tolist()
+        k = len(tokens)  # 4, or fewer when the draft proposed its EOS
+        assert (k == 4 or tokens[-1] == model.eos) and max(tokens) < n_oracle
+        rows = [oracle_sized(logits(tuple(history + tokens[:i])), n_oracle) for i in range(k)]  # [k] x [40]
+        if sampling.greedy:
+            assert tokens == [int(np.argmax(r)) for r in rows] and draft.probs is None
+        elif sampling.coupled:
+            assert draft.probs is None  # the oracle checks its own seeded pick
+        else:
+            assert draft.probs.shape == (k, n_oracle)
+            np.testing.assert_allclose(draft.probs, np.stack([logits_to_probs(r, sampling) for r in rows]), rtol=1e-6)
+        picked_extra |= any(int(np.argmax(logits(tuple(history + tokens[:i])))) >= n_oracle for i in range(k))
+    assert picked_extra == (n_draft > n_oracle)  # unmasked, the larger draft would have proposed them

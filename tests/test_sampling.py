@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from localspec.sampling import SamplingParams, log_softmax, logits_to_probs, sample
+from localspec.sampling import SamplingParams, greedy_argmax, log_softmax, logits_to_probs, sample, top_ids
 from scripted import ScriptedRng
 
 
@@ -132,6 +132,19 @@ def test_rows_without_a_finite_max_raise(params, bad):
     x = np.array([[0.0, 1.0, 2.0], bad], dtype=np.float32)
     with pytest.raises(ValueError, match="finite"):
         logits_to_probs(x, params)
+
+
+@pytest.mark.parametrize("bad", [[-np.inf, -np.inf, -np.inf], [0.0, np.nan, 1.0], [np.nan, 0.0, 5.0],
+                                 [0.0, np.inf, 1.0]])
+def test_greedy_argmax_raises_like_the_sampled_paths(bad):
+    """numpy's argmax returns a NaN's index: greedy must not emit it (nor +inf's, nor an all -inf row's)."""
+    x = np.array([[0.0, 1.0, 2.0], bad], dtype=np.float32)
+    with pytest.raises(ValueError, match="finite maximum"):
+        greedy_argmax(x)
+    with pytest.raises(ValueError, match="finite maximum"):
+        greedy_argmax(x[1])
+    assert greedy_argmax(np.array([[1.0, 3.0, 3.0], [-np.inf, 0.0, -1.0]])).tolist() == [1, 1]
+    assert int(greedy_argmax(np.array([0.0, 2.0, 1.0]))) == 1
 
 
 # --- top-k -------------------------------------------------------------------------------------
@@ -397,3 +410,13 @@ def test_log_softmax_raw_logprobs():
     np.testing.assert_allclose(log_softmax(x[2]), got[2], atol=1e-12)
     with pytest.raises(ValueError):
         log_softmax(np.full(4, -np.inf, dtype=np.float32))
+
+
+def test_top_ids_are_largest_first_and_ties_in_id_order():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        row = np.where(rng.random(60) < 0.3, 0.0, rng.integers(-3, 0, 60)).astype(np.float64)  # many ties
+        for n in (1, 5, 17, 60, 80):
+            order = sorted(range(row.size), key=lambda t: (-row[t], t))[:n]  # value descending, then id
+            assert top_ids(row, n).tolist() == order
+    assert top_ids(np.array([0.0, 1.0]), 0).size == 0

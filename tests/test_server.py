@@ -547,3 +547,67 @@ def test_stats_usage_shape():
     assert u.model_dump() == {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15,
                               "prompt_tokens_details": {"cached_tokens": 6}, "drafted": 8, "accepted": 6,
                               "acceptance_rate": 0.75}
+
+
+# ---------------------------------------------------------------- logprobs over a scripted engine
+
+
+@pytest.fixture(scope="module")
+def scripted_server():
+    """The server over the real engine on a scripted oracle (tests/scripted.py) whose vocabulary splits
+    "\u00e9" and "\u00e8" into byte tokens, and which repeats its prompt; prompt lookup drafts, so one
+    step (one streamed chunk) holds several tokens."""
+    from localspec.engine import Engine
+    from localspec.policy import FixedLength
+    from localspec.proposers import PromptLookupProposer
+    from scripted import ScriptedContext, ScriptedModel, copying, hashed_logits
+
+    model = ScriptedModel.sized(40)
+    oracle = ScriptedContext(model, copying(hashed_logits(1, 40), bonus=8.0))
+    engine = Engine.from_parts(oracle=oracle, proposer=PromptLookupProposer(), policy=FixedLength(3))
+    s = ThreadedServer(create_app(engine, model_name="scripted"))
+    yield s.url, model
+    s.stop()
+
+
+SPLIT = "caf\u00e9 \u00e8. caf\u00e9 \u00e8. "  # "\u00e9" is two tokens, b"\xc3" b"\xa9"
+
+
+def test_logprob_bytes_are_each_tokens_own(scripted_server):
+    url, model = scripted_server
+    r = httpx.post(url + "/v1/chat/completions", timeout=30, json={
+        "messages": chat(SPLIT), "max_tokens": 16, "temperature": 0, "logprobs": True, "top_logprobs": 5})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert bytes(b for t in content for b in t["bytes"]).decode(errors="replace") == choice["message"]["content"]
+    pieces = {model.token_piece(t) for t in range(model.n_vocab)}  # control tokens render empty
+    entries = content + [top for t in content for top in t["top_logprobs"]]
+    assert all(bytes(e["bytes"]) in pieces and bytes(e["bytes"]).decode(errors="replace") == e["token"]
+               for e in entries)
+    assert any(bytes(e["bytes"]) in (b"\xc3", b"\xa9", b"\xa8") for e in entries)  # never EF BF BD
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_text_offsets_count_characters_of_the_returned_text(scripted_server, stream):
+    url, _ = scripted_server
+    body = {"prompt": SPLIT, "max_tokens": 20, "temperature": 0, "logprobs": 2, "stream": stream}
+    if stream:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+            events = [e for e in sse_events(r) if e != "[DONE]"]
+        text = "".join(e["choices"][0]["text"] for e in events)
+        lps = [e["choices"][0]["logprobs"] for e in events if e["choices"][0]["logprobs"]]
+        offsets = [o for lp in lps for o in lp["text_offset"]]
+        tokens = [t for lp in lps for t in lp["tokens"]]
+    else:
+        r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+        choice = r.json()["choices"][0]
+        text, offsets, tokens = choice["text"], choice["logprobs"]["text_offset"], choice["logprobs"]["tokens"]
+    full = SPLIT + text
+    assert "\u00e8" in text and "\ufffd" in tokens  # tokens holding part of a character were emitted
+    assert offsets[0] == len(SPLIT) and offsets == sorted(offsets)
+    for offset, token in zip(offsets, tokens):
+        if token == "\ufffd":  # part of a character: it starts where that character does
+            assert full[offset] in "\u00e9\u00e8"
+        else:
+            assert full[offset:offset + len(token)] == token

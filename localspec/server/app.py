@@ -4,6 +4,7 @@ worker, plus /health, /metrics and the OpenAPI docs (/docs, /openapi.json)."""
 from __future__ import annotations
 
 import asyncio
+import codecs
 import hmac
 import json
 import logging
@@ -202,22 +203,35 @@ def _lp(x: float) -> float:
 
 
 def _chat_logprobs(logprobs: list[TokenLogprob]) -> S.ChoiceLogprobs:
+    """Each token's real bytes (a token may hold part of a UTF-8 character), its rivals' too."""
     return S.ChoiceLogprobs(content=[
         S.LogprobEntry(token=lp.text, logprob=_lp(lp.logprob), bytes=list(lp.bytes),
-                       top_logprobs=[S.TopLogprobEntry(token=t.text, logprob=_lp(t.logprob),
-                                                       bytes=list(t.text.encode())) for t in lp.top])
+                       top_logprobs=[S.TopLogprobEntry(token=t.text, logprob=_lp(t.logprob), bytes=list(t.bytes))
+                                     for t in lp.top])
         for lp in logprobs])
 
 
-def _completion_logprobs(logprobs: list[TokenLogprob], offset: int, top_n: int) -> S.CompletionLogprobs:
-    offsets = []
-    for lp in logprobs:
-        offsets.append(offset)
-        offset += len(lp.text)
+class _TextOffsets:
+    """Where each token starts in the returned text, in characters: the tokens' bytes go through the
+    same incremental UTF-8 decoder (errors replaced) that made the text, so a token holding part of a
+    character counts no character of its own, and starts where that character does. Carried across
+    the chunks of a stream."""
+
+    def __init__(self, start: int) -> None:
+        self.offset = start
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def advance(self, piece: bytes) -> int:
+        at = self.offset
+        self.offset += len(self._decoder.decode(piece))
+        return at
+
+
+def _completion_logprobs(logprobs: list[TokenLogprob], offsets: _TextOffsets, top_n: int) -> S.CompletionLogprobs:
     return S.CompletionLogprobs(
         tokens=[lp.text for lp in logprobs], token_logprobs=[_lp(lp.logprob) for lp in logprobs],
         top_logprobs=[{t.text: _lp(t.logprob) for t in lp.top} for lp in logprobs] if top_n > 0 else None,
-        text_offset=offsets)
+        text_offset=[offsets.advance(lp.bytes) for lp in logprobs])
 
 
 def _sse(payload: str) -> str:
@@ -490,7 +504,7 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
             exclude = None if include_usage else {"usage"}
 
             async def sse() -> AsyncIterator[str]:
-                offset = len(prompt)
+                offsets = _TextOffsets(len(prompt))
                 text = [] if log_prompts else None
                 async for event in chunks(job, events, None):
                     if isinstance(event, Failed):
@@ -498,8 +512,7 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
                         break
                     lp = None
                     if event.logprobs is not None and body.logprobs is not None:
-                        lp = _completion_logprobs(event.logprobs, offset, top_n)
-                    offset += sum(len(t.text) for t in event.logprobs or ())
+                        lp = _completion_logprobs(event.logprobs, offsets, top_n)
                     if text is not None:
                         text.append(event.text)
                     if event.text or lp or event.finish_reason:
@@ -517,7 +530,7 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
             return Response(status_code=499)
         text, logprobs, final = collected
         log_done(rid, "completion", job, text)
-        lp = _completion_logprobs(logprobs, len(prompt), top_n) if body.logprobs is not None else None
+        lp = _completion_logprobs(logprobs, _TextOffsets(len(prompt)), top_n) if body.logprobs is not None else None
         resp = completion(text, final.finish_reason, lp, usage=_usage(final.stats))
         return JSONResponse(resp.model_dump(mode="json"))
 

@@ -211,7 +211,8 @@ class Usage(BaseModel):
 class TopLogprobEntry(BaseModel):
     token: str
     logprob: float
-    bytes: list[int] | None = None
+    bytes: list[int] | None = Field(None, description="The token's own UTF-8 bytes (a token may hold part of a "
+                                                      "character, which `token` then shows as U+FFFD).")
 
 
 class LogprobEntry(TopLogprobEntry):
@@ -278,7 +279,8 @@ class CompletionLogprobs(BaseModel):
     tokens: list[str]
     token_logprobs: list[float]
     top_logprobs: list[dict[str, float]] | None = None
-    text_offset: list[int]
+    text_offset: list[int] = Field(description="Where each token starts in the prompt + completion text, in "
+                                               "characters (a token holding part of a character starts where it does).")
 
 
 class CompletionChoice(BaseModel):

@@ -1,0 +1,315 @@
+"""The engine's real step loop over scripted contexts (tests/scripted.py): exactness where the draft's
+vocabulary differs from the oracle's, non-finite logits, logprobs, and the distribution of what is
+sampled against the oracle alone's."""
+
+from __future__ import annotations
+
+import math
+from statistics import NormalDist
+
+import numpy as np
+import pytest
+
+from localspec.engine import Engine, Request
+from localspec.policy import FixedLength
+from localspec.proposers import CrossTokenizerProposer, DraftModelProposer, PromptLookupProposer
+from localspec.sampling import SamplingParams, logits_to_probs
+from scripted import EOS, PAIR_PIECES, ScriptedContext, ScriptedModel, copying, hashed_logits, related_logits
+
+ORACLE_VOCAB = 40
+
+
+def oracle_parts(n_vocab: int = ORACLE_VOCAB, seed: int = 1):
+    model = ScriptedModel.sized(n_vocab, "oracle")
+    return model, hashed_logits(seed, n_vocab)
+
+
+def draft_engine(n_draft: int = ORACLE_VOCAB, k: int = 3, *, oracle_logits=None, draft_logits=None) -> Engine:
+    """An oracle of ORACLE_VOCAB tokens and a draft model of n_draft tokens (same text for shared ids)
+    drafting k tokens per step, as Engine() builds a same-family pair."""
+    oracle_model, logits = oracle_parts()
+    oracle = ScriptedContext(oracle_model, oracle_logits or logits)
+    draft = ScriptedContext(ScriptedModel.sized(n_draft, "draft"),
+                            draft_logits or related_logits(logits, ORACLE_VOCAB, 2, n_draft))
+    proposer = DraftModelProposer(draft, n_vocab=ORACLE_VOCAB)
+    return Engine.from_parts(oracle=oracle, proposer=proposer, policy=FixedLength(k), draft=draft)
+
+
+@pytest.fixture
+def fixed_entropy(monkeypatch):
+    """An unseeded request draws its Generator from OS entropy; here the entropy comes from one fixed
+    SeedSequence, so the test is reproducible. The Generator is numpy's own, seeded requests unchanged."""
+    default_rng, entropy = np.random.default_rng, np.random.SeedSequence(13)
+    monkeypatch.setattr(np.random, "default_rng",
+                        lambda seed=None: default_rng(entropy.spawn(1)[0] if seed is None else seed))
+
+
+MODES = {"greedy": {}, "seeded": {"temperature": 1.0, "seed": 5}, "sampled": {"temperature": 1.0}}
+
+
+# --- non-finite logits -----------------------------------------------------------------------------
+
+
+def nan_after(logits, n: int):
+    """`logits`, but a row with a NaN once the history is n tokens long."""
+    def at(history):
+        row = logits(history)
+        if len(history) >= n:
+            row = row.copy()
+            row[7] = np.nan
+        return row
+    return at
+
+
+@pytest.mark.parametrize("options", [{}, {"temperature": 0.8}, {"temperature": 0.8, "seed": 1}],
+                         ids=["greedy", "sampled", "seeded"])
+@pytest.mark.parametrize("where", ["oracle", "draft", "oracle alone"])
+def test_nan_logits_raise_in_every_mode(options, where):
+    """A NaN logit is a broken model, whatever the mode: greedy raises the sampled paths' error
+    instead of emitting the NaN's index (numpy's argmax returns it)."""
+    _, logits = oracle_parts()
+    if where == "draft":
+        engine = draft_engine(draft_logits=nan_after(related_logits(logits, ORACLE_VOCAB, 2, ORACLE_VOCAB), 6))
+    else:
+        engine = draft_engine(k=0 if where == "oracle alone" else 3, oracle_logits=nan_after(logits, 6))
+    with pytest.raises(ValueError, match="finite maximum"):
+        engine.generate("the", max_tokens=12, **options)
+
+
+# --- a draft whose vocabulary size differs from the oracle's (Qwen2.5-0.5B: 151936, 7B: 152064) ---
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("n_draft", [36, 44])
+def test_a_draft_of_another_vocabulary_size_drafts_in_every_mode(n_draft, mode, fixed_entropy):
+    engine = draft_engine(n_draft)
+    accepted = 0
+    for _ in range(3):
+        r = engine.generate("the", max_tokens=40, **MODES[mode])
+        assert r.stats.drafted > 0 and all(t < ORACLE_VOCAB for t in r.tokens)
+        accepted += r.stats.accepted
+    assert accepted > 0
+
+
+def test_a_smaller_draft_reads_past_ids_it_does_not_have():
+    """The oracle may emit one of its ids the draft lacks (36..39 here): llama_decode would refuse it
+    on the draft, which drafts as if it were not in the text."""
+    engine = draft_engine(36)
+    history = engine.oracle_model.tokenize("the") + [38, 5, 39, 6]
+    proposer = engine.proposer
+    proposer.start(catch_up=True)
+    draft = proposer.propose(history, 3, SamplingParams(), np.random.default_rng(0))
+    readable = [t for t in history if t < 36]
+    assert len(draft) == 3 and proposer.ctx.tokens[:len(readable)] == readable
+
+
+@pytest.mark.parametrize("n_draft", [36, 44])
+def test_greedy_and_seeded_output_is_the_oracle_alones(n_draft):
+    engine, alone = draft_engine(n_draft), draft_engine(k=0)
+    for options in [{}, *({"temperature": 1.0, "seed": seed} for seed in range(6))]:
+        assert engine.generate("the", max_tokens=30, **options).tokens == \
+            alone.generate("the", max_tokens=30, **options).tokens
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_larger_draft_that_is_the_oracle_on_its_ids_is_always_accepted(mode):
+    """The draft's extra ids are masked before it picks, not rejected after: a draft whose logits are
+    the oracle's on the 40 shared ids (its 4 extra ids likelier than any) proposes exactly what the
+    oracle would, in every mode (seeded mode's noise over the oracle's 40 ids on both sides)."""
+    _, logits = oracle_parts()
+    engine = draft_engine(44, draft_logits=related_logits(logits, ORACLE_VOCAB, 2, 44, weight=1.0, extra_bias=10.0))
+    drafted = 0
+    for seed in range(5):
+        r = engine.generate("the", max_tokens=40, **{**MODES[mode], "seed": seed} if mode == "seeded" else MODES[mode])
+        assert r.stats.accepted == r.stats.drafted
+        drafted += r.stats.drafted
+    assert drafted > 20
+
+
+# --- the distribution of what is sampled, against the oracle alone's ----------------------------
+#
+# The oracle's logits are a known function of the history, so the exact distribution of its first
+# M tokens (alone, token by token) can be enumerated. The engine's real step loop, with a draft
+# model (same, smaller and larger vocabulary), prompt lookup or a cross-tokenizer draft drafting K
+# tokens per step (the first token comes from a plain oracle step; accepted, recovered and bonus
+# tokens all occur within the next three), must sample from exactly that distribution: a
+# chi-square test at a fixed seed.
+
+M, K = 4, 2
+# every token of the pattern has one follower, for the oracle's tokenizer ("c" "a" "t") and the
+# cross-tokenizer draft's ("ca" "t") alike: the copying oracle and the drafts agree often
+PROMPT = "bcat.dfg,bcat.dfg,"
+ALPHA = 1e-4  # the test's false-alarm rate (its seeds are fixed: it passes or fails for good)
+N_SAMPLES = 2000
+
+
+def first_tokens_distribution(logits, prompt: list[int], sampling: SamplingParams, m: int = M,
+                              floor: float = 5 / N_SAMPLES) -> dict[tuple[int, ...], float]:
+    """The exact probability of every outcome of the first m tokens sampled from the oracle alone:
+    m tokens, or fewer then EOS (the outcome ends with EOS; the engine stops there). Only outcomes
+    of probability at least `floor` (the chi-square test's smallest cell), so only prefixes as likely."""
+    out: dict[tuple[int, ...], float] = {}
+
+    def walk(seq: list[int], p: float) -> None:
+        probs = logits_to_probs(logits(tuple(prompt + seq)), sampling)  # [vocab]
+        for t in np.flatnonzero(probs * p >= floor).tolist():
+            q = p * probs[t]
+            if t == EOS or len(seq) + 1 == m:
+                out[tuple(seq + [t])] = q
+            else:
+                walk(seq + [t], q)
+
+    walk([], 1.0)
+    return out
+
+
+def outcome_probability(logits, prompt: list[int], sampling: SamplingParams, outcome: tuple[int, ...]) -> float:
+    p = 1.0
+    for i, t in enumerate(outcome):
+        p *= logits_to_probs(logits(tuple(prompt + list(outcome[:i]))), sampling)[t]
+    return p
+
+
+def chi_square(counts: dict, expected: dict[tuple, float], n: int) -> tuple[float, float]:
+    """Pearson's statistic over the outcomes expected at least 5 times, the rest pooled in one cell;
+    and its critical value at ALPHA (Wilson-Hilferty's approximation of the chi-square quantile)."""
+    cells = [o for o, p in expected.items() if n * p >= 5]
+    observed = [counts.get(o, 0) for o in cells]
+    means = [n * expected[o] for o in cells]
+    if n - sum(means) > 1e-6:
+        observed.append(n - sum(observed))
+        means.append(n - sum(means))
+    stat = sum((o - e) ** 2 / e for o, e in zip(observed, means))
+    df = len(means) - 1
+    z = NormalDist().inv_cdf(1 - ALPHA)
+    return stat, df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def sample_first_tokens(engine: Engine, prompt: list[int], sampling: SamplingParams, n: int) -> tuple[dict, int, int]:
+    """Outcome counts over n requests, and the draft tokens drafted and accepted in them."""
+    counts: dict[tuple[int, ...], int] = {}
+    request = Request(max_tokens=M, sampling=sampling)
+    drafted = accepted = 0
+    for _ in range(n):
+        tokens, chunk = [], None
+        for chunk in engine.stream_tokens(prompt, request):
+            tokens += chunk.tokens
+        outcome = tuple(tokens) + ((EOS,) if chunk.finish_reason == "stop" else ())
+        counts[outcome] = counts.get(outcome, 0) + 1
+        drafted += chunk.stats.drafted
+        accepted += chunk.stats.accepted
+    return counts, drafted, accepted
+
+
+def copying_oracle():
+    """The oracle, liking to repeat what it has read: prompt lookup's and a copying cross-tokenizer
+    draft's guesses are then accepted often enough to matter."""
+    model, logits = oracle_parts()
+    return model, copying(logits, bonus=5.0)
+
+
+def proposer_engine(kind: str) -> Engine:
+    """The copying oracle (40 tokens) with one kind of proposer, drafting K tokens per step."""
+    oracle_model, logits = copying_oracle()
+    if kind.startswith("draft"):
+        n_draft = int(kind.removeprefix("draft"))
+        return draft_engine(n_draft, K, oracle_logits=logits,
+                            draft_logits=related_logits(logits, ORACLE_VOCAB, 2, n_draft))
+    oracle = ScriptedContext(oracle_model, logits)
+    if kind == "lookup":
+        return Engine.from_parts(oracle=oracle, proposer=PromptLookupProposer(), policy=FixedLength(K))
+    assert kind == "cross-tokenizer"
+    pairs = ScriptedModel(PAIR_PIECES, name="pairs")  # another tokenizer: its own ids for the same text
+    draft = ScriptedContext(pairs, copying(hashed_logits(3, pairs.n_vocab), bonus=10.0))
+    proposer = CrossTokenizerProposer(DraftModelProposer(draft), oracle=oracle_model, draft=pairs)
+    return Engine.from_parts(oracle=oracle, proposer=proposer, policy=FixedLength(K), draft=draft)
+
+
+KINDS = ["draft40", "draft36", "draft44", "lookup", "cross-tokenizer"]
+
+
+T1 = SamplingParams(temperature=1.0)
+FILTERED = SamplingParams(temperature=0.7, top_k=8, top_p=0.9)
+
+
+@pytest.mark.parametrize("kind, sampling", [(kind, T1) for kind in KINDS]
+                         + [("draft44", FILTERED), ("cross-tokenizer", FILTERED)],
+                         ids=[f"{kind}-t1" for kind in KINDS] + ["draft44-filtered", "cross-tokenizer-filtered"])
+def test_sampled_first_tokens_follow_the_oracle_alones_distribution(kind, sampling, fixed_entropy):
+    engine = proposer_engine(kind)
+    logits = engine.oracle.logits
+    prompt = engine.oracle_model.tokenize(PROMPT)
+    expected = first_tokens_distribution(logits, prompt, sampling)
+    counts, drafted, accepted = sample_first_tokens(engine, prompt, sampling, N_SAMPLES)
+    for outcome in counts:  # nothing the oracle could not have sampled
+        assert outcome_probability(logits, prompt, sampling, outcome) > 0, outcome
+    stat, critical = chi_square(counts, expected, N_SAMPLES)
+    assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}"
+    assert 0.05 * drafted < accepted < 0.95 * drafted  # drafts were accepted and rejected: both paths ran
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_seeded_first_tokens_are_the_oracle_alones(kind):
+    """Seeded sampling: the same tokens as the oracle alone for every seed (across seeds, exact draws
+    from the oracle: test_coupled.py)."""
+    engine, alone = proposer_engine(kind), proposer_engine(kind)
+    alone.policy = FixedLength(0)
+    prompt = engine.oracle_model.tokenize(PROMPT)
+    for seed in range(50):
+        request = Request(max_tokens=8, sampling=SamplingParams(temperature=1.0, seed=seed))
+        spec = [t for c in engine.stream_tokens(prompt, request) for t in c.tokens]
+        assert spec == [t for c in alone.stream_tokens(prompt, request) for t in c.tokens]
+    assert engine.generate(PROMPT, max_tokens=30, temperature=1.0, seed=1).stats.drafted > 0
+
+
+def test_the_distribution_test_tells_the_draft_from_the_oracle():
+    """The chi-square test has the power to catch a step loop that leaked the draft's own
+    distribution into its output: far above the critical value at N_SAMPLES."""
+    sampling = SamplingParams(temperature=1.0)
+    engine = proposer_engine("draft40")
+    prompt = engine.oracle_model.tokenize(PROMPT)
+    expected = first_tokens_distribution(engine.oracle.logits, prompt, sampling)
+    drafts = first_tokens_distribution(engine.draft_ctx.logits, prompt, sampling)
+    mean_counts = {o: N_SAMPLES * p for o, p in drafts.items()}  # the draft alone's expected counts
+    noncentrality, critical = chi_square(mean_counts, expected, N_SAMPLES)
+    assert noncentrality > 3 * critical  # the statistic would be ~ df + noncentrality, sd ~ sqrt(2 (df + 2 nc))
+
+
+# --- logprobs: real bytes, stable order -----------------------------------------------------------
+
+
+def test_logprobs_carry_each_tokens_real_bytes():
+    """A token holding part of a UTF-8 character ("\u00e9" is two tokens here) reports its own bytes,
+    for the emitted token and its rivals alike (not the replacement character's EF BF BD)."""
+    model, logits = oracle_parts()
+    oracle = ScriptedContext(model, copying(logits, bonus=8.0))  # repeats the prompt's text
+    engine = Engine.from_parts(oracle=oracle, proposer=PromptLookupProposer(), policy=FixedLength(3))
+    r = engine.generate("caf\u00e9 \u00e8. caf\u00e9 \u00e8. ", max_tokens=24, logprobs=5)
+    assert "\u00e8" in r.text
+    partial = 0
+    for lp in r.logprobs:
+        partial += lp.bytes in (b"\xc3", b"\xa9", b"\xa8")
+        assert lp.bytes == model.token_piece(lp.token) and lp.text == lp.bytes.decode(errors="replace")
+        assert len(lp.top) == 5
+        for t in lp.top:
+            assert t.bytes == model.token_piece(t.token) and t.text == t.bytes.decode(errors="replace")
+            partial += t.bytes in (b"\xc3", b"\xa9", b"\xa8")
+    assert partial > 0
+    assert b"".join(lp.bytes for lp in r.logprobs).decode() == r.text
+
+
+def test_top_logprobs_ties_come_in_token_id_order():
+    rng = np.random.default_rng(0)
+    rows = {}
+
+    def tied(history):  # a few levels of value: many exact ties, a new pattern at every position
+        if history not in rows:
+            rows[history] = rng.integers(0, 3, ORACLE_VOCAB).astype(np.float32) * (np.arange(ORACLE_VOCAB) != EOS)
+        return rows[history]
+
+    engine = Engine.from_parts(oracle=ScriptedContext(ScriptedModel.sized(ORACLE_VOCAB), tied))
+    r = engine.generate("the", max_tokens=10, logprobs=7)
+    assert len(r.logprobs) == 10
+    for i, lp in enumerate(r.logprobs):
+        row = rows[tuple(engine.oracle_model.tokenize("the") + r.tokens[:i])]
+        assert [t.token for t in lp.top] == sorted(range(ORACLE_VOCAB), key=lambda t: (-row[t], t))[:7]
