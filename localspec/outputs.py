@@ -37,6 +37,7 @@ class Stats:
     prompt_time: float = 0.0  # evaluating the prompt on both models
     draft_time: float = 0.0
     verify_time: float = 0.0  # oracle passes plus acceptance
+    constraint_time: float = 0.0  # of draft + verify time, in the grammar's masks and matcher (structured output)
     time_to_first_token: float = 0.0
     total_time: float = 0.0
     flash_attn: str = ""  # the oracle's attention kernel: "on" or "off"
@@ -105,6 +106,7 @@ class Chunk:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None  # "stop" | "length"
     stats: Stats | None = None
+    structure: str | None = None  # on the last chunk under a schema or grammar: "complete" | "incomplete"
 
 
 @dataclass
@@ -115,7 +117,13 @@ class Result:
     stats: Stats
     logprobs: list[TokenLogprob] | None = None
     prompt_tokens: list[int] = field(default_factory=list)
+    # under a schema or grammar: "complete" (the text is a whole instance of it) or "incomplete"
+    # (it stopped first: max_tokens, a stop string); None without one
+    structure: str | None = None
 
     def to_dict(self) -> dict:
-        return {"text": self.text, "finish_reason": self.finish_reason, "tokens": self.tokens,
-                "stats": self.stats.to_dict()}
+        d = {"text": self.text, "finish_reason": self.finish_reason, "tokens": self.tokens,
+             "stats": self.stats.to_dict()}
+        if self.structure is not None:
+            d["structure"] = self.structure
+        return d
