@@ -37,7 +37,7 @@ from .llama import Detokenizer, LlamaContext, LlamaModel, default_threads, resol
 from .outputs import Chunk, Result, Stats, StepRecord, TokenLogprob, TopLogprob
 from .policy import AdaptiveLength, FixedLength, LengthPolicy
 from .proposers import (EMPTY_DRAFT, CrossTokenizerProposer, Draft, DraftModelProposer, HybridProposer,
-                        PromptLookupProposer, Proposer)
+                        PromptLookupProposer, Proposer, propose)
 from .sampling import (SamplingParams, coupled_choice, greedy_argmax, log_softmax, logits_to_probs, mask_logits,
                        seed_key, top_ids)
 from .text import TextStream
@@ -469,7 +469,7 @@ class Engine:
         t0 = time.perf_counter()
         k = self.policy.draft_length(limit, context) if limit > 0 else 0
         base = walk.depth if walk is not None else 0
-        draft = self.proposer.propose(history, k, request.sampling, rng, walk) if k > 0 else EMPTY_DRAFT
+        draft = propose(self.proposer, history, k, request.sampling, rng, walk) if k > 0 else EMPTY_DRAFT
         t1 = time.perf_counter()
         logits, _ = self.oracle.sync(history + draft.tokens.tolist(), n_logits=len(draft) + 1)  # [k+1, vocab]
         raw = logits

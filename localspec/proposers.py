@@ -47,6 +47,15 @@ class Proposer(Protocol):
         (drafting is expected to pay); otherwise a later probe may condition on part of it."""
 
 
+def propose(proposer: Proposer, history: Sequence[int], max_len: int, sampling: SamplingParams,
+            rng: np.random.Generator, constraint=None) -> Draft:
+    """`proposer.propose`, passing `constraint` only when there is one (a proposer written before
+    constraints existed still serves unconstrained requests)."""
+    if constraint is None:
+        return proposer.propose(history, max_len, sampling, rng)
+    return proposer.propose(history, max_len, sampling, rng, constraint=constraint)
+
+
 class DraftModelProposer:
     """A small model drafting autoregressively on its own context.
 
@@ -207,7 +216,7 @@ class HybridProposer:
     def propose(self, history: Sequence[int], max_len: int, sampling: SamplingParams,
                 rng: np.random.Generator, constraint=None) -> Draft:
         draft = self.lookup.propose(history, max_len, sampling, rng, constraint)
-        return draft if len(draft) else self.model.propose(history, max_len, sampling, rng, constraint)
+        return draft if len(draft) else propose(self.model, history, max_len, sampling, rng, constraint)
 
     def start(self, *, catch_up: bool) -> None:
         self.model.start(catch_up=catch_up)
