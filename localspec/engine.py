@@ -300,21 +300,22 @@ class Engine:
 
     # -- prompts
 
-    def render(self, messages: Sequence[Mapping[str, Any]]) -> str:
+    def render(self, messages: Sequence[Mapping[str, Any]], tools: list | None = None) -> str:
         m = self.oracle_model
         template = m.chat_template
         if not template and not self._warned_no_template:
             self._warned_no_template = True  # once per engine, not on every request
             log.warning("%s has no chat template; using ChatML", m.name)
         return chat.render(template, messages, bos_token=m.token_piece(m.bos, special=True).decode(errors="replace"),
-                           eos_token=m.token_piece(m.eos, special=True).decode(errors="replace"))
+                           eos_token=m.token_piece(m.eos, special=True).decode(errors="replace"), tools=tools)
 
-    def tokenize_prompt(self, prompt: Prompt) -> list[int]:
-        """A completion prompt (str) or chat messages (rendered with the model's template)."""
+    def tokenize_prompt(self, prompt: Prompt, tools: list | None = None) -> list[int]:
+        """A completion prompt (str) or chat messages (rendered with the model's template, with
+        `tools` for a template that takes them)."""
         m = self.oracle_model
         if isinstance(prompt, str):
             return m.tokenize(prompt, add_special=True, parse_special=True)
-        text = self.render(prompt)
+        text = self.render(prompt, tools)
         bos_text = m.token_piece(m.bos, special=True).decode(errors="replace")
         has_bos = bool(bos_text) and text.startswith(bos_text)  # templates often write BOS themselves
         return m.tokenize(text, add_special=not has_bos, parse_special=True)
@@ -339,20 +340,21 @@ class Engine:
                top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
                stop: str | Sequence[str] | None = None, logprobs: int | None = None,
                speculative: bool = True, draft_max: int | None = None, schema: Any = None,
-               grammar: Any = None) -> Iterator[Chunk]:
+               grammar: Any = None, tools: list | None = None) -> Iterator[Chunk]:
         """Yield text chunks as speculative steps are accepted; the last chunk carries
         finish_reason ("stop" or "length") and the stats.
 
         `schema`: a JSON schema (dict, JSON text or a pydantic model class) the output must follow;
         `grammar`: a Lark or GBNF grammar (text) it must follow; or a `constraints.Constraint`.
-        Invalid ones raise `constraints.ConstraintError` (a ValueError) before anything is generated."""
+        Invalid ones raise `constraints.ConstraintError` (a ValueError) before anything is generated.
+        `tools`: OpenAI function specs handed to a chat template that takes them (the server's tool calls)."""
         request = Request(
             max_tokens=max_tokens,
             sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed),
             stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
             logprobs=logprobs, speculative=speculative, draft_max=draft_max,
             constraint=constraints.build(schema, grammar))
-        tokens = self.tokenize_prompt(prompt)
+        tokens = self.tokenize_prompt(prompt, tools)
         return self.stream_tokens(tokens, request)
 
     def stream_tokens(self, prompt_tokens: list[int], request: Request) -> Iterator[Chunk]:
