@@ -315,9 +315,10 @@ def serve(host: str, port: int, model_name: str | None, api_key: str | None, max
 @click.option("--draft", default=None, help="Draft model: a name or a GGUF path.")
 @click.option("--workload", default=None, help="Comma-separated workloads: chat,grounded,code,long (default: all) "
               "or paths to .jsonl files.")
-@click.option("--systems", default=None, help="Comma-separated systems (default: baseline,k2,k4,k8,adaptive,"
-              "lookup,llama.cpp,llama.cpp-ngram,lcp-lookup; also kN, lookup-kN, hybrid, llama.cpp-kN, llama.cpp-spec, "
-              "llama.cpp-ngram-kN, lcp-lookup-kN).")
+@click.option("--systems", default=None, help="Comma-separated systems (default: baseline,k4,k8,k16,adaptive,"
+              "lookup,llama.cpp-grid,llama.cpp-ngram,llama.cpp-ngram-fa-off,lcp-lookup; also kN, lookup-kN, hybrid, "
+              "llama.cpp-kN, llama.cpp-spec, llama.cpp-ngram-kN, lcp-lookup-kN; any name but the baseline and lcp-lookup "
+              "takes -fa-auto|-fa-on|-fa-off; llama.cpp-grid is llama.cpp-k4/k8/k16, each with -fa auto and off).")
 @click.option("--reps", type=click.IntRange(1), default=3, show_default=True, help="Interleaved repetitions.")
 @click.option("--max-prompts", type=click.IntRange(1), default=None, help="At most N prompts per workload.")
 @click.option("--max-tokens", type=click.IntRange(1), default=None, help="Cap every prompt's max_tokens.")
@@ -335,6 +336,8 @@ def serve(host: str, port: int, model_name: str | None, api_key: str | None, max
               "through text (set by pairs that need it).")
 @click.option("--paired", is_flag=True, help="Also run every prompt of each localspec drafting system with drafting "
               "off, in the same process, and report that ratio too (the fairest test of a few percent; twice the time).")
+@click.option("--one-shot", is_flag=True, help="Also time each localspec system as a fresh `localspec generate` "
+              "process per prompt (first repetition): start-up, model loading and prompt included, as a script sees it.")
 @friendly_errors
 def bench(**kw) -> None:
     """Speed at unchanged output: the oracle alone, localspec's systems, the ceiling and llama.cpp's own

@@ -8,10 +8,18 @@ them in one oracle pass over K+1 positions; it yields the accepted prefix plus o
     step time       = K * c_draft + c_verify(K + 1)
     predicted speed = E * c_verify(1) / step time                            (the oracle alone: 1 token per c_verify(1))
 
-`c_draft` is the draft's cost per token and `c_verify(n)` the oracle's cost of an n-token pass, both
-measured on the real contexts. Measured speedup / predicted speedup is the efficiency: how much of
-the possible gain the implementation keeps (Python overhead, sampling, cache bookkeeping, ...).
-Pure Python, no model needed.
+`c_draft` is the draft's cost per token and `c_verify(n)` the oracle's cost of an n-token pass.
+
+For localspec's systems the prediction goes step by step, from the engine's own per-step records:
+`fit_costs` fits the context-aware pass-cost model (localspec.costs: verify(n, c), draft(l, c)) to
+every step a system ran, and `record_ceiling` predicts, for the steps a run actually took (their
+draft lengths, accepted tokens and context lengths), the oracle alone's time for the same tokens
+over the speculative time:
+
+    predicted speedup = sum_steps (accepted + 1) * verify(1, c) / sum_steps (draft(l, c) + verify(l + 1, c))
+
+Measured speedup / predicted speedup is the efficiency: how much of the possible gain the
+implementation keeps (Python overhead, sampling, cache bookkeeping, ...). No model needed.
 """
 
 from __future__ import annotations
@@ -19,7 +27,11 @@ from __future__ import annotations
 import math
 from typing import Callable, Mapping, Sequence
 
+from localspec.costs import DRAFT_SHAPE, VERIFY_SHAPE, PassCost
 from localspec.policy import fit_line
+
+# a compact per-step record (the bench worker's): k, drafted, accepted, draft_time, verify_time, context, draft_evaluated
+K, DRAFTED, ACCEPTED, DRAFT_TIME, VERIFY_TIME, CONTEXT, EVALUATED = range(7)
 
 
 def expected_tokens(a: float, k: float) -> float:
@@ -99,6 +111,31 @@ def cost_curve(points: Mapping[int | float, float]) -> Callable[[float], float]:
         return max(intercept + slope * n, min(ys))
 
     return c
+
+
+def fit_costs(records: Sequence[Sequence[float]]) -> tuple[PassCost, PassCost] | None:
+    """verify(n, c) and draft(l, c) fitted to every step in `records` (no forgetting: one fit over a
+    run); None without a one-token step to anchor the verify cost. Steps whose draft caught up on
+    many tokens (the first after a prompt, a probe after idle steps) are not draft-cost samples."""
+    verify, draft = PassCost(VERIFY_SHAPE, decay=1.0), PassCost(DRAFT_SHAPE, decay=1.0)
+    for r in sorted(records, key=lambda r: r[DRAFTED]):  # one-token passes first: they set the scale
+        verify.observe(int(r[DRAFTED]) + 1, int(r[CONTEXT]), float(r[VERIFY_TIME]))
+        if r[DRAFTED] and r[EVALUATED] <= r[DRAFTED] + 2:
+            draft.observe(int(r[DRAFTED]), int(r[CONTEXT]), float(r[DRAFT_TIME]))
+    if not any(r[DRAFTED] == 0 for r in records):
+        return None
+    return verify, draft
+
+
+def record_ceiling(records: Sequence[Sequence[float]], verify: PassCost, draft: PassCost | None) -> float | None:
+    """The speedup predicted for the steps in `records` (see the module docstring). `draft` None:
+    proposing costs nothing (prompt lookup)."""
+    base = spec = 0.0
+    for r in records:
+        n, c = int(r[DRAFTED]), int(r[CONTEXT])
+        base += (int(r[ACCEPTED]) + 1) * verify(1, c)
+        spec += verify(n + 1, c) + (draft(n, c) if n and draft is not None and draft.ready else 0.0)
+    return base / spec if spec > 0 else None
 
 
 def median(values: Sequence[float]) -> float:
