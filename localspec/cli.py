@@ -12,6 +12,8 @@ from typing import Any, Callable
 import click
 
 EXIT_USAGE = 2
+EXIT_RECORDS_FAILED = 1  # a batch run ended with error records in its output
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), as shells report it
 
 
 class UserError(click.ClickException):
@@ -157,7 +159,10 @@ def main(debug: bool) -> None:
 @friendly_errors
 def generate(prompt: str | None, system: str | None, raw: bool, as_json: bool, input_path: str | None,
              output_path: str | None, **kw) -> None:
-    """Generate a reply to PROMPT (read from stdin when omitted or '-'), or run a JSONL batch (--input)."""
+    """Generate a reply to PROMPT (read from stdin when omitted or '-'), or run a JSONL batch (--input).
+
+    A batch exits 0 when every record of the input succeeded, 1 when any has an error record in
+    the output (written now or by an earlier run), 2 on a usage or model error, 130 on Ctrl-C."""
     if input_path is not None or output_path is not None:
         if input_path is None:
             raise UserError("--output needs --input")
@@ -166,8 +171,13 @@ def generate(prompt: str | None, system: str | None, raw: bool, as_json: bool, i
         from .batch import run_batch
 
         defaults = sampling_kwargs(kw) | {"stop": list(kw["stop"]) or None}
-        run_batch(input_path, output_path, open_engine=lambda: open_engine(**kw), defaults=defaults,
-                  system=system, raw=raw, progress=progress)
+        try:
+            summary = run_batch(input_path, output_path, open_engine=lambda: open_engine(**kw), defaults=defaults,
+                                system=system, raw=raw, progress=progress)
+        except KeyboardInterrupt:
+            sys.exit(EXIT_INTERRUPTED)
+        if not summary.ok:  # some id of the input has an error record: say so to scripts
+            sys.exit(EXIT_RECORDS_FAILED)
         return
     if prompt is None or prompt == "-":
         prompt = sys.stdin.read()
