@@ -74,3 +74,32 @@ def wait_ready(handle: dict, timeout: float = 90) -> str:
             time.sleep(0.2)
         handle["ready"] = True
     return handle["url"]
+
+
+class PacedEngine:
+    """An engine double for the server's timing tests (shutdown, grace periods), where a real
+    model's speed would make them slow or flaky: each step takes `step` seconds and emits one token
+    (" 1,", " 2,", ...) until max_tokens, with running stats like the engine's. Nothing here is
+    about generation; tests of what the engine answers use the real model."""
+
+    def __init__(self, step: float = 0.02, n_ctx: int = 512) -> None:
+        self.step = step
+        self.n_ctx = n_ctx
+        self.calls: list[dict] = []  # the options of every request that reached the engine
+
+    def stream(self, prompt, *, max_tokens: int = 16, **options):
+        from localspec.outputs import Chunk, Stats
+
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        self.calls.append(dict(options, max_tokens=max_tokens))
+
+        def gen():
+            stats = Stats(prompt_tokens=3, prompt_tokens_evaluated=3)
+            for i in range(1, max_tokens + 1):
+                time.sleep(self.step)
+                stats.completion_tokens += 1
+                stats.steps += 1
+                yield Chunk(f" {i},", [i], finish_reason="length" if i == max_tokens else None, stats=stats)
+
+        return gen()

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from localspec.outputs import Chunk, Stats
 from localspec.server import EngineWorker, create_app
-from serving import ThreadedServer, cli_serve, wait_ready
+from serving import PacedEngine, ThreadedServer, cli_serve, wait_ready
 
 MODEL = "smollm2"
 N_CTX = 1024
@@ -538,6 +538,32 @@ def test_worker_queue_limit_and_shutdown():
     assert CANCELLED in events and any(isinstance(ev, Failed) and isinstance(ev.error, WorkerClosed) for ev in events)
     with pytest.raises(WorkerClosed):
         w.submit("d", {}, events.append)
+
+
+def test_worker_time_limit_ends_a_job_with_length():
+    """A job past its time limit stops after the step in progress, and its last chunk is an empty
+    one with finish_reason "length" and the counters so far, as when max_tokens is reached."""
+    w = EngineWorker(PacedEngine(step=0.02), max_queue=1)
+    try:
+        events: list = []
+        t0 = time.monotonic()
+        job = w.submit("a", {"max_tokens": 10_000}, events.append, time_limit=0.3)
+        assert job.done.wait(10)
+        assert time.monotonic() - t0 < 3
+        from localspec.server.worker import STARTED
+
+        final = events[-1]
+        assert events[0] is STARTED and final.finish_reason == "length" and final.text == ""
+        tokens = sum(len(e.tokens) for e in events[1:])
+        assert 3 <= tokens < 1000 and final.stats.completion_tokens == tokens == job.tokens
+        assert job.outcome == "time_limit" and w.completed == 1
+        assert w.metrics.generations.labels("time_limit")._value.get() == 1
+        quick: list = []
+        job = w.submit("b", {"max_tokens": 3}, quick.append, time_limit=30)  # under its limit: as asked
+        assert job.done.wait(10) and quick[-1].finish_reason == "length" and job.outcome == "completed"
+        assert [c.text for c in quick[1:]] == [" 1,", " 2,", " 3,"]
+    finally:
+        w.close()
 
 
 def test_stats_usage_shape():
