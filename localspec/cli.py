@@ -298,10 +298,15 @@ def pull(names: tuple[str, ...]) -> None:
               help="Requests that may wait while one generates; more get 429.")
 @click.option("--max-body", type=click.IntRange(1024), default=4 * 1024 * 1024, show_default=True,
               help="Largest request body in bytes; larger gets 413.")
+@click.option("--max-tokens-limit", type=click.IntRange(1), default=None,
+              help="Most tokens one request may generate: larger max_tokens are clamped to it, and chat requests "
+                   "without max_tokens get it (default: half of --ctx).")
+@click.option("--time-limit", type=click.FloatRange(0), default=600, show_default=True,
+              help="Seconds one generation may run; it then ends with finish_reason 'length' (0: no limit).")
 @click.option("--log-prompts", is_flag=True, help="Log prompt and completion text (never logged otherwise).")
 @friendly_errors
 def serve(host: str, port: int, model_name: str | None, api_key: str | None, max_queue: int, max_body: int,
-          log_prompts: bool, **kw) -> None:
+          max_tokens_limit: int | None, time_limit: float, log_prompts: bool, **kw) -> None:
     """Serve an OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models
     (plus /health, /metrics and the docs at /docs)."""
     from .server.app import run_server, served_names
@@ -309,7 +314,8 @@ def serve(host: str, port: int, model_name: str | None, api_key: str | None, max
     name, aliases = served_names(kw["pair"], kw["oracle"], model_name)
     with open_engine(**kw) as engine:
         run_server(engine, host=host, port=port, model_name=name, aliases=aliases, api_key=api_key,
-                   max_queue=max_queue, max_body=max_body, log_prompts=log_prompts)
+                   max_queue=max_queue, max_body=max_body, max_tokens_limit=max_tokens_limit,
+                   time_limit=time_limit or None, log_prompts=log_prompts)
 
 
 @main.command()

@@ -474,17 +474,17 @@ def test_the_real_server_listens_on_loopback_only(cli_server):
 def test_api_key_on_every_v1_route_with_a_constant_time_compare(worker, monkeypatch):
     from starlette.testclient import TestClient
 
-    import localspec.server.app as app_module
+    import localspec.server.gate as gate_module
     from localspec.server import create_app
 
     compared = []
-    real = app_module.hmac.compare_digest
+    real = gate_module.hmac.compare_digest
 
     def spy(a, b):
         compared.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr(app_module.hmac, "compare_digest", spy)
+    monkeypatch.setattr(gate_module.hmac, "compare_digest", spy)
     key = "k3y-" + "x" * 20
     keyed = create_app(worker, model_name=MODEL, api_key=key)
     routes = [(path, method.upper()) for path, ops in keyed.openapi()["paths"].items() if path.startswith("/v1")

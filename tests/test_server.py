@@ -410,6 +410,196 @@ def test_oversized_body_is_413(http):
     error_of(http.post("/v1/chat/completions", content=chunked(), headers={"content-type": "application/json"}), 413)
 
 
+# every Content-Type is read as JSON: one rule (curl -d sends a form type, others text/plain, ...)
+CONTENT_TYPES = [None, "application/json", "application/json; charset=utf-8", "text/json", "application/x-ndjson",
+                 "application/x-json-stream", "text/plain", "application/x-www-form-urlencoded",
+                 "application/octet-stream", "multipart/form-data; boundary=x"]
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("content_type", CONTENT_TYPES, ids=[str(c).split(";")[0] for c in CONTENT_TYPES])
+def test_every_content_type_is_read_as_json(http, content_type):
+    headers = {} if content_type is None else {"content-type": content_type}
+    body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 1}).encode()
+    r = http.post("/v1/completions", content=body, headers=headers)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 1
+    err = error_of(http.post("/v1/completions", content=b"prompt=Hi", headers=headers), 400)
+    assert err["code"] == "invalid_json"  # and what is not JSON is the same error whatever the type
+
+
+# the client's own path to the field, never a pydantic location ("speculative.Speculative.draft_max", "stop.str")
+PARAM_PATHS = [
+    ({"speculative": {"draft_max": -1}}, "speculative.draft_max", "invalid_value"),
+    ({"speculative": {"draft_max": 2, "extra": 1}}, "speculative.extra", "unknown_parameter"),
+    ({"stop": [1]}, "stop[0]", "invalid_type"),
+    ({"stop": 5}, "stop", "invalid_type"),
+    ({"messages": [{"role": "user", "content": 42}]}, "messages[0].content", "invalid_type"),
+    ({"messages": [{"role": "user", "content": "a"}, {"content": "b"}]}, "messages[1].role", "missing_required_parameter"),
+    ({"messages": [{"role": "wizard", "content": "a"}]}, "messages[0].role", "invalid_value"),
+    ({"messages": [None]}, "messages[0]", "invalid_type"),
+    ({"stream_options": {"include_usage": 1}}, "stream_options.include_usage", "invalid_type"),
+    ({"top_logprobs": 2}, "top_logprobs", "invalid_value"),
+    ({"tools": [{"type": "function"}]}, "tools", "unsupported_parameter"),
+    ({"n": 2}, "n", "unsupported_value"),
+]
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("change,param,code", PARAM_PATHS, ids=[p for _, p, _ in PARAM_PATHS])
+def test_error_param_is_the_clients_path_and_code_is_set(http, change, param, code):
+    body = {"model": MODEL, "messages": chat("Hi"), "max_tokens": 1, **change}
+    err = error_of(http.post("/v1/chat/completions", json=body), 400)
+    assert (err["param"], err["code"]) == (param, code), err
+    assert param in err["message"]
+
+
+@pytest.mark.model
+def test_body_errors_say_what_is_wrong(http):
+    err = error_of(http.post("/v1/chat/completions", content=b"", headers={"content-type": "application/json"}), 400)
+    assert err["param"] is None and err["code"] == "invalid_json" and "empty" in err["message"]
+    assert "None" not in err["message"]
+    err = error_of(http.post("/v1/completions", content=b"[1, 2]"), 400)
+    assert err["code"] == "invalid_type" and "JSON object" in err["message"] and "an array" in err["message"]
+    err = error_of(http.post("/v1/completions", content=b'{"prompt": "caf\xe9"}'), 400)
+    assert err["code"] == "invalid_json" and "UTF-8" in err["message"]
+    err = error_of(http.post("/v1/completions", json={"prompt": 42}), 400)
+    assert err["param"] == "prompt" and "expected a string or an array, but got an integer" in err["message"]
+    err = error_of(http.post("/v1/chat/completions", json={"model": MODEL}), 400)
+    assert err["message"] == "Missing required parameter: 'messages'." and err["code"] == "missing_required_parameter"
+    err = error_of(http.post("/v1/chat/completions", json={"messages": chat("Hi"), "frobnicate": 1}), 400)
+    assert err["param"] == "frobnicate" and err["code"] == "unknown_parameter"
+
+
+# OpenAI's types are strict: a string is not an integer, a boolean is not a seed
+STRICT_TYPES = [
+    ("max_tokens", "8"), ("max_tokens", 8.0), ("max_tokens", True), ("seed", True), ("seed", "1"),
+    ("temperature", "0.5"), ("temperature", False), ("top_k", "2"), ("stream", "true"), ("stream", 1),
+    ("logprobs", 1), ("n", 1.0), ("stop", ["a", 1]), ("max_completion_tokens", "4"),
+]
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("name,value", STRICT_TYPES, ids=[f"{n}={json.dumps(v)}" for n, v in STRICT_TYPES])
+def test_values_of_the_wrong_json_type_are_400(http, name, value):
+    body = {"model": MODEL, "messages": chat("Hi"), "max_tokens": 1, name: value}
+    err = error_of(http.post("/v1/chat/completions", json=body), 400)
+    assert err["code"] == "invalid_type" and err["param"].startswith(name), err
+    assert "Invalid type for" in err["message"]
+
+
+@pytest.mark.model
+def test_values_of_the_right_type_still_work(http):
+    body = {"model": MODEL, "prompt": COUNTING, "max_tokens": 2, "temperature": 0, "top_p": 1, "seed": 3,
+            "stream": False, "stop": None, "n": 1, "speculative": True}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.model
+def test_the_same_error_has_the_same_code(http):
+    big = json.dumps({"model": MODEL, "messages": chat("x" * (MAX_BODY + 10)), "max_tokens": 1}).encode()
+
+    def chunked():
+        for i in range(0, len(big), 8192):
+            yield big[i:i + 8192]
+
+    declared = error_of(http.post("/v1/chat/completions", content=big), 413)
+    streamed = error_of(http.post("/v1/chat/completions", content=chunked()), 413)
+    assert declared == streamed and declared["code"] == "request_too_large"
+    not_json = error_of(http.post("/v1/completions", content=b"{nope"), 400)
+    not_utf8 = error_of(http.post("/v1/completions", content=b"\xff\xfe{}"), 400)
+    assert not_json["code"] == not_utf8["code"] == "invalid_json"
+
+
+@pytest.mark.model
+def test_max_tokens_limit_clamps_and_is_the_chat_default(worker):
+    """--max-tokens-limit: a larger max_tokens is clamped (finish_reason "length"), as llama.cpp's
+    server does, and a chat request without max_tokens gets the limit, not the whole context."""
+    from starlette.testclient import TestClient
+
+    with TestClient(create_app(worker, model_name=MODEL, max_tokens_limit=5), base_url="http://localhost") as c:
+        for body in ({"prompt": COUNTING, "max_tokens": 10 ** 30}, {"prompt": COUNTING, "max_tokens": 6}):
+            r = c.post("/v1/completions", json={**body, "temperature": 0})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 5 and r.json()["choices"][0]["finish_reason"] == "length"
+        r = c.post("/v1/chat/completions", json={"messages": chat(f"Continue counting: {COUNTING}"), "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] <= 5
+        r = c.post("/v1/completions", json={"prompt": COUNTING, "max_tokens": 3, "temperature": 0})
+        assert r.json()["usage"]["completion_tokens"] == 3  # under the limit: as asked
+    app = create_app(worker, model_name=MODEL)
+    assert app.state.max_tokens_limit == N_CTX // 2  # the default: half the context
+
+
+@pytest.mark.model
+def test_time_limit_ends_a_generation_with_length(worker):
+    from starlette.testclient import TestClient
+
+    app = create_app(worker, model_name=MODEL, time_limit=0.3, max_tokens_limit=N_CTX)
+    with TestClient(app, base_url="http://localhost") as c:
+        t0 = time.monotonic()
+        r = c.post("/v1/completions", json={"prompt": COUNTING, "max_tokens": 900, "temperature": 0})
+        elapsed = time.monotonic() - t0
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["choices"][0]["finish_reason"] == "length"
+        assert 0 < body["usage"]["completion_tokens"] < 900 and body["choices"][0]["text"].startswith(" 11,")
+        assert elapsed < 10, elapsed  # 900 tokens would take far longer
+        with c.stream("POST", "/v1/completions", json={"prompt": COUNTING, "max_tokens": 900, "temperature": 0,
+                                                       "stream": True}) as s:
+            events = sse_events(s)
+        assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+    assert metric_from(app, "localspec_generations_total", outcome="time_limit") >= 2
+
+
+def metric_from(app, name: str, **labels) -> float:
+    for family in text_string_to_metric_families(app.state.metrics.render().decode()):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+def raw_http(port: int, request: bytes, timeout: float = 10) -> tuple[bytes, float]:
+    """Send raw bytes, read until the server closes the connection: (response, seconds)."""
+    import socket
+
+    t0 = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(request)
+        data = b""
+        while True:
+            try:
+                part = sock.recv(65536)
+            except (ConnectionResetError, TimeoutError):
+                break
+            if not part:
+                break
+            data += part
+    return data, time.monotonic() - t0
+
+
+def test_a_stalled_request_body_times_out():
+    """Content-Length says 1000, 10 bytes come, then nothing: 408 with an error body, the
+    connection closed, and the server still answers. No model needed: the body never arrives."""
+    engine = PacedEngine()
+    s = ThreadedServer(create_app(engine, model_name="paced", body_timeout=0.5))
+    try:
+        head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 1000\r\n\r\n")
+        data, elapsed = raw_http(s.port, head + b'{"prompt":')
+        assert data.startswith(b"HTTP/1.1 408"), data[:200]
+        body = json.loads(data.split(b"\r\n\r\n", 1)[1])
+        assert body["error"]["code"] == "request_timeout"
+        assert elapsed < 5, elapsed
+        assert not engine.calls
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=10)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == " 1, 2,"
+    finally:
+        s.stop()
+
+
 # ---------------------------------------------------------------- the real command
 
 

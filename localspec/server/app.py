@@ -1,10 +1,10 @@
 """The FastAPI app: OpenAI's /v1/chat/completions, /v1/completions and /v1/models over one engine
-worker, plus /health, /metrics and the OpenAPI docs (/docs, /openapi.json)."""
+worker, plus /health, /metrics and the OpenAPI docs (/docs, /openapi.json). What every request
+goes through first (the API key, the body) is in gate.py; the error bodies in errors.py."""
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import os
@@ -22,167 +22,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..outputs import Chunk, Stats, TokenLogprob
 from . import schemas as S
+from .errors import (SERVER_ERROR, APIError, on_api_error, on_http_error, on_internal_error, on_validation_error,
+                     shutting_down)
+from .gate import DEFAULT_BODY_TIMEOUT, Gate
 from .worker import CANCELLED, DEFAULT_MAX_QUEUE, STARTED, EngineWorker, Failed, Job, QueueFull, WorkerClosed
 
 log = logging.getLogger("localspec.server")
 
 DEFAULT_MAX_BODY = 4 * 1024 * 1024
+DEFAULT_TIME_LIMIT = 600.0  # seconds one generation may run (the openai client gives up at 600 s anyway)
 GRACEFUL_SHUTDOWN = 5  # seconds in-flight requests get after SIGINT/SIGTERM
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
-_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-                499: "invalid_request_error",
-                503: "server_error"}
-_SERVER_ERROR = "The server had an error while processing your request."
+_SERVER_ERROR = SERVER_ERROR
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
 
-
-class APIError(Exception):
-    """An OpenAI-shaped error response: {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type or _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-        self.headers = headers
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-
-# ---------------------------------------------------------------- ASGI middleware
-
-
-class _Gate:
-    """Before the app: the bearer token on /v1 routes (constant-time compare), the body size
-    limit (413), JSON bodies on /v1 whatever their Content-Type (curl -d sends form-urlencoded);
-    around it: request counts by endpoint and status, and latency."""
-
-    def __init__(self, app, *, api_key: str | None, max_body: int, metrics) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
-        self.max_body = max_body
-        self.metrics = metrics
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        path = scope["path"]
-        endpoint = path if path in ENDPOINTS else ("/v1/models" if path.startswith("/v1/models/") else "other")
-        t0 = time.perf_counter()
-        status = 500
-
-        async def send_status(message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self._handle(scope, receive, send_status, path)
-        finally:
-            self.metrics.requests.labels(endpoint, str(status)).inc()
-            self.metrics.request_latency.labels(endpoint).observe(time.perf_counter() - t0)
-
-    async def _handle(self, scope, receive, send, path: str) -> None:
-        headers = dict(scope["headers"])  # lower-case byte names; the last value of a repeated header wins
-        if path.startswith("/v1") and self.expected is not None:
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                await _send(send, APIError(
-                    401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
-                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}).response(), scope, receive)
-                return
-        try:
-            length = int(headers.get(b"content-length", b"0"))
-        except ValueError:
-            length = 0
-        if length > self.max_body:
-            await _send(send, _too_large(self.max_body).response(), scope, receive)
-            return
-        if path.startswith("/v1") and scope["method"] == "POST" and b"json" not in headers.get(b"content-type", b""):
-            scope = dict(scope, headers=[(k, v) for k, v in scope["headers"] if k != b"content-type"]
-                         + [(b"content-type", b"application/json")])
-        received = 0
-        limit = self.max_body
-
-        async def receive_limited():
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > limit:
-                    raise StarletteHTTPException(413, _too_large(limit).message)
-            return message
-
-        await self.app(scope, receive_limited, send)
-
-
-async def _send(send, response: Response, scope, receive) -> None:
-    await response(scope, receive, send)
-
-
-def _too_large(limit: int) -> APIError:
-    return APIError(413, f"The request body is larger than the server's limit of {limit} bytes.",
-                    code="request_too_large")
-
-
-# ---------------------------------------------------------------- error handlers
-
-
-def _param(loc: Iterable[Any]) -> str | None:
-    out = ""
-    for part in loc:
-        if part == "body":
-            continue
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += f".{part}" if out else str(part)
-    return out or None
-
-
-async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    errors = exc.errors()
-    err = errors[0] if errors else {"type": "", "loc": (), "msg": "invalid request"}
-    param = _param(err.get("loc", ()))
-    kind = err.get("type", "")
-    if kind == "json_invalid":
-        reason = (err.get("ctx") or {}).get("error", "")
-        message, param = f"The request body is not valid JSON ({reason}).", None
-    elif kind == "extra_forbidden":
-        message = f"Unrecognized request argument supplied: {param}"
-    elif kind == "missing":
-        message = f"Missing required parameter: '{param}'."
-    elif param:
-        message = f"Invalid value for '{param}': {err.get('msg')}."
-    else:
-        message = f"Invalid request: {err.get('msg')}."
-    return APIError(400, message, param=param).response()
-
-
-async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    if exc.status_code == 404:
-        message = f"Unknown endpoint: {request.method} {request.url.path}"
-    elif exc.status_code == 405:
-        message = f"Method {request.method} is not allowed on {request.url.path}"
-    else:
-        message = str(exc.detail)
-    return APIError(exc.status_code, message, headers=getattr(exc, "headers", None)).response()
-
-
-async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-    return exc.response()
-
-
-async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-    log.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
-    return APIError(500, _SERVER_ERROR).response()
 
 
 # ---------------------------------------------------------------- conversions
@@ -249,7 +101,7 @@ class _JobStream(StreamingResponse):
             self.job.cancel()
             if not started:
                 raise
-            tail = _sse(json.dumps(APIError(503, "The server is shutting down.").body())) + "data: [DONE]\n\n"
+            tail = _sse(json.dumps(shutting_down().body())) + "data: [DONE]\n\n"
             try:
                 await send({"type": "http.response.body", "body": tail.encode(), "more_body": False})
             except Exception:  # the connection is gone too
@@ -271,10 +123,17 @@ async def _watch_disconnect(receive, job: Job) -> None:
 
 
 def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = (), api_key: str | None = None,
-               max_queue: int | None = None, max_body: int = DEFAULT_MAX_BODY, log_prompts: bool = False) -> FastAPI:
+               max_queue: int | None = None, max_body: int = DEFAULT_MAX_BODY, log_prompts: bool = False,
+               max_tokens_limit: int | None = None, time_limit: float | None = DEFAULT_TIME_LIMIT,
+               body_timeout: float = DEFAULT_BODY_TIMEOUT) -> FastAPI:
     """An OpenAI-compatible app over an Engine (the app then owns a worker for it, stopped at
     shutdown) or an EngineWorker (the caller owns it). `model_name` is what /v1/models lists;
-    requests may also name any of `aliases` (e.g. the oracle's registry name)."""
+    requests may also name any of `aliases` (e.g. the oracle's registry name).
+
+    `max_tokens_limit` (default: half the context) caps every request's max_tokens (larger values
+    are clamped; chat without max_tokens gets it); `time_limit` (seconds, None: none) ends a
+    generation that runs longer with finish_reason "length". `body_timeout`: seconds a request
+    body may take to arrive."""
     if isinstance(engine_or_worker, EngineWorker):
         worker, owns_worker = engine_or_worker, False
         if max_queue is not None:
@@ -284,12 +143,19 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
         owns_worker = True
     metrics = worker.metrics
     n_ctx = worker.engine.n_ctx
+    if max_tokens_limit is None:
+        max_tokens_limit = max(1, n_ctx // 2)
+    if max_tokens_limit < 1:
+        raise ValueError("max_tokens_limit must be >= 1")
+    if time_limit is not None and time_limit <= 0:
+        time_limit = None
     names = {model_name, *aliases}
     started = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        log.info("serving %s (n_ctx %d, max queue %d)", model_name, n_ctx, worker.max_queue)
+        log.info("serving %s (n_ctx %d, max queue %d, max_tokens limit %d)", model_name, n_ctx, worker.max_queue,
+                 max_tokens_limit)
         try:
             yield
         finally:
@@ -303,11 +169,13 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
                     "`usage` also reports drafted/accepted tokens and the acceptance rate.")
     app.state.worker = worker
     app.state.metrics = metrics
-    app.add_middleware(_Gate, api_key=api_key, max_body=max_body, metrics=metrics)
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(APIError, _api_error)
-    app.add_exception_handler(Exception, _internal_error)
+    app.state.max_tokens_limit = max_tokens_limit
+
+    app.add_middleware(Gate, api_key=api_key, max_body=max_body, metrics=metrics, body_timeout=body_timeout)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(Exception, on_internal_error)
 
     def check_model(model: str | None) -> None:
         if model is not None and model not in names:
@@ -317,12 +185,12 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
     async def start(request: Request, prompt: Any, options: dict[str, Any], rid: str) -> tuple[Job, asyncio.Queue]:
         """Queue the job and wait until the engine has accepted it (errors are still HTTP errors here)."""
         try:
-            job, events = worker.submit_async(prompt, options)
+            job, events = worker.submit_async(prompt, options, time_limit=time_limit)
         except QueueFull as e:
             raise APIError(429, f"The server is busy ({worker.max_queue} requests queued); retry later.",
                            code="rate_limit_exceeded", headers={"Retry-After": str(e.retry_after)}) from None
         except WorkerClosed:
-            raise APIError(503, "The server is shutting down.") from None
+            raise shutting_down() from None
         if log_prompts:
             log.info("%s prompt: %r", rid, prompt)
         watcher = asyncio.create_task(_watch_disconnect(request.receive, job))
@@ -336,10 +204,10 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
         if isinstance(event, Failed):
             if event.client_error:
                 param = "messages" if isinstance(prompt, list) else "prompt"
-                code = "context_length_exceeded" if type(event.error).__name__ == "PromptTooLongError" else None
+                code = "context_length_exceeded" if type(event.error).__name__ == "PromptTooLongError" else "invalid_value"
                 raise APIError(400, str(event.error), param=param, code=code)
             if isinstance(event.error, WorkerClosed):
-                raise APIError(503, "The server is shutting down.")
+                raise shutting_down()
             raise APIError(500, _SERVER_ERROR)
         if event is CANCELLED:  # the client went away while queued; nobody reads this
             raise APIError(499, "The request was cancelled.", code="cancelled")
@@ -420,8 +288,8 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
             body.check_supported()
             prompt = body.engine_messages()
         except S.InvalidParam as e:
-            raise APIError(400, str(e), param=e.param) from None
-        options = body.engine_options(n_ctx)
+            raise APIError(400, str(e), param=e.param, code=e.code) from None
+        options = body.engine_options(max_tokens_limit)
         rid = f"chatcmpl-{secrets.token_hex(12)}"
         created = int(time.time())
         job, events = await start(request, prompt, options, rid)
@@ -473,9 +341,9 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
         try:
             body.check_supported()
         except S.InvalidParam as e:
-            raise APIError(400, str(e), param=e.param) from None
+            raise APIError(400, str(e), param=e.param, code=e.code) from None
         prompt = body.prompt_text()
-        options = body.engine_options(n_ctx)
+        options = body.engine_options(max_tokens_limit)
         top_n = body.logprobs or 0
         rid = f"cmpl-{secrets.token_hex(12)}"
         created = int(time.time())
