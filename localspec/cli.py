@@ -286,14 +286,66 @@ def pull(names: tuple[str, ...]) -> None:
 
 
 
+API_KEY_ENV = "LOCALSPEC_API_KEY"
+
+
+def resolve_api_key(ctx: click.Context, api_key: str | None, api_key_file: str | None) -> str | None:
+    """The key from --api-key-file, $LOCALSPEC_API_KEY or --api-key (in that order of preference);
+    an empty or unusable key is an error, never "no auth"."""
+    import os
+
+    from click.core import ParameterSource
+
+    on_command_line = ctx.get_parameter_source("api_key") == ParameterSource.COMMANDLINE
+    if api_key_file is not None:
+        if on_command_line:
+            raise UserError("give either --api-key or --api-key-file, not both")
+        try:
+            with open(api_key_file, encoding="utf-8") as f:
+                api_key = f.read().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"--api-key-file {api_key_file}: {e}") from e
+        source = f"--api-key-file {api_key_file}"
+    elif on_command_line:
+        source = "--api-key"
+        progress("warning: --api-key on the command line is visible to every user of this machine (ps); "
+                 f"prefer ${API_KEY_ENV} or --api-key-file")
+    else:
+        source = f"${API_KEY_ENV}"
+        if api_key is None and API_KEY_ENV in os.environ:  # click reads an empty variable as unset
+            api_key = ""
+    if api_key is None:
+        return None
+    if not api_key:
+        raise UserError(f"{source} is empty: give a key, or no key at all to serve without one")
+    if not all(0x21 <= ord(c) <= 0x7E for c in api_key):
+        raise UserError(f"{source}: the key must be printable ASCII without spaces (it travels in an HTTP header)")
+    return api_key
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    name = host.strip().strip("[]").lower()
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
 @main.command()
 @model_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
 @click.option("--model-name", default=None,
               help="The model name clients send and /v1/models lists (default: the pair's name, or the oracle's).")
-@click.option("--api-key", default=None, envvar="LOCALSPEC_API_KEY",
-              help="Require 'Authorization: Bearer KEY' on /v1 routes (also $LOCALSPEC_API_KEY).")
+@click.option("--api-key", default=None, envvar=API_KEY_ENV, show_envvar=True,
+              help="Require 'Authorization: Bearer KEY' on /v1 routes and /metrics. Prefer $LOCALSPEC_API_KEY or "
+                   "--api-key-file: a key on the command line shows in ps.")
+@click.option("--api-key-file", type=click.Path(dir_okay=False), default=None,
+              help="Read the API key from this file (surrounding whitespace is dropped).")
 @click.option("--max-queue", type=click.IntRange(0), default=32, show_default=True,
               help="Requests that may wait while one generates; more get 429.")
 @click.option("--max-body", type=click.IntRange(1024), default=4 * 1024 * 1024, show_default=True,
@@ -304,13 +356,19 @@ def pull(names: tuple[str, ...]) -> None:
 @click.option("--time-limit", type=click.FloatRange(0), default=600, show_default=True,
               help="Seconds one generation may run; it then ends with finish_reason 'length' (0: no limit).")
 @click.option("--log-prompts", is_flag=True, help="Log prompt and completion text (never logged otherwise).")
+@click.pass_context
 @friendly_errors
-def serve(host: str, port: int, model_name: str | None, api_key: str | None, max_queue: int, max_body: int,
-          max_tokens_limit: int | None, time_limit: float, log_prompts: bool, **kw) -> None:
+def serve(ctx: click.Context, host: str, port: int, model_name: str | None, api_key: str | None,
+          api_key_file: str | None, max_queue: int, max_body: int, max_tokens_limit: int | None, time_limit: float,
+          log_prompts: bool, **kw) -> None:
     """Serve an OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models
     (plus /health, /metrics and the docs at /docs)."""
     from .server.app import run_server, served_names
 
+    api_key = resolve_api_key(ctx, api_key, api_key_file)
+    if api_key is None and not _is_loopback(host):
+        progress(f"warning: listening on {host} without an API key: anyone who can reach this machine can use the "
+                 f"server; set ${API_KEY_ENV} or --api-key-file")
     name, aliases = served_names(kw["pair"], kw["oracle"], model_name)
     with open_engine(**kw) as engine:
         run_server(engine, host=host, port=port, model_name=name, aliases=aliases, api_key=api_key,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import threading
 import time
 
@@ -19,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from localspec.outputs import Chunk, Stats
 from localspec.server import EngineWorker, create_app
-from serving import PacedEngine, ThreadedServer, cli_serve, wait_ready
+from serving import CLI, PacedEngine, ThreadedServer, cli_serve, free_port, wait_ready
 
 MODEL = "smollm2"
 N_CTX = 1024
@@ -58,9 +59,12 @@ def chat(text: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def cli_server(pair_paths):
-    """The real command, started early (it loads while other tests run); waited for on first use."""
-    with cli_serve("--api-key", API_KEY, "--max-queue", "0", "--ctx", "512", "--threads", "1") as handle:
+def cli_server(pair_paths, tmp_path_factory):
+    """The real command, started early (it loads while other tests run); waited for on first use.
+    The key comes from a file (a key on the command line would show in ps)."""
+    keyfile = tmp_path_factory.mktemp("key") / "api.key"
+    keyfile.write_text(API_KEY + "\n")
+    with cli_serve("--api-key-file", str(keyfile), "--max-queue", "0", "--ctx", "512", "--threads", "1") as handle:
         yield handle
 
 
@@ -600,13 +604,80 @@ def test_a_stalled_request_body_times_out():
         s.stop()
 
 
+# ---------------------------------------------------------------- the API key
+
+
+@pytest.mark.model
+def test_api_key_scheme_is_case_insensitive_and_metrics_need_the_key(worker):
+    from starlette.testclient import TestClient
+
+    key = "k-" + "z" * 30
+    with TestClient(create_app(worker, model_name=MODEL, api_key=key), base_url="http://localhost") as c:
+        for scheme in ("Bearer", "bearer", "BEARER", "bEaReR"):
+            assert c.get("/v1/models", headers={"Authorization": f"{scheme} {key}"}).status_code == 200, scheme
+        for value in (f"Basic {key}", f"Bearer{key}", f"Bearer {key}x", key, f"Token {key}"):
+            assert c.get("/v1/models", headers={"Authorization": value}).status_code == 401, value
+        err = error_of(c.get("/metrics"), 401)
+        assert err["code"] == "invalid_api_key"
+        r = c.get("/metrics", headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 200 and "localspec_requests_total" in r.text
+        assert c.get("/health").status_code == 200  # liveness probes need no key
+
+
+def test_serve_refuses_an_empty_or_unusable_api_key(tmp_path):
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "LOCALSPEC_API_KEY"}
+    empty = tmp_path / "empty.key"
+    empty.write_text("\n")
+    spaced = tmp_path / "spaced.key"
+    spaced.write_text("two words\n")
+    cases = [
+        (["--api-key", ""], {}, "--api-key is empty"),
+        ([], {"LOCALSPEC_API_KEY": ""}, "$LOCALSPEC_API_KEY is empty"),
+        (["--api-key-file", str(empty)], {}, "is empty"),
+        (["--api-key-file", str(spaced)], {}, "printable ASCII without spaces"),
+        (["--api-key-file", str(tmp_path / "missing.key")], {}, "No such file"),
+        (["--api-key", "a", "--api-key-file", str(spaced)], {}, "not both"),
+    ]
+    procs = [(subprocess.Popen(CLI + ["serve", "--port", str(free_port()), "--oracle", "/nonexistent/model.gguf",
+                                      "--no-draft", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**env, **extra}, stdin=subprocess.DEVNULL), message)
+             for args, extra, message in cases]
+    for p, message in procs:
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 2, err
+        assert message in err and "not found" not in err, err  # refused before the model is even looked for
+
+
+def test_serve_warns_about_keys_in_ps_and_open_interfaces(tmp_path):
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "LOCALSPEC_API_KEY"}
+    p = subprocess.run(CLI + ["serve", "--api-key", "abc", "--oracle", "/nonexistent/model.gguf", "--no-draft"],
+                       capture_output=True, text=True, timeout=60, env=env, stdin=subprocess.DEVNULL)
+    assert "visible to every user" in p.stderr and "LOCALSPEC_API_KEY" in p.stderr
+    p = subprocess.run(CLI + ["serve", "--host", "0.0.0.0", "--oracle", "/nonexistent/model.gguf", "--no-draft"],
+                       capture_output=True, text=True, timeout=60, env=env, stdin=subprocess.DEVNULL)
+    assert "without an API key" in p.stderr
+    keyfile = tmp_path / "k"
+    keyfile.write_text("abc\n")
+    for args, extra in ((["--host", "0.0.0.0", "--api-key-file", str(keyfile)], {}),
+                        (["--host", "0.0.0.0"], {"LOCALSPEC_API_KEY": "abc"}), (["--host", "localhost"], {})):
+        p = subprocess.run(CLI + ["serve", *args, "--oracle", "/nonexistent/model.gguf", "--no-draft"],
+                           capture_output=True, text=True, timeout=60, env={**env, **extra}, stdin=subprocess.DEVNULL)
+        assert "warning" not in p.stderr and p.returncode == 2, p.stderr  # then the missing model
+
+
 # ---------------------------------------------------------------- the real command
 
 
 @pytest.mark.model
 def test_cli_serve_api_key_queue_full_and_sigterm(cli_server):
     url = wait_ready(cli_server)
-    assert httpx.get(url + "/health").status_code == 200  # /health and /metrics need no key
+    assert httpx.get(url + "/health").status_code == 200  # /health needs no key, /metrics does
+    assert error_of(httpx.get(url + "/metrics"), 401)["code"] == "invalid_api_key"
+    assert httpx.get(url + "/metrics", headers={"Authorization": f"bearer {API_KEY}"}).status_code == 200
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
         err = error_of(httpx.get(url + "/v1/models", headers=headers), 401)
         assert err["code"] == "invalid_api_key"

@@ -1,5 +1,5 @@
 """What every request goes through before the app (ASGI middleware): request counts and latency
-(/metrics); the API key on /v1 (401); the body, read whole before the app runs: more than
+(/metrics); the API key on /v1 and /metrics (401); the body, read whole before the app runs: more than
 --max-body is 413 (declared or not), a body that stalls is 408, one that is not UTF-8 is 400; on
 POST /v1 it is JSON whatever its Content-Type.
 """
@@ -39,10 +39,18 @@ class Gate:
     def __init__(self, app, *, api_key: str | None, max_body: int, metrics,
                  body_timeout: float = DEFAULT_BODY_TIMEOUT) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.api_key = api_key.encode() if api_key else None
         self.max_body = max_body
         self.metrics = metrics
         self.body_timeout = body_timeout
+
+    def authorized(self, scope) -> bool:
+        """`Authorization: Bearer KEY`; the scheme is case-insensitive (RFC 9110), the key is
+        compared in constant time."""
+        given = _header(scope, b"authorization") or b""
+        scheme, _, token = given.strip().partition(b" ")
+        ok_scheme = scheme.lower() == b"bearer"
+        return hmac.compare_digest(token.strip(), self.api_key) and ok_scheme
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -66,13 +74,12 @@ class Gate:
 
     async def _handle(self, scope, receive, send) -> None:
         path, method = scope["path"], scope["method"]
-        if path.startswith("/v1") and self.expected is not None:
-            given = _header(scope, b"authorization") or b""
-            if not hmac.compare_digest(given, self.expected):
-                await _send_error(APIError(
-                    401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key",
-                    headers={"WWW-Authenticate": "Bearer"}), scope, receive, send)
-                return
+        keyed = path.startswith("/v1") or path == "/metrics"
+        if keyed and self.api_key is not None and not self.authorized(scope):
+            await _send_error(APIError(
+                401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"}), scope, receive, send)
+            return
         if method not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return
