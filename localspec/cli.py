@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import re
 import sys
 import traceback
 from typing import Any, Callable
@@ -355,17 +356,31 @@ def _is_loopback(host: str) -> bool:
                    "without max_tokens get it (default: half of --ctx).")
 @click.option("--time-limit", type=click.FloatRange(0), default=600, show_default=True,
               help="Seconds one generation may run; it then ends with finish_reason 'length' (0: no limit).")
+@click.option("--cors-origin", "cors_origins", multiple=True, metavar="ORIGIN",
+              help="A web origin allowed to call the server from a browser, e.g. http://localhost:3000 "
+                   "(repeatable; '*' for any). Other web pages get 403.")
+@click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME",
+              help="Also answer requests for this host name (repeatable; '*.example.com' for a domain, '*' for "
+                   "any): needed behind a reverse proxy or for a LAN name. Others get 403 (DNS rebinding).")
 @click.option("--log-prompts", is_flag=True, help="Log prompt and completion text (never logged otherwise).")
 @click.pass_context
 @friendly_errors
 def serve(ctx: click.Context, host: str, port: int, model_name: str | None, api_key: str | None,
           api_key_file: str | None, max_queue: int, max_body: int, max_tokens_limit: int | None, time_limit: float,
-          log_prompts: bool, **kw) -> None:
+          cors_origins: tuple[str, ...], allowed_hosts: tuple[str, ...], log_prompts: bool, **kw) -> None:
     """Serve an OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models
     (plus /health, /metrics and the docs at /docs)."""
     from .server.app import run_server, served_names
 
     api_key = resolve_api_key(ctx, api_key, api_key_file)
+    for origin in cors_origins:
+        if origin not in ("*", "null") and not re.fullmatch(r"[a-z][a-z0-9+.-]*://[^/?#\s]+/?", origin, re.I):
+            raise UserError(f"--cors-origin {origin!r}: give an origin such as http://localhost:3000 (scheme, host and "
+                            "port, no path), '*' or 'null'")
+    for name in allowed_hosts:
+        if name != "*" and not re.fullmatch(r"(\*\.)?[^/:\s*]+(:\d+)?|\[[0-9a-f:.]+\](:\d+)?", name, re.I):
+            raise UserError(f"--allowed-host {name!r}: give a host name such as example.com or '*.example.com' "
+                            "(no scheme or path), or '*'")
     if api_key is None and not _is_loopback(host):
         progress(f"warning: listening on {host} without an API key: anyone who can reach this machine can use the "
                  f"server; set ${API_KEY_ENV} or --api-key-file")
@@ -373,7 +388,8 @@ def serve(ctx: click.Context, host: str, port: int, model_name: str | None, api_
     with open_engine(**kw) as engine:
         run_server(engine, host=host, port=port, model_name=name, aliases=aliases, api_key=api_key,
                    max_queue=max_queue, max_body=max_body, max_tokens_limit=max_tokens_limit,
-                   time_limit=time_limit or None, log_prompts=log_prompts)
+                   time_limit=time_limit or None, cors_origins=cors_origins, allowed_hosts=allowed_hosts,
+                   log_prompts=log_prompts)
 
 
 @main.command()

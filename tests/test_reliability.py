@@ -300,7 +300,8 @@ def test_fuzz_the_openapi_schema(worker, registry):
 
     capped = EngineWorker(CappedEngine(worker.engine), max_queue=8)
     try:
-        fuzz_app = create_app(capped, model_name=MODEL, aliases=[registry.pair(None).oracle])
+        fuzz_app = create_app(capped, model_name=MODEL, aliases=[registry.pair(None).oracle],
+                              allowed_hosts=["testserver"])  # the Host schemathesis's ASGI client sends
         schema = schemathesis.openapi.from_asgi("/openapi.json", fuzz_app)
         failures, calls = [], []
         t0 = time.monotonic()
@@ -492,7 +493,7 @@ def test_api_key_on_every_v1_route_with_a_constant_time_compare(worker, monkeypa
     assert len(routes) >= 4
     bodies = {"/v1/chat/completions": {"messages": chat("Hi"), "max_tokens": 1},
               "/v1/completions": {"prompt": "Hi", "max_tokens": 1}}
-    with TestClient(keyed) as c:
+    with TestClient(keyed, base_url="http://localhost") as c:
         for path, method in routes:
             path = path.replace("{model_id}", MODEL)
             kw = {"json": bodies.get(path)} if method == "POST" else {}

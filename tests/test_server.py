@@ -310,7 +310,7 @@ def test_health_docs_and_no_prompts_in_logs(server, http, worker, caplog):
     from starlette.testclient import TestClient
 
     with caplog.at_level("INFO"):  # the same worker behind an app with --log-prompts
-        r = TestClient(create_app(worker, model_name=MODEL, log_prompts=True)).post("/v1/chat/completions", json=body)
+        r = TestClient(create_app(worker, model_name=MODEL, log_prompts=True), base_url="http://localhost").post("/v1/chat/completions", json=body)
         assert r.status_code == 200
     assert marker in caplog.text and repr(r.json()["choices"][0]["message"]["content"]) in caplog.text
 
@@ -604,6 +604,106 @@ def test_a_stalled_request_body_times_out():
         s.stop()
 
 
+# ---------------------------------------------------------------- cross-site requests, DNS rebinding, OPTIONS
+
+
+@pytest.mark.model
+def test_a_web_page_cannot_drive_the_server(server, http, worker):
+    """A form or fetch() from another site: text/plain needs no CORS preflight, so the browser
+    sends it; the server refuses it before any generation (403, an OpenAI error body)."""
+    completed = worker.completed
+    body = json.dumps({"prompt": "Hi", "max_tokens": 2})
+    for origin in ("http://evil.example", "null", "http://127.0.0.1:1", "https://localhost"):
+        r = http.post("/v1/completions", content=body, headers={"content-type": "text/plain", "origin": origin})
+        assert error_of(r, 403)["code"] == "origin_not_allowed", origin
+    r = http.options("/v1/completions", headers={"origin": "http://evil.example",
+                                                  "access-control-request-method": "POST"})
+    assert error_of(r, 403)["code"] == "origin_not_allowed"
+    assert "access-control-allow-origin" not in r.headers
+    assert error_of(http.get("/v1/models", headers={"origin": "http://evil.example"}), 403)
+    assert worker.completed == completed  # nothing ran
+    # the server's own pages (/docs) may call it: same origin
+    r = http.post("/v1/completions", content=body, headers={"origin": server})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.model
+def test_allowed_origins_get_cors(worker):
+    from starlette.testclient import TestClient
+
+    app = create_app(worker, model_name=MODEL, cors_origins=["http://localhost:3000"])
+    with TestClient(app, base_url="http://localhost") as c:
+        pre = c.options("/v1/chat/completions", headers={
+            "origin": "http://localhost:3000", "access-control-request-method": "POST",
+            "access-control-request-headers": "authorization, content-type, x-stainless-lang"})
+        assert pre.status_code == 200, pre.text
+        assert pre.headers["access-control-allow-origin"] == "http://localhost:3000"
+        assert "POST" in pre.headers["access-control-allow-methods"]
+        assert "authorization" in pre.headers["access-control-allow-headers"].lower()
+        r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1},
+                   headers={"origin": "http://localhost:3000"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
+        assert "retry-after" in r.headers["access-control-expose-headers"].lower()
+        r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, headers={"origin": "http://localhost:3001"})
+        assert error_of(r, 403)["code"] == "origin_not_allowed"
+    with TestClient(create_app(worker, model_name=MODEL, cors_origins=["*"]), base_url="http://localhost") as c:
+        r = c.get("/v1/models", headers={"origin": "https://anything.example"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+
+
+@pytest.mark.model
+def test_options_is_answered(http):
+    r = http.options("/v1/chat/completions")
+    assert r.status_code == 204 and r.headers["allow"] == "OPTIONS, POST"
+    r = http.options("/v1/models")
+    assert r.status_code == 204 and set(r.headers["allow"].split(", ")) >= {"GET", "OPTIONS"}
+    error_of(http.options("/v1/nothing-here"), 404)
+
+
+@pytest.mark.model
+def test_dns_rebinding_host_names_are_refused(server, http, worker):
+    """A page on evil.example whose DNS now points at 127.0.0.1 sends Host: evil.example."""
+    port = server.rsplit(":", 1)[1]
+    completed = worker.completed
+    for host in (f"evil.example:{port}", "evil.example", "localhost.evil.example", "127.0.0.1.nip.io",
+                 f"10.0.0.1:{port}", "a@127.0.0.1", ""):
+        r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, headers={"host": host})
+        assert error_of(r, 403)["code"] == "host_not_allowed", host
+    assert worker.completed == completed
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", "localhost", f"app.localhost:{port}", "127.0.0.2",
+                 f"[::1]:{port}", "LOCALHOST."):
+        assert http.get("/v1/models", headers={"host": host}).status_code == 200, host
+
+
+def test_host_rule():
+    from localspec.server.gate import HostRule, OriginRule, split_host
+
+    loop = HostRule("127.0.0.1")
+    assert loop.allows("localhost") and loop.allows("127.0.0.1") and loop.allows("::1") and loop.allows("x.localhost")
+    assert not loop.allows("10.0.0.5") and not loop.allows("evil.example") and not loop.allows("localhost.evil")
+    every = HostRule("0.0.0.0")
+    assert every.allows("192.168.1.20") and every.allows("::1") and not every.allows("evil.example")
+    import socket
+
+    assert every.allows(socket.gethostname().lower())  # this machine's name, when on every interface
+    assert not loop.allows(socket.gethostname().lower()) or socket.gethostname().lower().endswith(".localhost")
+    one = HostRule("192.168.1.20", ["api.example.com", "*.lan"])
+    assert one.allows("192.168.1.20") and not one.allows("192.168.1.21")
+    assert one.allows("api.example.com") and one.allows("box.lan") and one.allows("lan") and not one.allows("evil.com")
+    named = HostRule("myhost.lan")
+    assert named.allows("myhost.lan") and not named.allows("other.lan")
+    assert HostRule("127.0.0.1", ["*"]).allows("anything.example")
+    assert split_host("[::1]:8080") == ("::1", 8080) and split_host("Example.COM.") == ("example.com", None)
+    assert split_host("a:b") is None and split_host("[::1") is None and split_host("x/y") is None
+
+    rule = OriginRule(["http://localhost:3000", "HTTPS://App.Example:443/"])
+    assert rule.allows("http://localhost:3000", None) and rule.allows("https://app.example", None)
+    assert not rule.allows("http://localhost:3001", None) and not rule.allows("null", ("localhost", 8080))
+    assert rule.allows("http://127.0.0.1:8080", ("127.0.0.1", 8080))  # same origin
+    assert rule.allows("https://api.example", ("api.example", None))  # behind a TLS proxy
+    assert not rule.allows("http://127.0.0.1:8081", ("127.0.0.1", 8080))
+
+
 # ---------------------------------------------------------------- the API key
 
 
@@ -639,6 +739,8 @@ def test_serve_refuses_an_empty_or_unusable_api_key(tmp_path):
         (["--api-key-file", str(spaced)], {}, "printable ASCII without spaces"),
         (["--api-key-file", str(tmp_path / "missing.key")], {}, "No such file"),
         (["--api-key", "a", "--api-key-file", str(spaced)], {}, "not both"),
+        (["--cors-origin", "localhost:3000"], {}, "--cors-origin"),
+        (["--allowed-host", "http://example.com/"], {}, "--allowed-host"),
     ]
     procs = [(subprocess.Popen(CLI + ["serve", "--port", str(free_port()), "--oracle", "/nonexistent/model.gguf",
                                       "--no-draft", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

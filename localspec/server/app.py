@@ -1,6 +1,7 @@
 """The FastAPI app: OpenAI's /v1/chat/completions, /v1/completions and /v1/models over one engine
 worker, plus /health, /metrics and the OpenAPI docs (/docs, /openapi.json). What every request
-goes through first (the API key, the body) is in gate.py; the error bodies in errors.py."""
+goes through first (Host, Origin, CORS, the API key, the body) is in gate.py; the error bodies in
+errors.py."""
 
 from __future__ import annotations
 
@@ -19,12 +20,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from ..outputs import Chunk, Stats, TokenLogprob
 from . import schemas as S
 from .errors import (SERVER_ERROR, APIError, on_api_error, on_http_error, on_internal_error, on_validation_error,
                      shutting_down)
-from .gate import DEFAULT_BODY_TIMEOUT, Gate
+from .gate import DEFAULT_BODY_TIMEOUT, Gate, Guard, HostRule, OriginRule
 from .worker import CANCELLED, DEFAULT_MAX_QUEUE, STARTED, EngineWorker, Failed, Job, QueueFull, WorkerClosed
 
 log = logging.getLogger("localspec.server")
@@ -125,6 +127,7 @@ async def _watch_disconnect(receive, job: Job) -> None:
 def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = (), api_key: str | None = None,
                max_queue: int | None = None, max_body: int = DEFAULT_MAX_BODY, log_prompts: bool = False,
                max_tokens_limit: int | None = None, time_limit: float | None = DEFAULT_TIME_LIMIT,
+               host: str = "127.0.0.1", allowed_hosts: Iterable[str] = (), cors_origins: Iterable[str] = (),
                body_timeout: float = DEFAULT_BODY_TIMEOUT) -> FastAPI:
     """An OpenAI-compatible app over an Engine (the app then owns a worker for it, stopped at
     shutdown) or an EngineWorker (the caller owns it). `model_name` is what /v1/models lists;
@@ -132,7 +135,9 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
 
     `max_tokens_limit` (default: half the context) caps every request's max_tokens (larger values
     are clamped; chat without max_tokens gets it); `time_limit` (seconds, None: none) ends a
-    generation that runs longer with finish_reason "length". `body_timeout`: seconds a request
+    generation that runs longer with finish_reason "length". `host` is the address the server is
+    bound to: with `allowed_hosts` it decides which Host headers are answered; `cors_origins` are
+    the web origins allowed to call it (besides its own pages). `body_timeout`: seconds a request
     body may take to arrive."""
     if isinstance(engine_or_worker, EngineWorker):
         worker, owns_worker = engine_or_worker, False
@@ -171,7 +176,20 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
     app.state.metrics = metrics
     app.state.max_tokens_limit = max_tokens_limit
 
-    app.add_middleware(Gate, api_key=api_key, max_body=max_body, metrics=metrics, body_timeout=body_timeout)
+
+    def methods_for(path: str) -> set[str]:
+        out: set[str] = set()
+        for route in app.routes:
+            regex, methods = getattr(route, "path_regex", None), getattr(route, "methods", None)
+            if regex is not None and methods and regex.match(path):
+                out |= set(methods)
+        return out
+
+    # add_middleware: the last added runs first (Guard, then CORS, then Gate)
+    app.add_middleware(Gate, api_key=api_key, max_body=max_body, body_timeout=body_timeout, methods_for=methods_for)
+    app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"], allow_headers=["*"],
+                       expose_headers=["Retry-After"])
+    app.add_middleware(Guard, metrics=metrics, hosts=HostRule(host, allowed_hosts), origins=OriginRule(cors_origins))
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(APIError, on_api_error)
@@ -413,7 +431,7 @@ def run_server(engine, *, host: str = "127.0.0.1", port: int = 8080, **app_optio
     a few seconds, then are cancelled; the worker thread is joined before this returns)."""
     import uvicorn
 
-    app = create_app(engine, **app_options)
+    app = create_app(engine, host=host, **app_options)
     logging.getLogger("localspec.server").setLevel(logging.INFO)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info",
                                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN))
