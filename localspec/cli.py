@@ -362,12 +362,15 @@ def _is_loopback(host: str) -> bool:
 @click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME",
               help="Also answer requests for this host name (repeatable; '*.example.com' for a domain, '*' for "
                    "any): needed behind a reverse proxy or for a LAN name. Others get 403 (DNS rebinding).")
+@click.option("--shutdown-grace", type=click.FloatRange(0), default=5, show_default=True,
+              help="Seconds the running generation gets to finish after SIGTERM/Ctrl-C (queued ones get 503 at once).")
 @click.option("--log-prompts", is_flag=True, help="Log prompt and completion text (never logged otherwise).")
 @click.pass_context
 @friendly_errors
 def serve(ctx: click.Context, host: str, port: int, model_name: str | None, api_key: str | None,
           api_key_file: str | None, max_queue: int, max_body: int, max_tokens_limit: int | None, time_limit: float,
-          cors_origins: tuple[str, ...], allowed_hosts: tuple[str, ...], log_prompts: bool, **kw) -> None:
+          cors_origins: tuple[str, ...], allowed_hosts: tuple[str, ...], shutdown_grace: float, log_prompts: bool,
+          **kw) -> None:
     """Serve an OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models
     (plus /health, /metrics and the docs at /docs)."""
     from .server.app import run_server, served_names
@@ -386,8 +389,8 @@ def serve(ctx: click.Context, host: str, port: int, model_name: str | None, api_
                  f"server; set ${API_KEY_ENV} or --api-key-file")
     name, aliases = served_names(kw["pair"], kw["oracle"], model_name)
     with open_engine(**kw) as engine:
-        run_server(engine, host=host, port=port, model_name=name, aliases=aliases, api_key=api_key,
-                   max_queue=max_queue, max_body=max_body, max_tokens_limit=max_tokens_limit,
+        run_server(engine, host=host, port=port, grace=shutdown_grace, model_name=name, aliases=aliases,
+                   api_key=api_key, max_queue=max_queue, max_body=max_body, max_tokens_limit=max_tokens_limit,
                    time_limit=time_limit or None, cors_origins=cors_origins, allowed_hosts=allowed_hosts,
                    log_prompts=log_prompts)
 

@@ -12,7 +12,6 @@ from contextlib import contextmanager
 from typing import Iterator
 
 import httpx
-import uvicorn
 
 
 _script = os.path.join(os.path.dirname(sys.executable), "localspec")
@@ -26,12 +25,15 @@ def free_port() -> int:
 
 
 class ThreadedServer:
-    """uvicorn serving `app` in a thread on a free port (no signal handlers: not the main thread)."""
+    """`localspec serve`'s uvicorn server (localspec.server.app.Server) serving `app` in a thread on
+    a free port (no signal handlers: not the main thread); `stop()` shuts it down as SIGTERM does."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, grace: float = 5.0) -> None:
+        from localspec.server.app import Server
+
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.server = Server(app, host="127.0.0.1", port=self.port, grace=grace, log_level="warning")
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
@@ -39,9 +41,9 @@ class ThreadedServer:
             assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
             time.sleep(0.02)
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 15) -> None:
         self.server.should_exit = True
-        self.thread.join(15)
+        self.thread.join(timeout)
         assert not self.thread.is_alive()
 
 

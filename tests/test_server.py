@@ -771,6 +771,117 @@ def test_serve_warns_about_keys_in_ps_and_open_interfaces(tmp_path):
         assert "warning" not in p.stderr and p.returncode == 2, p.stderr  # then the missing model
 
 
+# ---------------------------------------------------------------- shutdown with work in flight (no model: timing)
+
+
+def _post_in_thread(url: str, body: dict, results: list, index: int, stream: bool = False):
+    def run():
+        t0 = time.monotonic()
+        try:
+            if stream:
+                with httpx.stream("POST", url, json=body, timeout=30) as r:
+                    payload = sse_events(r) if r.status_code == 200 else json.loads(r.read())
+                    results[index] = (r.status_code, payload, dict(r.headers), time.monotonic() - t0)
+            else:
+                r = httpx.post(url, json=body, timeout=30)
+                results[index] = (r.status_code, r.json(), dict(r.headers), time.monotonic() - t0)
+        except Exception as e:  # noqa: BLE001 - reported by the test
+            results[index] = (None, repr(e), {}, time.monotonic() - t0)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def _wait(condition, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_shutdown_refuses_the_queue_at_once_and_cuts_the_running_one_at_the_grace_period():
+    """SIGTERM with one long non-streamed generation running and four queued: the four get 503
+    with Retry-After and an error body right away; the running one ends with a 503 error body when
+    the grace period is over (not uvicorn's bare 500 when it cancels tasks)."""
+    engine = PacedEngine(step=0.02)
+    worker = EngineWorker(engine, max_queue=8)
+    s = ThreadedServer(create_app(worker, model_name="paced"), grace=1.0)
+    try:
+        url = s.url + "/v1/completions"
+        results: list = [None] * 5
+        threads = [_post_in_thread(url, {"prompt": "long", "max_tokens": 2000}, results, 0)]
+        _wait(lambda: worker.busy)
+        threads += [_post_in_thread(url, {"prompt": f"q{i}", "max_tokens": 2}, results, i) for i in range(1, 5)]
+        _wait(lambda: worker.queue_depth == 4)
+        t0 = time.monotonic()
+        stopper = threading.Thread(target=s.stop, daemon=True)
+        stopper.start()
+        for t in threads[1:]:
+            t.join(5)
+        queued_done = time.monotonic() - t0
+        for status, body, headers, _ in results[1:]:
+            assert status == 503, body
+            assert body["error"]["code"] == "server_shutting_down" and int(headers["retry-after"]) >= 1
+        assert queued_done < 1.0, queued_done  # at once, not after the running one
+        threads[0].join(10)
+        status, body, headers, _ = results[0]
+        assert status == 503 and body["error"]["code"] == "server_shutting_down", body
+        assert time.monotonic() - t0 < 4
+        stopper.join(15)
+        assert len(engine.calls) == 1  # the queued ones never ran
+    finally:
+        worker.close()
+
+
+def test_shutdown_lets_the_running_generation_finish_within_the_grace_period():
+    engine = PacedEngine(step=0.02)
+    worker = EngineWorker(engine, max_queue=8)
+    s = ThreadedServer(create_app(worker, model_name="paced"), grace=5.0)
+    try:
+        url = s.url + "/v1/completions"
+        results: list = [None] * 2
+        threads = [_post_in_thread(url, {"prompt": "a", "max_tokens": 40}, results, 0),
+                   _post_in_thread(url, {"prompt": "b", "max_tokens": 40, "stream": True}, results, 1, stream=True)]
+        _wait(lambda: worker.busy and worker.queue_depth == 1)
+        s.stop()
+        for t in threads:
+            t.join(10)
+        # whichever started first finished (40 steps, ~0.8 s, within the 5 s grace); the other was queued: 503
+        assert sorted(str(r[0]) for r in results) == ["200", "503"], results
+        ran = next(r for r in results if r[0] == 200)
+        if isinstance(ran[1], dict):
+            text = ran[1]["choices"][0]["text"]
+        else:
+            assert ran[1][-1] == "[DONE]"
+            text = "".join(e["choices"][0]["text"] for e in ran[1][:-1])
+        assert text.endswith(" 39, 40,"), text
+        other = next(r for r in results if r is not ran)
+        assert other[1]["error"]["code"] == "server_shutting_down"
+    finally:
+        worker.close()
+
+
+def test_shutdown_ends_a_running_stream_with_an_error_event_and_done():
+    engine = PacedEngine(step=0.02)
+    worker = EngineWorker(engine, max_queue=8)
+    s = ThreadedServer(create_app(worker, model_name="paced"), grace=0.5)
+    try:
+        results: list = [None]
+        t = _post_in_thread(s.url + "/v1/completions", {"prompt": "a", "max_tokens": 2000, "stream": True}, results, 0,
+                            stream=True)
+        _wait(lambda: worker.busy)
+        time.sleep(0.1)
+        s.stop()
+        t.join(10)
+        status, events, _, elapsed = results[0]
+        assert status == 200 and events[-1] == "[DONE]", events[-3:]
+        assert events[-2]["error"]["code"] == "server_shutting_down"
+        assert events[0]["choices"][0]["text"] == " 1,"
+    finally:
+        worker.close()
+
+
 # ---------------------------------------------------------------- the real command
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import secrets
 import signal
@@ -16,6 +17,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterable
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -33,7 +35,7 @@ log = logging.getLogger("localspec.server")
 
 DEFAULT_MAX_BODY = 4 * 1024 * 1024
 DEFAULT_TIME_LIMIT = 600.0  # seconds one generation may run (the openai client gives up at 600 s anyway)
-GRACEFUL_SHUTDOWN = 5  # seconds in-flight requests get after SIGINT/SIGTERM
+GRACEFUL_SHUTDOWN = 5.0  # seconds the running generation gets after SIGINT/SIGTERM
 _SERVER_ERROR = SERVER_ERROR
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
 
@@ -98,9 +100,10 @@ class _JobStream(StreamingResponse):
         try:
             await super().__call__(scope, receive, send_tracked)
         except asyncio.CancelledError:
-            # uvicorn cancels what is still streaming when its graceful shutdown ends: close the stream
-            # with an error event and [DONE] rather than leave a traceback in the log
-            self.job.cancel()
+            # uvicorn cancels what is still streaming when its graceful shutdown ends (a step slower
+            # than the grace period): close the stream with an error event and [DONE] rather than
+            # leave a traceback in the log
+            self.job.cancel(SHUTDOWN_REASON)
             if not started:
                 raise
             tail = _sse(json.dumps(shutting_down().body())) + "data: [DONE]\n\n"
@@ -119,6 +122,10 @@ async def _watch_disconnect(receive, job: Job) -> None:
         if message["type"] == "http.disconnect":
             job.cancel()
             return
+
+
+SHUTDOWN_REASON = "the server is shutting down"
+_SHUTDOWN = object()  # put on a queued request's event queue when the server starts shutting down
 
 
 # ---------------------------------------------------------------- the app
@@ -156,6 +163,9 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
         time_limit = None
     names = {model_name, *aliases}
     started = int(time.time())
+    waiting: dict[Job, asyncio.Queue] = {}  # submitted, not yet started by the engine
+    running: set[Job] = set()  # started, response not finished
+    draining = False
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -176,7 +186,6 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
     app.state.metrics = metrics
     app.state.max_tokens_limit = max_tokens_limit
 
-
     def methods_for(path: str) -> set[str]:
         out: set[str] = set()
         for route in app.routes:
@@ -195,6 +204,28 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(Exception, on_internal_error)
 
+    def begin_shutdown(grace: float) -> None:
+        """The server stops (SIGTERM/SIGINT): queued requests get a 503 now, new ones too; the
+        running generation has `grace` seconds to finish, then ends with an error body (a 503, or
+        an error event and [DONE] on a stream). Called on the event loop."""
+        nonlocal draining
+        if draining:
+            return
+        draining = True
+        if waiting or running:
+            log.info("shutting down: %d queued request(s) refused, %d running get %g s", len(waiting),
+                     len(running), grace)
+        for events in list(waiting.values()):
+            events.put_nowait(_SHUTDOWN)
+
+        def stop_running() -> None:
+            for job in list(running):
+                job.cancel(SHUTDOWN_REASON)
+
+        asyncio.get_running_loop().call_later(grace, stop_running)
+
+    app.state.begin_shutdown = begin_shutdown
+
     def check_model(model: str | None) -> None:
         if model is not None and model not in names:
             raise APIError(404, f"The model '{model}' does not exist (this server serves '{model_name}').",
@@ -202,6 +233,8 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
 
     async def start(request: Request, prompt: Any, options: dict[str, Any], rid: str) -> tuple[Job, asyncio.Queue]:
         """Queue the job and wait until the engine has accepted it (errors are still HTTP errors here)."""
+        if draining:
+            raise shutting_down()
         try:
             job, events = worker.submit_async(prompt, options, time_limit=time_limit)
         except QueueFull as e:
@@ -211,6 +244,7 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
             raise shutting_down() from None
         if log_prompts:
             log.info("%s prompt: %r", rid, prompt)
+        waiting[job] = events
         watcher = asyncio.create_task(_watch_disconnect(request.receive, job))
         try:
             event = await events.get()
@@ -219,6 +253,10 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
             raise
         finally:
             watcher.cancel()
+            waiting.pop(job, None)
+        if event is _SHUTDOWN:
+            job.cancel(SHUTDOWN_REASON)
+            raise shutting_down()
         if isinstance(event, Failed):
             if event.client_error:
                 param = "messages" if isinstance(prompt, list) else "prompt"
@@ -230,20 +268,27 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
         if event is CANCELLED:  # the client went away while queued; nobody reads this
             raise APIError(499, "The request was cancelled.", code="cancelled")
         assert event is STARTED, event
+        running.add(job)
         return job, events
 
     async def chunks(job: Job, events: asyncio.Queue, request: Request | None) -> AsyncIterator[Chunk | Failed]:
-        """The job's chunks until the last one (or a failure). With `request`, a disconnect cancels the job."""
+        """The job's chunks until the last one (or a failure). With `request`, a disconnect cancels the job.
+        A generation stopped because the server is shutting down ends with a Failed(WorkerClosed)."""
         watcher = asyncio.create_task(_watch_disconnect(request.receive, job)) if request is not None else None
         try:
             while True:
                 event = await events.get()
+                if event is _SHUTDOWN:  # meant for start(): this one runs on
+                    continue
                 if event is CANCELLED:
+                    if job.cancel_reason == SHUTDOWN_REASON:
+                        yield Failed(WorkerClosed(SHUTDOWN_REASON), client_error=False)
                     return
                 yield event
                 if isinstance(event, Failed) or event.finish_reason is not None:
                     return
         finally:
+            running.discard(job)
             if watcher is not None:
                 watcher.cancel()
             job.cancel()  # no-op once finished
@@ -252,12 +297,19 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
         """A whole (non-streamed) generation: its text, logprobs and last chunk; None when the
         client went away before the end (nobody reads the answer)."""
         parts, logprobs, final = [], [], None
-        async for event in chunks(job, events, request):
-            if isinstance(event, Failed):
-                raise APIError(500, _SERVER_ERROR)
-            parts.append(event.text)
-            logprobs.extend(event.logprobs or ())
-            final = event
+        try:
+            async for event in chunks(job, events, request):
+                if isinstance(event, Failed):
+                    raise shutting_down() if isinstance(event.error, WorkerClosed) else APIError(500, _SERVER_ERROR)
+                parts.append(event.text)
+                logprobs.extend(event.logprobs or ())
+                final = event
+        except asyncio.CancelledError:
+            if not draining:
+                raise
+            # uvicorn's own shutdown deadline passed first (a very slow step): still answer in JSON
+            job.cancel(SHUTDOWN_REASON)
+            raise shutting_down() from None
         if final is None or final.finish_reason is None:
             return None
         return "".join(parts), logprobs, final
@@ -426,15 +478,32 @@ def served_names(pair: str | None, oracle: str | None, model_name: str | None) -
     return name, [oracle_name]
 
 
-def run_server(engine, *, host: str = "127.0.0.1", port: int = 8080, **app_options) -> None:
-    """Serve `engine` until SIGINT/SIGTERM (uvicorn shuts down gracefully: in-flight streams get
-    a few seconds, then are cancelled; the worker thread is joined before this returns)."""
-    import uvicorn
+class Server(uvicorn.Server):
+    """uvicorn for an app made by create_app, whose shutdown (SIGINT/SIGTERM, or `should_exit`)
+    tells the app at once: queued requests get 503 right away and the running generation gets
+    `grace` seconds, then an error body. uvicorn's own deadline comes a few seconds later, for the
+    last bytes to go out."""
 
+    def __init__(self, app, *, host: str = "127.0.0.1", port: int = 8080, grace: float = GRACEFUL_SHUTDOWN,
+                 log_level: str = "info") -> None:
+        super().__init__(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                        timeout_graceful_shutdown=int(math.ceil(grace)) + 5))
+        self.grace = grace
+
+    async def shutdown(self, sockets=None) -> None:
+        begin = getattr(getattr(self.config.app, "state", None), "begin_shutdown", None)
+        if begin is not None:
+            begin(self.grace)
+        await super().shutdown(sockets)
+
+
+def run_server(engine, *, host: str = "127.0.0.1", port: int = 8080, grace: float = GRACEFUL_SHUTDOWN,
+               **app_options) -> None:
+    """Serve `engine` until SIGINT/SIGTERM: queued requests then get 503 at once, the running one
+    `grace` seconds to finish; the worker thread is joined before this returns."""
     app = create_app(engine, host=host, **app_options)
     logging.getLogger("localspec.server").setLevel(logging.INFO)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info",
-                                           timeout_graceful_shutdown=GRACEFUL_SHUTDOWN))
+    server = Server(app, host=host, port=port, grace=grace)
 
     def leave(signum, frame):  # uvicorn re-raises the signal that stopped it once it has shut down
         raise SystemExit(0)
@@ -450,6 +519,8 @@ def run_server(engine, *, host: str = "127.0.0.1", port: int = 8080, **app_optio
 
 def _stream_error(event: Failed) -> str:
     """An error after the response started: a `data: {"error": ...}` event (the openai client raises it)."""
+    if isinstance(event.error, WorkerClosed):
+        return json.dumps(shutting_down().body())
     return json.dumps(APIError(500, _SERVER_ERROR).body())
 
 
