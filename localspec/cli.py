@@ -373,8 +373,6 @@ def serve(ctx: click.Context, host: str, port: int, model_name: str | None, api_
           **kw) -> None:
     """Serve an OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models
     (plus /health, /metrics and the docs at /docs)."""
-    from .server.app import run_server, served_names
-
     api_key = resolve_api_key(ctx, api_key, api_key_file)
     for origin in cors_origins:
         if origin not in ("*", "null") and not re.fullmatch(r"[a-z][a-z0-9+.-]*://[^/?#\s]+/?", origin, re.I):
@@ -387,6 +385,8 @@ def serve(ctx: click.Context, host: str, port: int, model_name: str | None, api_
     if api_key is None and not _is_loopback(host):
         progress(f"warning: listening on {host} without an API key: anyone who can reach this machine can use the "
                  f"server; set ${API_KEY_ENV} or --api-key-file")
+    from .server.app import run_server, served_names  # after the checks above: they fail fast
+
     name, aliases = served_names(kw["pair"], kw["oracle"], model_name)
     with open_engine(**kw) as engine:
         run_server(engine, host=host, port=port, grace=shutdown_grace, model_name=name, aliases=aliases,

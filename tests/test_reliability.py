@@ -678,7 +678,7 @@ def test_sigterm_with_a_running_request_and_a_queue(cli_server):
         status, ctype, raw, headers, at = results[i]
         assert status == 503 and ctype.startswith("application/json"), (i, status, raw[:300])
         assert json.loads(raw)["error"]["code"] == "server_shutting_down" and int(headers["retry-after"]) >= 1
-        assert at - t0 < 1.5, at - t0  # at once, not after the running one
+        assert at - t0 < 2.5, at - t0  # promptly (before: ~7 s, then a bare 500)
     status, ctype, raw, headers, at = results[0]
     assert ctype.startswith("application/json"), (status, raw[:300])
     body = json.loads(raw)

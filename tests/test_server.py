@@ -548,7 +548,7 @@ def test_time_limit_ends_a_generation_with_length(worker):
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["choices"][0]["finish_reason"] == "length"
-        assert 0 < body["usage"]["completion_tokens"] < 900 and body["choices"][0]["text"].startswith(" 11,")
+        assert 0 < body["usage"]["completion_tokens"] < 900 and body["choices"][0]["text"].startswith(" 1")
         assert elapsed < 10, elapsed  # 900 tokens would take far longer
         with c.stream("POST", "/v1/completions", json={"prompt": COUNTING, "max_tokens": 900, "temperature": 0,
                                                        "stream": True}) as s:
@@ -747,28 +747,35 @@ def test_serve_refuses_an_empty_or_unusable_api_key(tmp_path):
                                env={**env, **extra}, stdin=subprocess.DEVNULL), message)
              for args, extra, message in cases]
     for p, message in procs:
-        out, err = p.communicate(timeout=60)
+        out, err = p.communicate(timeout=120)
         assert p.returncode == 2, err
         assert message in err and "not found" not in err, err  # refused before the model is even looked for
 
 
 def test_serve_warns_about_keys_in_ps_and_open_interfaces(tmp_path):
+    """The warnings come before the model loads (a missing GGUF then stops each run; all in parallel)."""
     import os
 
     env = {k: v for k, v in os.environ.items() if k != "LOCALSPEC_API_KEY"}
-    p = subprocess.run(CLI + ["serve", "--api-key", "abc", "--oracle", "/nonexistent/model.gguf", "--no-draft"],
-                       capture_output=True, text=True, timeout=60, env=env, stdin=subprocess.DEVNULL)
-    assert "visible to every user" in p.stderr and "LOCALSPEC_API_KEY" in p.stderr
-    p = subprocess.run(CLI + ["serve", "--host", "0.0.0.0", "--oracle", "/nonexistent/model.gguf", "--no-draft"],
-                       capture_output=True, text=True, timeout=60, env=env, stdin=subprocess.DEVNULL)
-    assert "without an API key" in p.stderr
     keyfile = tmp_path / "k"
     keyfile.write_text("abc\n")
-    for args, extra in ((["--host", "0.0.0.0", "--api-key-file", str(keyfile)], {}),
-                        (["--host", "0.0.0.0"], {"LOCALSPEC_API_KEY": "abc"}), (["--host", "localhost"], {})):
-        p = subprocess.run(CLI + ["serve", *args, "--oracle", "/nonexistent/model.gguf", "--no-draft"],
-                           capture_output=True, text=True, timeout=60, env={**env, **extra}, stdin=subprocess.DEVNULL)
-        assert "warning" not in p.stderr and p.returncode == 2, p.stderr  # then the missing model
+    cases = [
+        (["--api-key", "abc"], {}, ["visible to every user", "LOCALSPEC_API_KEY"]),
+        (["--host", "0.0.0.0"], {}, ["without an API key"]),
+        (["--host", "0.0.0.0", "--api-key-file", str(keyfile)], {}, []),
+        (["--host", "0.0.0.0"], {"LOCALSPEC_API_KEY": "abc"}, []),
+        (["--host", "localhost"], {}, []),
+    ]
+    procs = [(subprocess.Popen(CLI + ["serve", *args, "--oracle", "/nonexistent/model.gguf", "--no-draft"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**env, **extra},
+                               stdin=subprocess.DEVNULL), needles) for args, extra, needles in cases]
+    for p, needles in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 2 and "not found" in err, err  # then the missing model stops it
+        if needles:
+            assert all(n in err for n in needles), err
+        else:
+            assert "warning" not in err, err
 
 
 # ---------------------------------------------------------------- shutdown with work in flight (no model: timing)
@@ -806,7 +813,7 @@ def test_shutdown_refuses_the_queue_at_once_and_cuts_the_running_one_at_the_grac
     the grace period is over (not uvicorn's bare 500 when it cancels tasks)."""
     engine = PacedEngine(step=0.02)
     worker = EngineWorker(engine, max_queue=8)
-    s = ThreadedServer(create_app(worker, model_name="paced"), grace=1.0)
+    s = ThreadedServer(create_app(worker, model_name="paced"), grace=2.0)
     try:
         url = s.url + "/v1/completions"
         results: list = [None] * 5
@@ -823,11 +830,11 @@ def test_shutdown_refuses_the_queue_at_once_and_cuts_the_running_one_at_the_grac
         for status, body, headers, _ in results[1:]:
             assert status == 503, body
             assert body["error"]["code"] == "server_shutting_down" and int(headers["retry-after"]) >= 1
-        assert queued_done < 1.0, queued_done  # at once, not after the running one
+        assert queued_done < 1.5, queued_done  # at once, not after the running one (cut at 2 s)
         threads[0].join(10)
         status, body, headers, _ = results[0]
         assert status == 503 and body["error"]["code"] == "server_shutting_down", body
-        assert time.monotonic() - t0 < 4
+        assert 1.8 < time.monotonic() - t0 < 6  # at the end of the grace period
         stopper.join(15)
         assert len(engine.calls) == 1  # the queued ones never ran
     finally:
