@@ -1016,6 +1016,7 @@ def test_worker_queue_limit_and_shutdown():
         time.sleep(0.01)
     w.close(timeout=5)
     assert not w._thread.is_alive() and first.outcome == "cancelled"
+    assert first.cancel_reason == "the server is shutting down"  # not "the client went away"
     assert CANCELLED in events and any(isinstance(ev, Failed) and isinstance(ev.error, WorkerClosed) for ev in events)
     with pytest.raises(WorkerClosed):
         w.submit("d", {}, events.append)

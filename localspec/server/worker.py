@@ -167,7 +167,7 @@ class EngineWorker:
             self._closed = True
             running = self._running
         if running is not None:
-            running.cancel()
+            running.cancel("the server is shutting down")
         while True:
             try:
                 job = self._jobs.get_nowait()
@@ -176,7 +176,7 @@ class EngineWorker:
             if job is not None:
                 with self._lock:
                     self._waiting -= 1
-                job.cancel()
+                job.cancel("the server is shutting down")
                 job.outcome = "cancelled"
                 job.deliver(Failed(WorkerClosed("the server is shutting down"), client_error=False))
                 job.done.set()
