@@ -16,8 +16,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .bench.ceiling import acceptance_from_tokens_per_step, fit_costs, predicted_speedup
+from .bench.ceiling import acceptance_from_tokens_per_step, predicted_speedup
 from .compat import first_difference
+from .costs import fit_steps
 from .engine import Engine
 from .llama import LlamaContext
 from .policy import AdaptiveLength, FixedLength
@@ -102,8 +103,7 @@ def run_check(engine: Engine, prompts: list, *, oracle: str, draft: str,
         records += [r for result in results for r in result.stats.records]
         report.measured["adaptive"] = tps / base_tps if base_tps else 0.0
 
-    fit = fit_costs([(r.k, r.drafted, r.accepted, r.draft_time, r.verify_time, r.context, r.draft_evaluated)
-                     for r in records])
+    fit = fit_steps(records)
     if fit is not None:
         verify, draft_cost = fit
         c = report.context

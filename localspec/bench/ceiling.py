@@ -27,11 +27,10 @@ from __future__ import annotations
 import math
 from typing import Callable, Mapping, Sequence
 
-from localspec.costs import DRAFT_SHAPE, VERIFY_SHAPE, PassCost
+from localspec.costs import PassCost, fit_steps
+from localspec.costs import predicted_speedup as predicted_steps_speedup
+from localspec.outputs import StepRecord
 from localspec.policy import fit_line
-
-# a compact per-step record (the bench worker's): k, drafted, accepted, draft_time, verify_time, context, draft_evaluated
-K, DRAFTED, ACCEPTED, DRAFT_TIME, VERIFY_TIME, CONTEXT, EVALUATED = range(7)
 
 
 def expected_tokens(a: float, k: float) -> float:
@@ -113,29 +112,22 @@ def cost_curve(points: Mapping[int | float, float]) -> Callable[[float], float]:
     return c
 
 
+def steps_of(records: Sequence[Sequence[float]]) -> list[StepRecord]:
+    """The bench worker's compact records ([k, drafted, accepted, draft_time, verify_time, context,
+    draft_evaluated]) as the engine's StepRecords."""
+    return [StepRecord(int(r[0]), int(r[1]), int(r[2]), float(r[3]), float(r[4]), int(r[5]), int(r[6]))
+            for r in records]
+
+
 def fit_costs(records: Sequence[Sequence[float]]) -> tuple[PassCost, PassCost] | None:
-    """verify(n, c) and draft(l, c) fitted to every step in `records` (no forgetting: one fit over a
-    run); None without a one-token step to anchor the verify cost. Steps whose draft caught up on
-    many tokens (the first after a prompt, a probe after idle steps) are not draft-cost samples."""
-    verify, draft = PassCost(VERIFY_SHAPE, decay=1.0), PassCost(DRAFT_SHAPE, decay=1.0)
-    for r in sorted(records, key=lambda r: r[DRAFTED]):  # one-token passes first: they set the scale
-        verify.observe(int(r[DRAFTED]) + 1, int(r[CONTEXT]), float(r[VERIFY_TIME]))
-        if r[DRAFTED] and r[EVALUATED] <= r[DRAFTED] + 2:
-            draft.observe(int(r[DRAFTED]), int(r[CONTEXT]), float(r[DRAFT_TIME]))
-    if not any(r[DRAFTED] == 0 for r in records):
-        return None
-    return verify, draft
+    """localspec.costs.fit_steps over compact records."""
+    return fit_steps(steps_of(records))
 
 
 def record_ceiling(records: Sequence[Sequence[float]], verify: PassCost, draft: PassCost | None) -> float | None:
     """The speedup predicted for the steps in `records` (see the module docstring). `draft` None:
     proposing costs nothing (prompt lookup)."""
-    base = spec = 0.0
-    for r in records:
-        n, c = int(r[DRAFTED]), int(r[CONTEXT])
-        base += (int(r[ACCEPTED]) + 1) * verify(1, c)
-        spec += verify(n + 1, c) + (draft(n, c) if n and draft is not None and draft.ready else 0.0)
-    return base / spec if spec > 0 else None
+    return predicted_steps_speedup(steps_of(records), verify, draft)
 
 
 def median(values: Sequence[float]) -> float:
