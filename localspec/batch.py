@@ -12,6 +12,9 @@ Output, one JSON object per line, in input order:
 (with "structure": "complete" | "incomplete" under a schema or grammar). A line's "json_schema" /
 "grammar" replaces --json-schema / --grammar; an invalid one is that line's error.
 
+The input is UTF-8 (a leading byte-order mark is accepted); a line that is not valid UTF-8 becomes
+an error record naming the line, like any other malformed line. Lines end at LF or CRLF only.
+
 Resumable: ids already in the output file are skipped. Each record is one whole line written with a
 single write + fsync, so an interrupted run loses at most the record in flight; a truncated last
 line (a crash mid-write) is cut off before appending.
@@ -84,6 +87,8 @@ def parse_line(line: str, lineno: int, *, defaults: dict[str, Any], system: str 
     """One input line -> an Item (with `error` set when the line is malformed). Value ranges are
     left to the engine, which rejects them with a clear message."""
     fallback_id = f"line-{lineno}"
+    if isinstance(line, NotUTF8):
+        return Item(lineno, fallback_id, error=str(line))
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
@@ -157,14 +162,15 @@ def _request(obj: dict[str, Any], *, defaults: dict[str, Any], system: str | Non
 # ---------------------------------------------------------------- output
 
 
-def read_done(path: str, warn: Callable[[str], None]) -> set[str]:
-    """The ids already in the output file. A truncated last line (no newline: a crash mid-write)
-    is cut off so appending starts on a fresh line; unreadable complete lines are ignored."""
+def read_done(path: str, warn: Callable[[str], None]) -> dict[str, bool]:
+    """The ids already in the output file, each with whether its record is an error. A truncated
+    last line (no newline: a crash mid-write) is cut off so appending starts on a fresh line;
+    unreadable complete lines are ignored."""
     try:
         with open(path, "rb") as f:
             data = f.read()
     except FileNotFoundError:
-        return set()
+        return {}
     if data and not data.endswith(b"\n"):
         keep = data.rfind(b"\n") + 1
         with open(path, "r+b") as f:
@@ -173,13 +179,14 @@ def read_done(path: str, warn: Callable[[str], None]) -> set[str]:
             os.fsync(f.fileno())
         warn(f"{path}: dropped a truncated last line ({len(data) - keep} bytes) from an interrupted run")
         data = data[:keep]
-    done, bad = set(), 0
+    done: dict[str, bool] = {}
+    bad = 0
     for line in data.splitlines():
         if not line.strip():
             continue
         try:
             record = json.loads(line)
-            done.add(id_key(record["id"]))
+            done[id_key(record["id"])] = "error" in record
         except (ValueError, KeyError, TypeError):
             bad += 1
     if bad:
@@ -220,11 +227,17 @@ class Summary:
     written: int = 0
     failed: int = 0
     skipped: int = 0
+    skipped_errors: int = 0  # of the skipped, ids whose record in the output is an error
     duplicates: int = 0
     tokens: int = 0
     drafted: int = 0
     accepted: int = 0
     seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """Every id of the input has a successful record in the output (exit status 0)."""
+        return self.failed == 0 and self.skipped_errors == 0
 
     @property
     def acceptance(self) -> float | None:
@@ -235,20 +248,38 @@ class Summary:
         tps = self.tokens / self.seconds if self.seconds > 0 else 0.0
         text = (f"{self.written} records written ({self.failed} failed)")
         if self.skipped:
-            text += f", {self.skipped} skipped (already in the output)"
+            text += f", {self.skipped} skipped (already in the output"
+            text += f", {self.skipped_errors} of them errors)" if self.skipped_errors else ")"
         if self.duplicates:
             text += f", {self.duplicates} repeated id{'s' if self.duplicates > 1 else ''} skipped"
         return text + f"; {self.tokens} tokens in {self.seconds:.1f} s ({tps:.1f} tok/s), {acc}"
 
 
+class NotUTF8(str):
+    """An input line that is not valid UTF-8: its error message (parse_line turns it into an error item)."""
+
+
 def read_lines(path: str) -> list[tuple[int, str]]:
-    """Non-blank input lines with their 1-based line numbers ('-': stdin)."""
+    """Non-blank input lines with their 1-based line numbers ('-': stdin), decoded as UTF-8 one
+    line at a time: a line that is not UTF-8 comes back as a NotUTF8 message. A leading BOM is
+    dropped. Only LF and CRLF end a line (a JSON string may hold U+2028 and friends)."""
     if path == "-":
-        text = sys.stdin.read()
+        data = sys.stdin.buffer.read()
     else:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            text = f.read()
-    return [(i, line) for i, line in enumerate(text.splitlines(), 1) if line.strip()]
+        with open(path, "rb") as f:
+            data = f.read()
+    if data.startswith(b"\xef\xbb\xbf"):
+        data = data[3:]
+    out: list[tuple[int, str]] = []
+    for i, raw in enumerate(data.split(b"\n"), 1):
+        raw = raw.removesuffix(b"\r")
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = NotUTF8(f"line {i}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line)")
+        if line.strip():
+            out.append((i, line))
+    return out
 
 
 def run_batch(input_path: str, output_path: str | None, *, open_engine: Callable[[], Any],
@@ -258,21 +289,26 @@ def run_batch(input_path: str, output_path: str | None, *, open_engine: Callable
     if output_path == "-":
         output_path = None
     items = [parse_line(line, n, defaults=defaults, system=system, raw=raw) for n, line in read_lines(input_path)]
-    done = read_done(output_path, progress) if output_path else set()
+    done = read_done(output_path, progress) if output_path else {}
     summary = Summary()
     pending: list[Item] = []
     queued: set[str] = set()
     for item in items:
         if item.key in done:
             summary.skipped += 1
+            summary.skipped_errors += done[item.key]
         elif item.key in queued:
             summary.duplicates += 1
         else:
             queued.add(item.key)
             pending.append(item)
     if not pending:
-        progress(f"nothing to do: every id in the input is already in {output_path}" if items
-                 else "no requests in the input")
+        if not items:
+            progress("no requests in the input")
+        else:
+            errors = f" ({summary.skipped_errors} of them error records: delete those lines to retry them)" \
+                if summary.skipped_errors else ""
+            progress(f"nothing to do: every id in the input is already in {output_path}{errors}")
         return summary
 
     needs_engine = any(item.error is None for item in pending)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import re
 import sys
 import traceback
 from typing import Any, Callable
@@ -12,6 +13,8 @@ from typing import Any, Callable
 import click
 
 EXIT_USAGE = 2
+EXIT_RECORDS_FAILED = 1  # a batch run ended with error records in its output
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), as shells report it
 
 
 class UserError(click.ClickException):
@@ -196,7 +199,10 @@ def generate(prompt: str | None, system: str | None, raw: bool, as_json: bool, i
              output_path: str | None, json_schema: str | None, grammar: str | None, **kw) -> None:
     """Generate a reply to PROMPT (read from stdin when omitted or '-'), or run a JSONL batch (--input).
     --json-schema / --grammar constrain the output (JSONL lines may carry their own "json_schema" /
-    "grammar")."""
+    "grammar").
+
+    A batch exits 0 when every record of the input succeeded, 1 when any has an error record in
+    the output (written now or by an earlier run), 2 on a usage or model error, 130 on Ctrl-C."""
     structure = structure_kwargs(json_schema, grammar)
     if input_path is not None or output_path is not None:
         if input_path is None:
@@ -206,8 +212,13 @@ def generate(prompt: str | None, system: str | None, raw: bool, as_json: bool, i
         from .batch import run_batch
 
         defaults = sampling_kwargs(kw) | {"stop": list(kw["stop"]) or None} | structure
-        run_batch(input_path, output_path, open_engine=lambda: open_engine(**kw), defaults=defaults,
-                  system=system, raw=raw, progress=progress)
+        try:
+            summary = run_batch(input_path, output_path, open_engine=lambda: open_engine(**kw), defaults=defaults,
+                                system=system, raw=raw, progress=progress)
+        except KeyboardInterrupt:
+            sys.exit(EXIT_INTERRUPTED)
+        if not summary.ok:  # some id of the input has an error record: say so to scripts
+            sys.exit(EXIT_RECORDS_FAILED)
         return
     if prompt is None or prompt == "-":
         prompt = sys.stdin.read()
@@ -318,30 +329,112 @@ def pull(names: tuple[str, ...]) -> None:
 
 
 
+API_KEY_ENV = "LOCALSPEC_API_KEY"
+
+
+def resolve_api_key(ctx: click.Context, api_key: str | None, api_key_file: str | None) -> str | None:
+    """The key from --api-key-file, $LOCALSPEC_API_KEY or --api-key (in that order of preference);
+    an empty or unusable key is an error, never "no auth"."""
+    import os
+
+    from click.core import ParameterSource
+
+    on_command_line = ctx.get_parameter_source("api_key") == ParameterSource.COMMANDLINE
+    if api_key_file is not None:
+        if on_command_line:
+            raise UserError("give either --api-key or --api-key-file, not both")
+        try:
+            with open(api_key_file, encoding="utf-8") as f:
+                api_key = f.read().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"--api-key-file {api_key_file}: {e}") from e
+        source = f"--api-key-file {api_key_file}"
+    elif on_command_line:
+        source = "--api-key"
+        progress("warning: --api-key on the command line is visible to every user of this machine (ps); "
+                 f"prefer ${API_KEY_ENV} or --api-key-file")
+    else:
+        source = f"${API_KEY_ENV}"
+        if api_key is None and API_KEY_ENV in os.environ:  # click reads an empty variable as unset
+            api_key = ""
+    if api_key is None:
+        return None
+    if not api_key:
+        raise UserError(f"{source} is empty: give a key, or no key at all to serve without one")
+    if not all(0x21 <= ord(c) <= 0x7E for c in api_key):
+        raise UserError(f"{source}: the key must be printable ASCII without spaces (it travels in an HTTP header)")
+    return api_key
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    name = host.strip().strip("[]").lower()
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
 @main.command()
 @model_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
 @click.option("--model-name", default=None,
               help="The model name clients send and /v1/models lists (default: the pair's name, or the oracle's).")
-@click.option("--api-key", default=None, envvar="LOCALSPEC_API_KEY",
-              help="Require 'Authorization: Bearer KEY' on /v1 routes (also $LOCALSPEC_API_KEY).")
+@click.option("--api-key", default=None, envvar=API_KEY_ENV, show_envvar=True,
+              help="Require 'Authorization: Bearer KEY' on /v1 routes and /metrics. Prefer $LOCALSPEC_API_KEY or "
+                   "--api-key-file: a key on the command line shows in ps.")
+@click.option("--api-key-file", type=click.Path(dir_okay=False), default=None,
+              help="Read the API key from this file (surrounding whitespace is dropped).")
 @click.option("--max-queue", type=click.IntRange(0), default=32, show_default=True,
               help="Requests that may wait while one generates; more get 429.")
 @click.option("--max-body", type=click.IntRange(1024), default=4 * 1024 * 1024, show_default=True,
               help="Largest request body in bytes; larger gets 413.")
+@click.option("--max-tokens-limit", type=click.IntRange(1), default=None,
+              help="Most tokens one request may generate: larger max_tokens are clamped to it, and chat requests "
+                   "without max_tokens get it (default: half of --ctx).")
+@click.option("--time-limit", type=click.FloatRange(0), default=600, show_default=True,
+              help="Seconds one generation may run; it then ends with finish_reason 'length' (0: no limit).")
+@click.option("--cors-origin", "cors_origins", multiple=True, metavar="ORIGIN",
+              help="A web origin allowed to call the server from a browser, e.g. http://localhost:3000 "
+                   "(repeatable; '*' for any). Other web pages get 403.")
+@click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME",
+              help="Also answer requests for this host name (repeatable; '*.example.com' for a domain, '*' for "
+                   "any): needed behind a reverse proxy or for a LAN name. Others get 403 (DNS rebinding).")
+@click.option("--shutdown-grace", type=click.FloatRange(0), default=5, show_default=True,
+              help="Seconds the running generation gets to finish after SIGTERM/Ctrl-C (queued ones get 503 at once).")
 @click.option("--log-prompts", is_flag=True, help="Log prompt and completion text (never logged otherwise).")
+@click.pass_context
 @friendly_errors
-def serve(host: str, port: int, model_name: str | None, api_key: str | None, max_queue: int, max_body: int,
-          log_prompts: bool, **kw) -> None:
+def serve(ctx: click.Context, host: str, port: int, model_name: str | None, api_key: str | None,
+          api_key_file: str | None, max_queue: int, max_body: int, max_tokens_limit: int | None, time_limit: float,
+          cors_origins: tuple[str, ...], allowed_hosts: tuple[str, ...], shutdown_grace: float, log_prompts: bool,
+          **kw) -> None:
     """Serve an OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models
     (plus /health, /metrics and the docs at /docs)."""
-    from .server.app import run_server, served_names
+    api_key = resolve_api_key(ctx, api_key, api_key_file)
+    for origin in cors_origins:
+        if origin not in ("*", "null") and not re.fullmatch(r"[a-z][a-z0-9+.-]*://[^/?#\s]+/?", origin, re.I):
+            raise UserError(f"--cors-origin {origin!r}: give an origin such as http://localhost:3000 (scheme, host and "
+                            "port, no path), '*' or 'null'")
+    for name in allowed_hosts:
+        if name != "*" and not re.fullmatch(r"(\*\.)?[^/:\s*]+(:\d+)?|\[[0-9a-f:.]+\](:\d+)?", name, re.I):
+            raise UserError(f"--allowed-host {name!r}: give a host name such as example.com or '*.example.com' "
+                            "(no scheme or path), or '*'")
+    if api_key is None and not _is_loopback(host):
+        progress(f"warning: listening on {host} without an API key: anyone who can reach this machine can use the "
+                 f"server; set ${API_KEY_ENV} or --api-key-file")
+    from .server.app import run_server, served_names  # after the checks above: they fail fast
 
     name, aliases = served_names(kw["pair"], kw["oracle"], model_name)
     with open_engine(**kw) as engine:
-        run_server(engine, host=host, port=port, model_name=name, aliases=aliases, api_key=api_key,
-                   max_queue=max_queue, max_body=max_body, log_prompts=log_prompts)
+        run_server(engine, host=host, port=port, grace=shutdown_grace, model_name=name, aliases=aliases,
+                   api_key=api_key, max_queue=max_queue, max_body=max_body, max_tokens_limit=max_tokens_limit,
+                   time_limit=time_limit or None, cors_origins=cors_origins, allowed_hosts=allowed_hosts,
+                   log_prompts=log_prompts)
 
 
 @main.command()
@@ -350,9 +443,10 @@ def serve(host: str, port: int, model_name: str | None, api_key: str | None, max
 @click.option("--draft", default=None, help="Draft model: a name or a GGUF path.")
 @click.option("--workload", default=None, help="Comma-separated workloads: chat,grounded,code,long (default: all) "
               "or paths to .jsonl files.")
-@click.option("--systems", default=None, help="Comma-separated systems (default: baseline,k2,k4,k8,adaptive,"
-              "lookup,llama.cpp,llama.cpp-ngram,lcp-lookup; also kN, lookup-kN, hybrid, llama.cpp-kN, llama.cpp-spec, "
-              "llama.cpp-ngram-kN, lcp-lookup-kN).")
+@click.option("--systems", default=None, help="Comma-separated systems (default: baseline,k4,k8,k16,adaptive,"
+              "lookup,llama.cpp-grid,llama.cpp-ngram,llama.cpp-ngram-fa-off,lcp-lookup; also kN, lookup-kN, hybrid, "
+              "llama.cpp-kN, llama.cpp-spec, llama.cpp-ngram-kN, lcp-lookup-kN; any name but the baseline and lcp-lookup "
+              "takes -fa-auto|-fa-on|-fa-off; llama.cpp-grid is llama.cpp-k4/k8/k16, each with -fa auto and off).")
 @click.option("--reps", type=click.IntRange(1), default=3, show_default=True, help="Interleaved repetitions.")
 @click.option("--max-prompts", type=click.IntRange(1), default=None, help="At most N prompts per workload.")
 @click.option("--max-tokens", type=click.IntRange(1), default=None, help="Cap every prompt's max_tokens.")
@@ -370,6 +464,8 @@ def serve(host: str, port: int, model_name: str | None, api_key: str | None, max
               "through text (set by pairs that need it).")
 @click.option("--paired", is_flag=True, help="Also run every prompt of each localspec drafting system with drafting "
               "off, in the same process, and report that ratio too (the fairest test of a few percent; twice the time).")
+@click.option("--one-shot", is_flag=True, help="Also time each localspec system as a fresh `localspec generate` "
+              "process per prompt (first repetition): start-up, model loading and prompt included, as a script sees it.")
 @friendly_errors
 def bench(**kw) -> None:
     """Speed at unchanged output: the oracle alone, localspec's systems, the ceiling and llama.cpp's own

@@ -37,9 +37,12 @@ import platform
 import secrets
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .outputs import StepRecord
 
 log = logging.getLogger("localspec.costs")
 
@@ -157,6 +160,40 @@ class PassCost:
         self.weight = float(state.get("weight", 0.0))
         self.observations = int(state.get("observations", 0))
         self._w = None
+
+
+# ------------------------------------------------------------------------------------ steps
+
+
+def fit_steps(steps: Sequence["StepRecord"]) -> tuple[PassCost, PassCost] | None:
+    """verify(n, c) and draft(l, c) fitted to `steps` in one go (no forgetting); None without a
+    one-token step to anchor the verify cost (every request's first step is one). Steps whose draft
+    caught up on many tokens (the first after a prompt, a probe after idle steps) are not samples of
+    what drafting costs."""
+    if not any(s.drafted == 0 for s in steps):
+        return None
+    verify, draft = PassCost(VERIFY_SHAPE, decay=1.0), PassCost(DRAFT_SHAPE, decay=1.0)
+    for s in sorted(steps, key=lambda s: s.drafted):  # one-token passes first: they set the scale
+        verify.observe(s.drafted + 1, s.context, s.verify_time)
+        if s.drafted and s.draft_evaluated <= s.drafted + 2:
+            draft.observe(s.drafted, s.context, s.draft_time)
+    return verify, draft
+
+
+def oracle_alone_time(steps: Sequence["StepRecord"], verify: PassCost) -> float:
+    """What the oracle alone would take for the tokens `steps` produced: one one-token pass per
+    token (accepted + a recovered or bonus one), each at its step's context."""
+    return sum((s.accepted + 1) * verify(1, s.context) for s in steps)
+
+
+def predicted_speedup(steps: Sequence["StepRecord"], verify: PassCost, draft: PassCost | None) -> float | None:
+    """The speedup the fitted costs predict for the steps taken: the oracle alone's time for their
+    tokens over the passes they ran (draft(l, c) + verify(l + 1, c) each; `draft` None or not
+    measured: proposing costs nothing, as for prompt lookup)."""
+    spent = sum(verify(s.drafted + 1, s.context)
+                + (draft(s.drafted, s.context) if s.drafted and draft is not None and draft.ready else 0.0)
+                for s in steps)
+    return oracle_alone_time(steps, verify) / spent if spent > 0 else None
 
 
 # ------------------------------------------------------------------------------------ the store

@@ -104,6 +104,7 @@ class Engine:
         self._closers: list[Callable[[], None]] = []
         self._warned_no_template = False
         self.n_threads = n_threads or default_threads()
+        self.gpu_layers = gpu_layers
         self._cost_keys: dict[str, dict] = {}
         self.cost_store = CostStore() if cost_cache else None
         try:
@@ -160,6 +161,7 @@ class Engine:
         engine._closers = []
         engine._warned_no_template = False
         engine.n_threads = 0
+        engine.gpu_layers = 0
         engine.cost_store = None
         engine._cost_keys = {}
         engine.oracle = oracle

@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import os
 import signal
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field, fields
@@ -23,10 +22,10 @@ from typing import Any, Callable, Iterable, TextIO
 
 import click
 
-from .outputs import Stats
+from .costs import fit_steps, oracle_alone_time
+from .outputs import Stats, StepRecord
 
 PROMPT = ">>> "
-TIMING_RUNS = 5  # one-token oracle steps timed by /stats for the speedup estimate
 
 HELP = """\
 commands:
@@ -167,6 +166,7 @@ class Totals:
     verify_time: float = 0.0
     generation_time: float = 0.0
     interrupted: int = 0
+    records: list[StepRecord] = field(default_factory=list, repr=False)  # every step of every reply
 
     def add(self, s: Stats) -> None:
         self.replies += 1
@@ -179,15 +179,16 @@ class Totals:
         self.draft_time += s.draft_time
         self.verify_time += s.verify_time
         self.generation_time += max(0.0, s.total_time - s.prompt_time)
+        self.records += s.records
 
 
-def speedup(tokens: int, draft_time: float, verify_time: float, oracle_step: float | None) -> float | None:
-    """Estimated speedup over the oracle alone: the time the oracle would need for `tokens`
-    one-token steps, over the time the speculative steps took (prompt evaluation excluded)."""
+def speedup(oracle_alone: float | None, draft_time: float, verify_time: float) -> float | None:
+    """Estimated speedup over the oracle alone: the time the oracle alone would need for the same
+    tokens (`oracle_alone`), over the time the speculative steps took (prompt evaluation excluded)."""
     spent = draft_time + verify_time
-    if oracle_step is None or spent <= 0 or tokens <= 0:
+    if oracle_alone is None or spent <= 0 or oracle_alone <= 0:
         return None
-    return tokens * oracle_step / spent
+    return oracle_alone / spent
 
 
 # ---------------------------------------------------------------- terminal
@@ -459,32 +460,6 @@ class Chat:
 
     # -- /stats
 
-    def _oracle_step_time(self) -> tuple[float, int] | None:
-        """Time the oracle's one-token step now, at the conversation's current length: a few
-        one-token oracle-only runs (the prefix is cached, so each evaluates one token); the median,
-        so a stray spike on a busy machine does not decide it. Returns (seconds, runs)."""
-        messages = self.conversation.messages()
-        if not messages:
-            return None
-        times = []
-        with _Interrupts() as interrupts:
-            for _ in range(TIMING_RUNS):
-                try:
-                    it = self.engine.stream(messages, max_tokens=1, speculative=False)
-                except ValueError:
-                    return None
-                try:
-                    for chunk in it:
-                        if chunk.finish_reason is not None and chunk.stats.steps:
-                            times.append(chunk.stats.verify_time / chunk.stats.steps)
-                finally:
-                    it.close()
-                if interrupts.hit:
-                    break
-        if not times:
-            return None
-        return statistics.median(times), len(times)
-
     def stats_lines(self) -> list[str]:
         s, t = self.last, self.totals
         if s is None:
@@ -524,21 +499,24 @@ class Chat:
         if not self.speculative:
             lines.append("speedup vs oracle alone: 1.00x (this is the oracle alone)")
             return lines
-        timed = self._oracle_step_time()
-        if timed is None:
-            lines.append("speedup vs oracle alone: n/a (could not time the oracle's one-token step)")
+        # the oracle alone's time for the same tokens, from the one-token pass fitted to the session's
+        # own steps (every reply's first step is one): nothing is timed on purpose
+        fit = fit_steps(t.records)
+        if fit is None:
+            lines.append("speedup vs oracle alone: n/a (no one-token oracle step recorded yet)")
             return lines
-        step, n = timed
-        last = speedup(s.completion_tokens, s.draft_time, s.verify_time, step)
-        sess = speedup(t.completion_tokens, t.draft_time, t.verify_time, step)
+        verify, _ = fit
+        last = speedup(oracle_alone_time(s.records, verify), s.draft_time, s.verify_time)
+        sess = speedup(oracle_alone_time(t.records, verify), t.draft_time, t.verify_time)
 
         def fmt(x: float | None) -> str:
             return f"{x:.2f}x" if x is not None else "n/a"
 
         per_step = (s.draft_time + s.verify_time) / s.steps if s.steps else 0.0
+        context = s.records[-1].context if s.records else 0
         lines.append(
             f"speedup vs oracle alone (estimate): {fmt(last)} last reply, {fmt(sess)} session; "
-            f"oracle one-token step {step * 1000:.1f} ms (timed now, median of {n}), "
+            f"oracle one-token step {verify(1, context) * 1000:.1f} ms (fitted to this session's steps), "
             f"speculative step {per_step * 1000:.1f} ms for {s.tokens_per_step:.2f} tokens")
         return lines
 

@@ -12,7 +12,6 @@ from contextlib import contextmanager
 from typing import Iterator
 
 import httpx
-import uvicorn
 
 
 _script = os.path.join(os.path.dirname(sys.executable), "localspec")
@@ -26,12 +25,15 @@ def free_port() -> int:
 
 
 class ThreadedServer:
-    """uvicorn serving `app` in a thread on a free port (no signal handlers: not the main thread)."""
+    """`localspec serve`'s uvicorn server (localspec.server.app.Server) serving `app` in a thread on
+    a free port (no signal handlers: not the main thread); `stop()` shuts it down as SIGTERM does."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, grace: float = 5.0) -> None:
+        from localspec.server.app import Server
+
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.server = Server(app, host="127.0.0.1", port=self.port, grace=grace, log_level="warning")
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
@@ -39,9 +41,9 @@ class ThreadedServer:
             assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
             time.sleep(0.02)
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 15) -> None:
         self.server.should_exit = True
-        self.thread.join(15)
+        self.thread.join(timeout)
         assert not self.thread.is_alive()
 
 
@@ -74,3 +76,32 @@ def wait_ready(handle: dict, timeout: float = 90) -> str:
             time.sleep(0.2)
         handle["ready"] = True
     return handle["url"]
+
+
+class PacedEngine:
+    """An engine double for the server's timing tests (shutdown, grace periods), where a real
+    model's speed would make them slow or flaky: each step takes `step` seconds and emits one token
+    (" 1,", " 2,", ...) until max_tokens, with running stats like the engine's. Nothing here is
+    about generation; tests of what the engine answers use the real model."""
+
+    def __init__(self, step: float = 0.02, n_ctx: int = 512) -> None:
+        self.step = step
+        self.n_ctx = n_ctx
+        self.calls: list[dict] = []  # the options of every request that reached the engine
+
+    def stream(self, prompt, *, max_tokens: int = 16, **options):
+        from localspec.outputs import Chunk, Stats
+
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        self.calls.append(dict(options, max_tokens=max_tokens))
+
+        def gen():
+            stats = Stats(prompt_tokens=3, prompt_tokens_evaluated=3)
+            for i in range(1, max_tokens + 1):
+                time.sleep(self.step)
+                stats.completion_tokens += 1
+                stats.steps += 1
+                yield Chunk(f" {i},", [i], finish_reason="length" if i == max_tokens else None, stats=stats)
+
+        return gen()

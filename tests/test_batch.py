@@ -69,10 +69,10 @@ def test_read_done_cuts_a_truncated_last_line_and_ignores_unreadable_ones(tmp_pa
     out.write_text(good + '{"id": "c", "te')
     warnings = []
     done = read_done(str(out), warnings.append)
-    assert done == {'"a"', "2"}
+    assert done == {'"a"': False, "2": True}  # each id, and whether its record is an error
     assert out.read_text() == good  # repaired: appending starts on a fresh line
     assert any("truncated last line" in w for w in warnings) and any("1 unreadable line" in w for w in warnings)
-    assert read_done(str(tmp_path / "missing.jsonl"), warnings.append) == set()
+    assert read_done(str(tmp_path / "missing.jsonl"), warnings.append) == {}
 
 
 class FakeEngine:
@@ -101,7 +101,7 @@ def write_lines(path, lines):
 
 
 def records(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line]
 
 
 def test_a_run_writes_records_in_order_and_a_rerun_does_only_the_missing_ids(tmp_path):
@@ -134,6 +134,51 @@ def test_a_run_writes_records_in_order_and_a_rerun_does_only_the_missing_ids(tmp
     assert summary.written == 0 and notes[-1].startswith("nothing to do")
 
 
+def test_input_is_utf8_line_by_line_with_an_optional_bom(tmp_path):
+    """A line that is not UTF-8 is an error record naming the line (not a prompt with U+FFFD in it);
+    a BOM at the start of the file is not part of the first line; U+2028 inside a JSON string and
+    CRLF line ends do not split a line."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_bytes(b"\xef\xbb\xbf" + json.dumps({"id": "a", "prompt": "one"}).encode() + b"\r\n"
+                    + b'{"id": "b", "prompt": "caf\xe9 \xff"}\n'
+                    + json.dumps({"id": "c", "prompt": "x\u2028y", "raw": True}, ensure_ascii=False).encode() + b"\n")
+    engine = FakeEngine()
+    notes = []
+    summary = run_batch(str(inp), str(out), open_engine=lambda: engine, defaults=DEFAULTS, progress=notes.append)
+    got = records(out)
+    assert [r["id"] for r in got] == ["a", "line-2", "c"], got
+    assert got[0]["text"] == "ONE"
+    assert got[1]["error"] == "line 2: not valid UTF-8 (byte 0xe9 at byte 27 of the line)"
+    assert got[2]["text"] == "X\u2028Y" and engine.prompts[1] == "x\u2028y"
+    assert (summary.written, summary.failed, summary.ok) == (3, 1, False)
+
+
+def run_batch_cli(*args, timeout=60):
+    return subprocess.run(CLI + ["generate", *args], capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+
+
+def test_the_exit_status_says_when_records_failed(tmp_path):
+    """Without a model: lines that all fail to parse never load the engine. 1 when any id of the
+    input has an error record in the output (written now or by an earlier run), 0 when none has."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_lines(inp, ["{broken", {"id": "x"}])
+    p = run_batch_cli("--input", str(inp), "--output", str(out))
+    assert p.returncode == 1, p.stderr
+    assert "2 records written (2 failed)" in p.stderr and "Traceback" not in p.stderr
+    assert [r["id"] for r in records(out)] == ["line-1", "x"]
+
+    p = run_batch_cli("--input", str(inp), "--output", str(out))  # a rerun skips them, and still says so
+    assert p.returncode == 1, p.stderr
+    assert "2 of them error records" in p.stderr
+
+    out.write_text(json.dumps({"id": "line-1", "text": "ok", "finish_reason": "stop", "stats": {}}) + "\n"
+                   + json.dumps({"id": "x", "text": "ok", "finish_reason": "stop", "stats": {}}) + "\n")
+    p = run_batch_cli("--input", str(inp), "--output", str(out))
+    assert p.returncode == 0, p.stderr
+    assert "nothing to do" in p.stderr
+
+
 # ---------------------------------------------------------------- the real command
 
 
@@ -154,7 +199,7 @@ def test_batch_round_trip_and_resume(tmp_path):
         {"id": "raw", "prompt": "The sea is", "raw": True, "max_tokens": 6, "temperature": 0.8, "seed": 1},
     ])
     p = run_cli("--input", str(inp), "--output", str(out))
-    assert p.returncode == 0, p.stderr
+    assert p.returncode == 1, p.stderr  # two records failed
     assert "Traceback" not in p.stderr and "\x1b" not in p.stderr and p.stdout == ""
     got = records(out)
     assert [r["id"] for r in got] == ["capital", 2, "line-3", "cold", "raw"]
@@ -171,7 +216,7 @@ def test_batch_round_trip_and_resume(tmp_path):
     first = json.loads(kept[0]) | {"text": "FROM THE FIRST RUN"}
     out.write_text(json.dumps(first) + "\n" + kept[1][:30])
     p = run_cli("--input", str(inp), "--output", str(out))
-    assert p.returncode == 0, p.stderr
+    assert p.returncode == 1, p.stderr
     assert "dropped a truncated last line" in p.stderr and "1 skipped (already in the output)" in p.stderr
     got = records(out)  # every line parses again
     assert [r["id"] for r in got] == ["capital", 2, "line-3", "cold", "raw"]

@@ -128,7 +128,15 @@ def test_system_names():
     assert ngram.params == {"binary": "llama-speculative-simple", "k": None, "spec_type": "ngram-simple"}
     assert not ngram.uses_draft_model and systems.parse_system("llama.cpp").uses_draft_model
     assert systems.parse_system("llama.cpp-ngram-k16").params["k"] == 16
-    assert [s.name for s in systems.parse_systems(None)][:2] == ["baseline", "k2"]
+    assert [s.name for s in systems.parse_systems(None)][:2] == ["baseline", "k4"]
+    grid = [s for s in systems.parse_systems("llama.cpp-grid") if s.is_anchor]
+    assert [(s.params["k"], s.params.get("flash_attn")) for s in grid] == [
+        (4, None), (4, "off"), (8, None), (8, "off"), (16, None), (16, "off")]
+    off = systems.parse_system("adaptive-fa-on")
+    assert off.kind == systems.LOCALSPEC and off.params == {"draft": "model", "draft_length": None, "flash_attn": "on"}
+    for bad in ("baseline-fa-off", "lcp-lookup-fa-off", "adaptive-fa-fast"):
+        with pytest.raises(ValueError):
+            systems.parse_system(bad)
     for bad in ("k0", "fast", "llama.cpp-k"):
         with pytest.raises(ValueError):
             systems.parse_system(bad)
@@ -169,7 +177,7 @@ import sys
 args = sys.argv[1:]
 if "--help" in args:
     print("--spec-draft-n-max N  number of tokens to draft\\n--spec-draft-n-min N\\n--spec-draft-p-min P\\n"
-          "--spec-type TYPES\\n-td, --threads-draft N")
+          "--spec-type TYPES\\n-td, --threads-draft N\\n-fa, --flash-attn [on|off|auto]\\n-nr, --no-repack")
     sys.exit(0)
 opt = dict(zip(args[::2], args[1::2]))
 with open("{log}", "w") as f:
@@ -200,9 +208,15 @@ def test_anchor_run_on_a_stand_in(tmp_path):
     assert r["peak_rss"] and r["peak_rss"] > 0
     args = log.read_text().split()
     for flag, value in [("-m", "o.gguf"), ("-md", "d.gguf"), ("-n", "64"), ("--spec-draft-n-max", "4"),
-                        ("-t", "2"), ("-td", "2"), ("--temp", "0"), ("-c", "2048"), ("--spec-draft-p-min", "0.0"),
+                        ("-t", "2"), ("-td", "2"), ("--temp", "0"), ("-c", "2048"),
                         ("--spec-type", "draft-simple")]:
         assert args[args.index(flag) + 1] == value, flag
+    assert "--spec-draft-p-min" not in args  # llama.cpp's own default
+    assert "--no-repack" in args and "--flash-attn" not in args  # no repacking (it crashes on AMX); its default kernel
+    anchor.run(fake, oracle="o.gguf", draft="d.gguf", prompt_text="p", prompt_echo="p", n_predict=8, k=16,
+               threads=1, n_ctx=512, flash_attn="off")
+    args = log.read_text().split()
+    assert args[args.index("--flash-attn") + 1] == "off"
 
 
 def test_anchor_ngram_lookup_runs_without_a_draft_model(tmp_path):
@@ -221,20 +235,31 @@ def test_anchor_ngram_lookup_runs_without_a_draft_model(tmp_path):
 # ---------------------------------------------------------------------------------------- report
 
 
+def verify_cost(n):
+    return 0.010 + 0.001 * n
+
+
+def _k4_records(context=100):
+    """A k4 run's steps: the first drafts nothing; then 24 steps draft 4 tokens (1 ms each) and 3 of
+    them are accepted. Fields as the bench worker sends them."""
+    steps = [[0, 0, 0, 0.0, verify_cost(1), context, 0]]
+    steps += [[4, 4, 3, 0.004, verify_cost(5), context + 1 + 4 * i, 4] for i in range(24)]
+    return steps
+
+
 def _synthetic_report():
     runs = []
     for rep in range(3):
         for pid, base_tps in (("p1", 50.0), ("p2", 40.0)):
             runs.append({"system": "baseline", "workload": "chat", "prompt_id": pid, "rep": rep,
                          "completion_tokens": 100, "tokens_per_second": base_tps + rep, "ttft": 0.1,
-                         "drafted": 0, "accepted": 0, "steps": 100, "latencies": [0.02] * 99,
-                         "costs": {"verify": {"1": 0.010}, "draft": 0.0} if rep == 0 else None,
+                         "drafted": 0, "accepted": 0, "steps": 100, "latencies": [0.02] * 99, "prompt_tokens": 100,
+                         "records": [[0, 0, 0, 0.0, verify_cost(1), 100 + i, 0] for i in range(100)],
                          "match": 1.0})
             runs.append({"system": "k4", "workload": "chat", "prompt_id": pid, "rep": rep,
                          "completion_tokens": 100, "tokens_per_second": 2 * (base_tps + rep), "ttft": 0.1,
-                         "drafted": 100, "accepted": 75, "steps": 25, "latencies": [0.01] * 99,
-                         "costs": {"verify": {str(n): 0.010 + 0.001 * n for n in range(1, 6)}, "draft": 0.001}
-                         if rep == 0 else None, "match": 1.0 if pid == "p1" else 0.5})
+                         "drafted": 100, "accepted": 75, "steps": 25, "latencies": [0.01] * 99, "prompt_tokens": 100,
+                         "records": _k4_records(), "match": 1.0 if pid == "p1" else 0.5})
     return {"config": {"prompts": [{"workload": "chat", "id": "p1"}, {"workload": "chat", "id": "p2"}]},
             "systems": [{"name": "baseline", "kind": "localspec", "params": {"draft": None}, "peak_rss": 2**29},
                         {"name": "k4", "kind": "localspec", "params": {"draft": "model", "draft_length": 4},
@@ -252,13 +277,6 @@ def test_aggregate_on_synthetic_runs():
     assert k4["speedup"] == pytest.approx(2.0)
     assert k4["acceptance_rate"] == pytest.approx(0.75) and k4["mean_accepted_length"] == pytest.approx(3.0)
     assert k4["tokens_per_step"] == pytest.approx(4.0) and k4["mean_draft_length"] == pytest.approx(4.0)
-    a = ceiling.acceptance_from_tokens_per_step(4.0, 4)
-    pooled = {n: 0.010 + 0.001 * n for n in range(1, 6)}
-    pooled[1] = (0.010 + 0.011) / 2  # the median of the baseline's and k4's one-token passes
-    c_verify = ceiling.cost_curve(pooled)
-    expected = ceiling.predicted_speedup(a, 4, 0.001, c_verify)
-    assert k4["ceiling"] == pytest.approx(expected)
-    assert k4["efficiency"] == pytest.approx(2.0 / expected)
     assert k4["greedy_match"] == pytest.approx(0.75) and k4["mismatched_runs"] == 3
     assert k4["latency_p50"] == pytest.approx(0.01) and k4["peak_rss"] == 2**30
     assert rows[("baseline", "chat")]["ceiling"] == 1.0 and rows[("baseline", "chat")]["speedup"] == 1.0
@@ -268,16 +286,49 @@ def test_aggregate_on_synthetic_runs():
     assert "| chat | k4 |" in text and "2.00×" in text and "`llama.cpp` skipped: not built" in text
 
 
-def test_aggregate_uses_per_step_draft_lengths():
+def test_the_ceiling_is_predicted_step_by_step_from_the_fitted_costs():
+    """The oracle alone's predicted time for the tokens each step emitted, over the predicted time of
+    the steps taken (draft and verify at the step's size and context)."""
+    rows = {r["system"]: r for r in report.aggregate(_synthetic_report())}
+    steps = _k4_records()
+    expected = sum(s[2] + 1 for s in steps) * verify_cost(1) / (verify_cost(1) + 24 * (0.004 + verify_cost(5)))
+    assert rows["k4"]["ceiling"] == pytest.approx(expected, rel=0.02)
+    assert rows["k4"]["efficiency"] == pytest.approx(2.0 / rows["k4"]["ceiling"])
+    assert rows["k4"]["costs"]["verify"]["5"] == pytest.approx(verify_cost(5), rel=0.02)
+    assert rows["k4"]["costs"]["draft_per_token"] == pytest.approx(0.001, rel=0.05)
+    assert rows["baseline"]["ceiling"] == 1.0
+
+
+def test_the_anchors_ceiling_uses_localspecs_costs_for_the_same_k_and_the_report_names_its_best_flags():
+    rep = _synthetic_report()
+    rep["systems"][2] = {"name": "llama.cpp-k4", "kind": "llama.cpp", "params": {"k": 4}}
+    rep["systems"].append({"name": "llama.cpp-k4-fa-off", "kind": "llama.cpp", "params": {"k": 4, "flash_attn": "off"}})
+    for rep_i in range(3):
+        for pid, base_tps in (("p1", 50.0), ("p2", 40.0)):
+            for name, factor in (("llama.cpp-k4", 1.5), ("llama.cpp-k4-fa-off", 1.6)):
+                rep["runs"].append({"system": name, "workload": "chat", "prompt_id": pid, "rep": rep_i,
+                                    "completion_tokens": 100, "tokens_per_second": factor * (base_tps + rep_i),
+                                    "ttft": None, "drafted": 100, "accepted": 75, "steps": 25, "latencies": [],
+                                    "prompt_tokens": 100, "one_shot_wall": 3.0})
+    rows = {r["system"]: r for r in report.aggregate(rep)}
+    a = ceiling.acceptance_from_tokens_per_step(4.0, 4)
+    expected = ceiling.predicted_speedup(a, 4, 0.001, verify_cost)
+    assert rows["llama.cpp-k4"]["ceiling"] == pytest.approx(expected, rel=0.03)
+    rep["results"] = report.aggregate(rep)
+    assert report.best_anchor(rep)["system"] == "llama.cpp-k4-fa-off"
+    assert any("llama.cpp at its best flags here: llama.cpp-k4-fa-off" in line for line in report.headline(rep))
+
+
+def test_one_shot_columns():
     rep = _synthetic_report()
     for r in rep["runs"]:
-        r["draft_lengths"] = {"4": 25} if r["system"] == "k4" else {"0": 100}
+        if r["rep"] == 0:
+            r["one_shot_wall"] = 6.0 if r["system"] == "baseline" else 4.0
     rows = {r["system"]: r for r in report.aggregate(rep)}
-    pooled = {n: 0.010 + 0.001 * n for n in range(1, 6)}
-    pooled[1] = (0.010 + 0.011) / 2
-    c_verify = ceiling.cost_curve(pooled)
-    assert rows["k4"]["ceiling"] == pytest.approx(4.0 * c_verify(1) / (4 * 0.001 + c_verify(5)))
-    assert rows["baseline"]["ceiling"] == 1.0
+    assert rows["k4"]["one_shot_wall"] == pytest.approx(8.0) and rows["k4"]["one_shot_speedup"] == pytest.approx(1.5)
+    assert rows["baseline"]["one_shot_speedup"] == pytest.approx(1.0)
+    rep["results"] = report.aggregate(rep)
+    assert "one-shot speedup" in report.markdown_table(rep) and "| 8.00 | 1.50× |" in report.markdown_table(rep)
 
 
 def test_ratio_interval():
@@ -350,7 +401,8 @@ def test_bench_cli_tiny_run(tmp_path, pair_paths):
     empty.mkdir()
     result = CliRunner().invoke(main, [
         "bench", "--oracle", str(oracle), "--draft", str(draft), "--workload", str(wl), "--systems", "k2,llama.cpp",
-        "--paired", "--reps", "1", "--threads", "1", "--ctx", "512", "--json", str(out), "--anchor-bin", str(empty),
+        "--paired", "--one-shot", "--reps", "1", "--threads", "1", "--ctx", "512", "--json", str(out),
+        "--anchor-bin", str(empty),
         "--markdown", str(tmp_path / "RESULTS.md")])
     assert result.exit_code == 0, result.output
     assert "| tiny | k2 |" in result.output
@@ -370,9 +422,12 @@ def test_bench_cli_tiny_run(tmp_path, pair_paths):
         assert 0 < r["completion_tokens"] <= 8 and r["tokens_per_second"] > 0 and r["ttft"] > 0
         assert r["match"] is not None
     k2_run = next(r for r in rep["runs"] if r["system"] == "k2")
-    assert k2_run["drafted"] > 0 and "1" in k2_run["costs"]["verify"] and k2_run["costs"]["draft"] > 0
+    assert k2_run["drafted"] > 0 and len(k2_run["records"]) == k2_run["steps"]
+    assert k2_run["records"][0][:3] == [0, 0, 0]  # the first token from a plain oracle step
     assert sum(k2_run["draft_lengths"].values()) == k2_run["steps"]
     assert k2_run["paired_tokens_per_second"] > 0  # the same process, drafting off
+    for r in rep["runs"]:  # a fresh `localspec generate` process per system and prompt
+        assert r["one_shot_wall"] > r["decode_time"] and 0 < r["one_shot_tokens"] <= 8
     assert "paired_tokens_per_second" not in next(r for r in rep["runs"] if r["system"] == "baseline")
 
     rows = {r["system"]: r for r in rep["results"]}

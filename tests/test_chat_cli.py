@@ -17,6 +17,7 @@ import pytest
 from localspec.engine import PromptTooLongError
 from localspec.outputs import Chunk, Stats
 from localspec.policy import FixedLength
+from localspec.outputs import StepRecord
 from localspec.repl import Chat, Console, Settings, speedup
 
 CLI = [sys.executable, "-m", "localspec.cli"]
@@ -69,10 +70,15 @@ class FakeEngine:
                 last = i == n - 1
                 stats = None
                 if last:
+                    # one step per word: the first a plain one-token step (20 ms), the rest draft 2 words
+                    # (10 ms) and see 1 accepted, in a 30 ms verify pass (with drafting off: 20 ms steps)
+                    records = [StepRecord(0, 0, 0, 0.0, 0.02, n_prompt + i) if i == 0 or not speculative
+                               else StepRecord(2, 2, 1, 0.01, 0.03, n_prompt + i) for i in range(n)]
                     stats = Stats(prompt_tokens=n_prompt, prompt_tokens_evaluated=n_prompt, completion_tokens=n,
-                                  steps=n, drafted=2 * n if speculative else 0, accepted=n if speculative else 0,
-                                  draft_time=0.01 * n if speculative else 0.0, verify_time=0.02 * n,
-                                  total_time=0.1)
+                                  steps=n, drafted=sum(r.drafted for r in records),
+                                  accepted=sum(r.accepted for r in records),
+                                  draft_time=sum(r.draft_time for r in records),
+                                  verify_time=sum(r.verify_time for r in records), total_time=0.1, records=records)
                 yield Chunk(f"w{i} " if not last else f"w{i}", [i], None, "stop" if last else None, stats)
             finished = True
         finally:
@@ -157,15 +163,17 @@ def test_sigint_stops_the_reply_between_chunks_and_keeps_the_partial_reply():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
 
 
-def test_stats_estimate_speedup_from_measured_costs():
-    assert speedup(10, 0.1, 0.4, 0.1) == pytest.approx(2.0)
-    assert speedup(10, 0.0, 0.0, 0.1) is None and speedup(10, 0.1, 0.4, None) is None
+def test_stats_estimate_speedup_from_the_recorded_steps():
+    assert speedup(1.0, 0.1, 0.4) == pytest.approx(2.0)
+    assert speedup(1.0, 0.0, 0.0) is None and speedup(None, 0.1, 0.4) is None
     engine = FakeEngine(reply_words=4)
     chat, out, err = run(engine, ["hi", "/stats"])
-    # reply: 4 tokens, draft 0.04 s + verify 0.08 s; oracle step timed with speculative=False: 0.02 s
-    assert engine.calls[-1][1]["speculative"] is False
-    assert "speedup vs oracle alone (estimate): 0.67x last reply" in out
-    assert "acceptance 50% (4/8)" in out and "prompt tokens evaluated: 5 of 5" in out
+    # 4 steps: one plain (1 token, 20 ms), three that emit 2 tokens each in 10 + 30 ms. The oracle
+    # alone: 7 tokens x 20 ms (its one-token pass, fitted to the plain step) = 140 ms, against 140 ms
+    assert len(engine.calls) == 1  # nothing is run to time the oracle
+    assert "speedup vs oracle alone (estimate): 1.00x last reply" in out
+    assert "oracle one-token step 20." in out  # 20 ms at the first step's context, the prior's slope after it
+    assert "acceptance 50% (3/6)" in out and "prompt tokens evaluated: 5 of 5" in out
 
 
 # ---------------------------------------------------------------- errors: one line, exit code 2

@@ -174,3 +174,44 @@ def test_cross_tokenizer_draft_keeps_greedy_output_the_oracles(registry, pair_pa
         for argmax, out in steps:
             assert out.tolist() == argmax[:len(out)].tolist()  # every emitted token is the oracle's argmax
     assert accepted > 0  # the re-tokenized drafts do get accepted
+
+
+def test_auto_follows_the_kernel_check_measured_here(pair_paths, tmp_path, monkeypatch):
+    """`localspec check` records the faster attention kernel for this oracle, threads and machine;
+    --flash-attn auto uses it from then on (and the rule, off on a CPU, without a record)."""
+    from localspec.costs import CostStore
+
+    monkeypatch.setenv("LOCALSPEC_COST_CACHE", str(tmp_path))
+    with Engine(pair_paths[0], None, n_ctx=256, n_threads=2) as engine:
+        assert engine.oracle.flash_attn == "off"
+        key = engine.kernel_identity(pair_paths[0], engine.gpu_layers)
+    CostStore(tmp_path).save("kernel", key, {"flash_attn": "on"})
+    with Engine(pair_paths[0], None, n_ctx=256, n_threads=2) as engine:
+        assert engine.oracle.flash_attn == "on"
+    with Engine(pair_paths[0], None, n_ctx=256, n_threads=1) as engine:  # another setting: not measured
+        assert engine.oracle.flash_attn == "off"
+    with Engine(pair_paths[0], None, n_ctx=256, n_threads=2, flash_attn="off") as engine:  # asked for: as asked
+        assert engine.oracle.flash_attn == "off"
+
+
+def test_check_reports_the_fitted_costs_and_records_the_faster_kernel(tmp_path, monkeypatch):
+    import json
+
+    from click.testing import CliRunner
+
+    from localspec.cli import main
+
+    monkeypatch.setenv("LOCALSPEC_COST_CACHE", str(tmp_path))
+    result = CliRunner().invoke(main, ["check", "--max-prompts", "1", "--max-tokens", "16", "--threads", "2",
+                                       "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output[result.output.index("{"):])
+    assert report["compatible"] and set(report["measured"]) == {"k=4", "k=8", "adaptive"}
+    assert set(report["fitted"]) == {"256", "1024", "2048"} and report["draft_cost_ms"] > 0
+    for row in report["fitted"].values():
+        costs = list(row.values())
+        assert costs == sorted(costs) and costs[0] > 0  # a longer pass never costs less
+    assert report["kernel"]["chosen"] in ("on", "off")
+    assert set(report["kernel"]["ms"]["on"]) == {"1@256", "9@256", "1@1024", "9@1024"}
+    with Engine(*[str(p) for p in (report["oracle"],)], None, n_ctx=256, n_threads=2) as engine:
+        assert engine.oracle.flash_attn == report["kernel"]["chosen"]  # auto now follows the measurement

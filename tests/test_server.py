@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import threading
 import time
 
@@ -19,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from localspec.outputs import Chunk, Stats
 from localspec.server import EngineWorker, create_app
-from serving import ThreadedServer, cli_serve, wait_ready
+from serving import CLI, PacedEngine, ThreadedServer, cli_serve, free_port, wait_ready
 
 MODEL = "smollm2"
 N_CTX = 1024
@@ -58,9 +59,12 @@ def chat(text: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def cli_server(pair_paths):
-    """The real command, started early (it loads while other tests run); waited for on first use."""
-    with cli_serve("--api-key", API_KEY, "--max-queue", "0", "--ctx", "512", "--threads", "1") as handle:
+def cli_server(pair_paths, tmp_path_factory):
+    """The real command, started early (it loads while other tests run); waited for on first use.
+    The key comes from a file (a key on the command line would show in ps)."""
+    keyfile = tmp_path_factory.mktemp("key") / "api.key"
+    keyfile.write_text(API_KEY + "\n")
+    with cli_serve("--api-key-file", str(keyfile), "--max-queue", "0", "--ctx", "512", "--threads", "1") as handle:
         yield handle
 
 
@@ -306,7 +310,7 @@ def test_health_docs_and_no_prompts_in_logs(server, http, worker, caplog):
     from starlette.testclient import TestClient
 
     with caplog.at_level("INFO"):  # the same worker behind an app with --log-prompts
-        r = TestClient(create_app(worker, model_name=MODEL, log_prompts=True)).post("/v1/chat/completions", json=body)
+        r = TestClient(create_app(worker, model_name=MODEL, log_prompts=True), base_url="http://localhost").post("/v1/chat/completions", json=body)
         assert r.status_code == 200
     assert marker in caplog.text and repr(r.json()["choices"][0]["message"]["content"]) in caplog.text
 
@@ -336,8 +340,16 @@ BAD_CHAT = [
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"stop": ["a"] * 17}, "stop"),
     ({"logit_bias": {"50256": -100}}, "logit_bias"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function",
+                                                                                   "function": {"name": "g"}}},
+     "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),  # no tools
+    ({"tool_choice": "sometimes", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"grammar": "start: foo"}, "grammar"),
+    ({"functions": [{"name": "f"}]}, "functions"),
     ({"speculative": {"draft_max": -1}}, "speculative"),
     ({"frobnicate": True}, "frobnicate"),
     ({"messages": []}, "messages"),
@@ -410,13 +422,491 @@ def test_oversized_body_is_413(http):
     error_of(http.post("/v1/chat/completions", content=chunked(), headers={"content-type": "application/json"}), 413)
 
 
+# every Content-Type is read as JSON: one rule (curl -d sends a form type, others text/plain, ...)
+CONTENT_TYPES = [None, "application/json", "application/json; charset=utf-8", "text/json", "application/x-ndjson",
+                 "application/x-json-stream", "text/plain", "application/x-www-form-urlencoded",
+                 "application/octet-stream", "multipart/form-data; boundary=x"]
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("content_type", CONTENT_TYPES, ids=[str(c).split(";")[0] for c in CONTENT_TYPES])
+def test_every_content_type_is_read_as_json(http, content_type):
+    headers = {} if content_type is None else {"content-type": content_type}
+    body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 1}).encode()
+    r = http.post("/v1/completions", content=body, headers=headers)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 1
+    err = error_of(http.post("/v1/completions", content=b"prompt=Hi", headers=headers), 400)
+    assert err["code"] == "invalid_json"  # and what is not JSON is the same error whatever the type
+
+
+# the client's own path to the field, never a pydantic location ("speculative.Speculative.draft_max", "stop.str")
+PARAM_PATHS = [
+    ({"speculative": {"draft_max": -1}}, "speculative.draft_max", "invalid_value"),
+    ({"speculative": {"draft_max": 2, "extra": 1}}, "speculative.extra", "unknown_parameter"),
+    ({"stop": [1]}, "stop[0]", "invalid_type"),
+    ({"stop": 5}, "stop", "invalid_type"),
+    ({"messages": [{"role": "user", "content": 42}]}, "messages[0].content", "invalid_type"),
+    ({"messages": [{"role": "user", "content": "a"}, {"content": "b"}]}, "messages[1].role", "missing_required_parameter"),
+    ({"messages": [{"role": "wizard", "content": "a"}]}, "messages[0].role", "invalid_value"),
+    ({"messages": [None]}, "messages[0]", "invalid_type"),
+    ({"stream_options": {"include_usage": 1}}, "stream_options.include_usage", "invalid_type"),
+    ({"top_logprobs": 2}, "top_logprobs", "invalid_value"),
+    ({"tools": [{"type": "function"}]}, "tools[0]", "invalid_value"),
+    ({"functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),
+    ({"n": 2}, "n", "unsupported_value"),
+]
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("change,param,code", PARAM_PATHS, ids=[p for _, p, _ in PARAM_PATHS])
+def test_error_param_is_the_clients_path_and_code_is_set(http, change, param, code):
+    body = {"model": MODEL, "messages": chat("Hi"), "max_tokens": 1, **change}
+    err = error_of(http.post("/v1/chat/completions", json=body), 400)
+    assert (err["param"], err["code"]) == (param, code), err
+    assert param in err["message"]
+
+
+@pytest.mark.model
+def test_body_errors_say_what_is_wrong(http):
+    err = error_of(http.post("/v1/chat/completions", content=b"", headers={"content-type": "application/json"}), 400)
+    assert err["param"] is None and err["code"] == "invalid_json" and "empty" in err["message"]
+    assert "None" not in err["message"]
+    err = error_of(http.post("/v1/completions", content=b"[1, 2]"), 400)
+    assert err["code"] == "invalid_type" and "JSON object" in err["message"] and "an array" in err["message"]
+    err = error_of(http.post("/v1/completions", content=b'{"prompt": "caf\xe9"}'), 400)
+    assert err["code"] == "invalid_json" and "UTF-8" in err["message"]
+    err = error_of(http.post("/v1/completions", json={"prompt": 42}), 400)
+    assert err["param"] == "prompt" and "expected a string or an array, but got an integer" in err["message"]
+    err = error_of(http.post("/v1/chat/completions", json={"model": MODEL}), 400)
+    assert err["message"] == "Missing required parameter: 'messages'." and err["code"] == "missing_required_parameter"
+    err = error_of(http.post("/v1/chat/completions", json={"messages": chat("Hi"), "frobnicate": 1}), 400)
+    assert err["param"] == "frobnicate" and err["code"] == "unknown_parameter"
+
+
+# OpenAI's types are strict: a string is not an integer, a boolean is not a seed
+STRICT_TYPES = [
+    ("max_tokens", "8"), ("max_tokens", 8.0), ("max_tokens", True), ("seed", True), ("seed", "1"),
+    ("temperature", "0.5"), ("temperature", False), ("top_k", "2"), ("stream", "true"), ("stream", 1),
+    ("logprobs", 1), ("n", 1.0), ("stop", ["a", 1]), ("max_completion_tokens", "4"),
+]
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("name,value", STRICT_TYPES, ids=[f"{n}={json.dumps(v)}" for n, v in STRICT_TYPES])
+def test_values_of_the_wrong_json_type_are_400(http, name, value):
+    body = {"model": MODEL, "messages": chat("Hi"), "max_tokens": 1, name: value}
+    err = error_of(http.post("/v1/chat/completions", json=body), 400)
+    assert err["code"] == "invalid_type" and err["param"].startswith(name), err
+    assert "Invalid type for" in err["message"]
+
+
+@pytest.mark.model
+def test_values_of_the_right_type_still_work(http):
+    body = {"model": MODEL, "prompt": COUNTING, "max_tokens": 2, "temperature": 0, "top_p": 1, "seed": 3,
+            "stream": False, "stop": None, "n": 1, "speculative": True}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.model
+def test_the_same_error_has_the_same_code(http):
+    big = json.dumps({"model": MODEL, "messages": chat("x" * (MAX_BODY + 10)), "max_tokens": 1}).encode()
+
+    def chunked():
+        for i in range(0, len(big), 8192):
+            yield big[i:i + 8192]
+
+    declared = error_of(http.post("/v1/chat/completions", content=big), 413)
+    streamed = error_of(http.post("/v1/chat/completions", content=chunked()), 413)
+    assert declared == streamed and declared["code"] == "request_too_large"
+    not_json = error_of(http.post("/v1/completions", content=b"{nope"), 400)
+    not_utf8 = error_of(http.post("/v1/completions", content=b"\xff\xfe{}"), 400)
+    assert not_json["code"] == not_utf8["code"] == "invalid_json"
+
+
+@pytest.mark.model
+def test_max_tokens_limit_clamps_and_is_the_chat_default(worker):
+    """--max-tokens-limit: a larger max_tokens is clamped (finish_reason "length"), as llama.cpp's
+    server does, and a chat request without max_tokens gets the limit, not the whole context."""
+    from starlette.testclient import TestClient
+
+    with TestClient(create_app(worker, model_name=MODEL, max_tokens_limit=5), base_url="http://localhost") as c:
+        for body in ({"prompt": COUNTING, "max_tokens": 10 ** 30}, {"prompt": COUNTING, "max_tokens": 6}):
+            r = c.post("/v1/completions", json={**body, "temperature": 0})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 5 and r.json()["choices"][0]["finish_reason"] == "length"
+        r = c.post("/v1/chat/completions", json={"messages": chat(f"Continue counting: {COUNTING}"), "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] <= 5
+        r = c.post("/v1/completions", json={"prompt": COUNTING, "max_tokens": 3, "temperature": 0})
+        assert r.json()["usage"]["completion_tokens"] == 3  # under the limit: as asked
+    app = create_app(worker, model_name=MODEL)
+    assert app.state.max_tokens_limit == N_CTX // 2  # the default: half the context
+
+
+@pytest.mark.model
+def test_time_limit_ends_a_generation_with_length(worker):
+    from starlette.testclient import TestClient
+
+    app = create_app(worker, model_name=MODEL, time_limit=0.3, max_tokens_limit=N_CTX)
+    with TestClient(app, base_url="http://localhost") as c:
+        t0 = time.monotonic()
+        r = c.post("/v1/completions", json={"prompt": COUNTING, "max_tokens": 900, "temperature": 0})
+        elapsed = time.monotonic() - t0
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["choices"][0]["finish_reason"] == "length"
+        assert 0 < body["usage"]["completion_tokens"] < 900 and body["choices"][0]["text"].startswith(" 1")
+        assert elapsed < 10, elapsed  # 900 tokens would take far longer
+        with c.stream("POST", "/v1/completions", json={"prompt": COUNTING, "max_tokens": 900, "temperature": 0,
+                                                       "stream": True}) as s:
+            events = sse_events(s)
+        assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+    assert metric_from(app, "localspec_generations_total", outcome="time_limit") >= 2
+
+
+def metric_from(app, name: str, **labels) -> float:
+    for family in text_string_to_metric_families(app.state.metrics.render().decode()):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+def raw_http(port: int, request: bytes, timeout: float = 10) -> tuple[bytes, float]:
+    """Send raw bytes, read until the server closes the connection: (response, seconds)."""
+    import socket
+
+    t0 = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(request)
+        data = b""
+        while True:
+            try:
+                part = sock.recv(65536)
+            except (ConnectionResetError, TimeoutError):
+                break
+            if not part:
+                break
+            data += part
+    return data, time.monotonic() - t0
+
+
+def test_a_stalled_request_body_times_out():
+    """Content-Length says 1000, 10 bytes come, then nothing: 408 with an error body, the
+    connection closed, and the server still answers. No model needed: the body never arrives."""
+    engine = PacedEngine()
+    s = ThreadedServer(create_app(engine, model_name="paced", body_timeout=0.5))
+    try:
+        head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 1000\r\n\r\n")
+        data, elapsed = raw_http(s.port, head + b'{"prompt":')
+        assert data.startswith(b"HTTP/1.1 408"), data[:200]
+        body = json.loads(data.split(b"\r\n\r\n", 1)[1])
+        assert body["error"]["code"] == "request_timeout"
+        assert elapsed < 5, elapsed
+        assert not engine.calls
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=10)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == " 1, 2,"
+    finally:
+        s.stop()
+
+
+# ---------------------------------------------------------------- cross-site requests, DNS rebinding, OPTIONS
+
+
+@pytest.mark.model
+def test_a_web_page_cannot_drive_the_server(server, http, worker):
+    """A form or fetch() from another site: text/plain needs no CORS preflight, so the browser
+    sends it; the server refuses it before any generation (403, an OpenAI error body)."""
+    completed = worker.completed
+    body = json.dumps({"prompt": "Hi", "max_tokens": 2})
+    for origin in ("http://evil.example", "null", "http://127.0.0.1:1", "https://localhost"):
+        r = http.post("/v1/completions", content=body, headers={"content-type": "text/plain", "origin": origin})
+        assert error_of(r, 403)["code"] == "origin_not_allowed", origin
+    r = http.options("/v1/completions", headers={"origin": "http://evil.example",
+                                                  "access-control-request-method": "POST"})
+    assert error_of(r, 403)["code"] == "origin_not_allowed"
+    assert "access-control-allow-origin" not in r.headers
+    assert error_of(http.get("/v1/models", headers={"origin": "http://evil.example"}), 403)
+    assert worker.completed == completed  # nothing ran
+    # the server's own pages (/docs) may call it: same origin
+    r = http.post("/v1/completions", content=body, headers={"origin": server})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.model
+def test_allowed_origins_get_cors(worker):
+    from starlette.testclient import TestClient
+
+    app = create_app(worker, model_name=MODEL, cors_origins=["http://localhost:3000"])
+    with TestClient(app, base_url="http://localhost") as c:
+        pre = c.options("/v1/chat/completions", headers={
+            "origin": "http://localhost:3000", "access-control-request-method": "POST",
+            "access-control-request-headers": "authorization, content-type, x-stainless-lang"})
+        assert pre.status_code == 200, pre.text
+        assert pre.headers["access-control-allow-origin"] == "http://localhost:3000"
+        assert "POST" in pre.headers["access-control-allow-methods"]
+        assert "authorization" in pre.headers["access-control-allow-headers"].lower()
+        r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1},
+                   headers={"origin": "http://localhost:3000"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
+        assert "retry-after" in r.headers["access-control-expose-headers"].lower()
+        r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, headers={"origin": "http://localhost:3001"})
+        assert error_of(r, 403)["code"] == "origin_not_allowed"
+    with TestClient(create_app(worker, model_name=MODEL, cors_origins=["*"]), base_url="http://localhost") as c:
+        r = c.get("/v1/models", headers={"origin": "https://anything.example"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+
+
+@pytest.mark.model
+def test_options_is_answered(http):
+    r = http.options("/v1/chat/completions")
+    assert r.status_code == 204 and r.headers["allow"] == "OPTIONS, POST"
+    r = http.options("/v1/models")
+    assert r.status_code == 204 and set(r.headers["allow"].split(", ")) >= {"GET", "OPTIONS"}
+    error_of(http.options("/v1/nothing-here"), 404)
+
+
+@pytest.mark.model
+def test_dns_rebinding_host_names_are_refused(server, http, worker):
+    """A page on evil.example whose DNS now points at 127.0.0.1 sends Host: evil.example."""
+    port = server.rsplit(":", 1)[1]
+    completed = worker.completed
+    for host in (f"evil.example:{port}", "evil.example", "localhost.evil.example", "127.0.0.1.nip.io",
+                 f"10.0.0.1:{port}", "a@127.0.0.1", ""):
+        r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, headers={"host": host})
+        assert error_of(r, 403)["code"] == "host_not_allowed", host
+    assert worker.completed == completed
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", "localhost", f"app.localhost:{port}", "127.0.0.2",
+                 f"[::1]:{port}", "LOCALHOST."):
+        assert http.get("/v1/models", headers={"host": host}).status_code == 200, host
+
+
+def test_host_rule():
+    from localspec.server.gate import HostRule, OriginRule, split_host
+
+    loop = HostRule("127.0.0.1")
+    assert loop.allows("localhost") and loop.allows("127.0.0.1") and loop.allows("::1") and loop.allows("x.localhost")
+    assert not loop.allows("10.0.0.5") and not loop.allows("evil.example") and not loop.allows("localhost.evil")
+    every = HostRule("0.0.0.0")
+    assert every.allows("192.168.1.20") and every.allows("::1") and not every.allows("evil.example")
+    import socket
+
+    assert every.allows(socket.gethostname().lower())  # this machine's name, when on every interface
+    assert not loop.allows(socket.gethostname().lower()) or socket.gethostname().lower().endswith(".localhost")
+    one = HostRule("192.168.1.20", ["api.example.com", "*.lan"])
+    assert one.allows("192.168.1.20") and not one.allows("192.168.1.21")
+    assert one.allows("api.example.com") and one.allows("box.lan") and one.allows("lan") and not one.allows("evil.com")
+    named = HostRule("myhost.lan")
+    assert named.allows("myhost.lan") and not named.allows("other.lan")
+    assert HostRule("127.0.0.1", ["*"]).allows("anything.example")
+    assert split_host("[::1]:8080") == ("::1", 8080) and split_host("Example.COM.") == ("example.com", None)
+    assert split_host("a:b") is None and split_host("[::1") is None and split_host("x/y") is None
+
+    rule = OriginRule(["http://localhost:3000", "HTTPS://App.Example:443/"])
+    assert rule.allows("http://localhost:3000", None) and rule.allows("https://app.example", None)
+    assert not rule.allows("http://localhost:3001", None) and not rule.allows("null", ("localhost", 8080))
+    assert rule.allows("http://127.0.0.1:8080", ("127.0.0.1", 8080))  # same origin
+    assert rule.allows("https://api.example", ("api.example", None))  # behind a TLS proxy
+    assert not rule.allows("http://127.0.0.1:8081", ("127.0.0.1", 8080))
+
+
+# ---------------------------------------------------------------- the API key
+
+
+@pytest.mark.model
+def test_api_key_scheme_is_case_insensitive_and_metrics_need_the_key(worker):
+    from starlette.testclient import TestClient
+
+    key = "k-" + "z" * 30
+    with TestClient(create_app(worker, model_name=MODEL, api_key=key), base_url="http://localhost") as c:
+        for scheme in ("Bearer", "bearer", "BEARER", "bEaReR"):
+            assert c.get("/v1/models", headers={"Authorization": f"{scheme} {key}"}).status_code == 200, scheme
+        for value in (f"Basic {key}", f"Bearer{key}", f"Bearer {key}x", key, f"Token {key}"):
+            assert c.get("/v1/models", headers={"Authorization": value}).status_code == 401, value
+        err = error_of(c.get("/metrics"), 401)
+        assert err["code"] == "invalid_api_key"
+        r = c.get("/metrics", headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 200 and "localspec_requests_total" in r.text
+        assert c.get("/health").status_code == 200  # liveness probes need no key
+
+
+def test_serve_refuses_an_empty_or_unusable_api_key(tmp_path):
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "LOCALSPEC_API_KEY"}
+    empty = tmp_path / "empty.key"
+    empty.write_text("\n")
+    spaced = tmp_path / "spaced.key"
+    spaced.write_text("two words\n")
+    cases = [
+        (["--api-key", ""], {}, "--api-key is empty"),
+        ([], {"LOCALSPEC_API_KEY": ""}, "$LOCALSPEC_API_KEY is empty"),
+        (["--api-key-file", str(empty)], {}, "is empty"),
+        (["--api-key-file", str(spaced)], {}, "printable ASCII without spaces"),
+        (["--api-key-file", str(tmp_path / "missing.key")], {}, "No such file"),
+        (["--api-key", "a", "--api-key-file", str(spaced)], {}, "not both"),
+        (["--cors-origin", "localhost:3000"], {}, "--cors-origin"),
+        (["--allowed-host", "http://example.com/"], {}, "--allowed-host"),
+    ]
+    procs = [(subprocess.Popen(CLI + ["serve", "--port", str(free_port()), "--oracle", "/nonexistent/model.gguf",
+                                      "--no-draft", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**env, **extra}, stdin=subprocess.DEVNULL), message)
+             for args, extra, message in cases]
+    for p, message in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 2, err
+        assert message in err and "not found" not in err, err  # refused before the model is even looked for
+
+
+def test_serve_warns_about_keys_in_ps_and_open_interfaces(tmp_path):
+    """The warnings come before the model loads (a missing GGUF then stops each run; all in parallel)."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "LOCALSPEC_API_KEY"}
+    keyfile = tmp_path / "k"
+    keyfile.write_text("abc\n")
+    cases = [
+        (["--api-key", "abc"], {}, ["visible to every user", "LOCALSPEC_API_KEY"]),
+        (["--host", "0.0.0.0"], {}, ["without an API key"]),
+        (["--host", "0.0.0.0", "--api-key-file", str(keyfile)], {}, []),
+        (["--host", "0.0.0.0"], {"LOCALSPEC_API_KEY": "abc"}, []),
+        (["--host", "localhost"], {}, []),
+    ]
+    procs = [(subprocess.Popen(CLI + ["serve", *args, "--oracle", "/nonexistent/model.gguf", "--no-draft"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**env, **extra},
+                               stdin=subprocess.DEVNULL), needles) for args, extra, needles in cases]
+    for p, needles in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 2 and "not found" in err, err  # then the missing model stops it
+        if needles:
+            assert all(n in err for n in needles), err
+        else:
+            assert "warning" not in err, err
+
+
+# ---------------------------------------------------------------- shutdown with work in flight (no model: timing)
+
+
+def _post_in_thread(url: str, body: dict, results: list, index: int, stream: bool = False):
+    def run():
+        t0 = time.monotonic()
+        try:
+            if stream:
+                with httpx.stream("POST", url, json=body, timeout=30) as r:
+                    payload = sse_events(r) if r.status_code == 200 else json.loads(r.read())
+                    results[index] = (r.status_code, payload, dict(r.headers), time.monotonic() - t0)
+            else:
+                r = httpx.post(url, json=body, timeout=30)
+                results[index] = (r.status_code, r.json(), dict(r.headers), time.monotonic() - t0)
+        except Exception as e:  # noqa: BLE001 - reported by the test
+            results[index] = (None, repr(e), {}, time.monotonic() - t0)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def _wait(condition, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_shutdown_refuses_the_queue_at_once_and_cuts_the_running_one_at_the_grace_period():
+    """SIGTERM with one long non-streamed generation running and four queued: the four get 503
+    with Retry-After and an error body right away; the running one ends with a 503 error body when
+    the grace period is over (not uvicorn's bare 500 when it cancels tasks)."""
+    engine = PacedEngine(step=0.02)
+    worker = EngineWorker(engine, max_queue=8)
+    s = ThreadedServer(create_app(worker, model_name="paced"), grace=2.0)
+    try:
+        url = s.url + "/v1/completions"
+        results: list = [None] * 5
+        threads = [_post_in_thread(url, {"prompt": "long", "max_tokens": 2000}, results, 0)]
+        _wait(lambda: worker.busy)
+        threads += [_post_in_thread(url, {"prompt": f"q{i}", "max_tokens": 2}, results, i) for i in range(1, 5)]
+        _wait(lambda: worker.queue_depth == 4)
+        t0 = time.monotonic()
+        stopper = threading.Thread(target=s.stop, daemon=True)
+        stopper.start()
+        for t in threads[1:]:
+            t.join(5)
+        queued_done = time.monotonic() - t0
+        for status, body, headers, _ in results[1:]:
+            assert status == 503, body
+            assert body["error"]["code"] == "server_shutting_down" and int(headers["retry-after"]) >= 1
+        assert queued_done < 1.5, queued_done  # at once, not after the running one (cut at 2 s)
+        threads[0].join(10)
+        status, body, headers, _ = results[0]
+        assert status == 503 and body["error"]["code"] == "server_shutting_down", body
+        assert 1.8 < time.monotonic() - t0 < 6  # at the end of the grace period
+        stopper.join(15)
+        assert len(engine.calls) == 1  # the queued ones never ran
+    finally:
+        worker.close()
+
+
+def test_shutdown_lets_the_running_generation_finish_within_the_grace_period():
+    engine = PacedEngine(step=0.02)
+    worker = EngineWorker(engine, max_queue=8)
+    s = ThreadedServer(create_app(worker, model_name="paced"), grace=5.0)
+    try:
+        url = s.url + "/v1/completions"
+        results: list = [None] * 2
+        threads = [_post_in_thread(url, {"prompt": "a", "max_tokens": 40}, results, 0),
+                   _post_in_thread(url, {"prompt": "b", "max_tokens": 40, "stream": True}, results, 1, stream=True)]
+        _wait(lambda: worker.busy and worker.queue_depth == 1)
+        s.stop()
+        for t in threads:
+            t.join(10)
+        # whichever started first finished (40 steps, ~0.8 s, within the 5 s grace); the other was queued: 503
+        assert sorted(str(r[0]) for r in results) == ["200", "503"], results
+        ran = next(r for r in results if r[0] == 200)
+        if isinstance(ran[1], dict):
+            text = ran[1]["choices"][0]["text"]
+        else:
+            assert ran[1][-1] == "[DONE]"
+            text = "".join(e["choices"][0]["text"] for e in ran[1][:-1])
+        assert text.endswith(" 39, 40,"), text
+        other = next(r for r in results if r is not ran)
+        assert other[1]["error"]["code"] == "server_shutting_down"
+    finally:
+        worker.close()
+
+
+def test_shutdown_ends_a_running_stream_with_an_error_event_and_done():
+    engine = PacedEngine(step=0.02)
+    worker = EngineWorker(engine, max_queue=8)
+    s = ThreadedServer(create_app(worker, model_name="paced"), grace=0.5)
+    try:
+        results: list = [None]
+        t = _post_in_thread(s.url + "/v1/completions", {"prompt": "a", "max_tokens": 2000, "stream": True}, results, 0,
+                            stream=True)
+        _wait(lambda: worker.busy)
+        time.sleep(0.1)
+        s.stop()
+        t.join(10)
+        status, events, _, elapsed = results[0]
+        assert status == 200 and events[-1] == "[DONE]", events[-3:]
+        assert events[-2]["error"]["code"] == "server_shutting_down"
+        assert events[0]["choices"][0]["text"] == " 1,"
+    finally:
+        worker.close()
+
+
 # ---------------------------------------------------------------- the real command
 
 
 @pytest.mark.model
 def test_cli_serve_api_key_queue_full_and_sigterm(cli_server):
     url = wait_ready(cli_server)
-    assert httpx.get(url + "/health").status_code == 200  # /health and /metrics need no key
+    assert httpx.get(url + "/health").status_code == 200  # /health needs no key, /metrics does
+    assert error_of(httpx.get(url + "/metrics"), 401)["code"] == "invalid_api_key"
+    assert httpx.get(url + "/metrics", headers={"Authorization": f"bearer {API_KEY}"}).status_code == 200
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
         err = error_of(httpx.get(url + "/v1/models", headers=headers), 401)
         assert err["code"] == "invalid_api_key"
@@ -535,9 +1025,36 @@ def test_worker_queue_limit_and_shutdown():
         time.sleep(0.01)
     w.close(timeout=5)
     assert not w._thread.is_alive() and first.outcome == "cancelled"
+    assert first.cancel_reason == "the server is shutting down"  # not "the client went away"
     assert CANCELLED in events and any(isinstance(ev, Failed) and isinstance(ev.error, WorkerClosed) for ev in events)
     with pytest.raises(WorkerClosed):
         w.submit("d", {}, events.append)
+
+
+def test_worker_time_limit_ends_a_job_with_length():
+    """A job past its time limit stops after the step in progress, and its last chunk is an empty
+    one with finish_reason "length" and the counters so far, as when max_tokens is reached."""
+    w = EngineWorker(PacedEngine(step=0.02), max_queue=1)
+    try:
+        events: list = []
+        t0 = time.monotonic()
+        job = w.submit("a", {"max_tokens": 10_000}, events.append, time_limit=0.3)
+        assert job.done.wait(10)
+        assert time.monotonic() - t0 < 3
+        from localspec.server.worker import STARTED
+
+        final = events[-1]
+        assert events[0] is STARTED and final.finish_reason == "length" and final.text == ""
+        tokens = sum(len(e.tokens) for e in events[1:])
+        assert 3 <= tokens < 1000 and final.stats.completion_tokens == tokens == job.tokens
+        assert job.outcome == "time_limit" and w.completed == 1
+        assert w.metrics.generations.labels("time_limit")._value.get() == 1
+        quick: list = []
+        job = w.submit("b", {"max_tokens": 3}, quick.append, time_limit=30)  # under its limit: as asked
+        assert job.done.wait(10) and quick[-1].finish_reason == "length" and job.outcome == "completed"
+        assert [c.text for c in quick[1:]] == [" 1,", " 2,", " 3,"]
+    finally:
+        w.close()
 
 
 def test_stats_usage_shape():

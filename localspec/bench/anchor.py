@@ -69,6 +69,8 @@ class Flags:
     p_min: str | None
     spec_type: bool
     threads_draft: str | None
+    flash_attn: str | None = None  # takes on|off|auto
+    no_repack: str | None = None  # CPU weight repacking off (it crashes on Q4_1 with AMX)
 
     @classmethod
     def detect(cls, binary: str) -> "Flags":
@@ -85,19 +87,29 @@ class Flags:
             raise AnchorUnavailable(f"{binary}: cannot find its draft-length option in --help")
         return cls(n_max=n_max, n_min=first("--spec-draft-n-min", "--draft-min"),
                    p_min=first("--spec-draft-p-min", "--draft-p-min"),
-                   spec_type="--spec-type" in h, threads_draft=first("--spec-draft-threads", "-td", "--threads-draft"))
+                   spec_type="--spec-type" in h, threads_draft=first("--spec-draft-threads", "-td", "--threads-draft"),
+                   flash_attn=first("--flash-attn", "-fa"), no_repack=first("--no-repack", "-nr"))
 
 
 def command(binary: str | os.PathLike, *, oracle: str, draft: str | None, prompt_file: str, n_predict: int,
-            k: int | None, threads: int, n_ctx: int, p_min: float = 0.0, seed: int = 1,
-            spec_type: str | None = None) -> list[str]:
+            k: int | None, threads: int, n_ctx: int, p_min: float | None = None, seed: int = 1,
+            spec_type: str | None = None, flash_attn: str | None = None) -> list[str]:
     """The command line of one greedy generation. `spec_type="ngram-simple"`: llama.cpp's prompt
-    lookup, no draft model (`k`, if given, caps the drafted m-gram)."""
+    lookup, no draft model (`k`, if given, caps the drafted m-gram). `p_min` None: llama.cpp's own
+    default; `flash_attn` None: its default (auto). CPU weight repacking is turned off where the
+    program can (llama.cpp's repacked Q4_1 weights crash on AMX CPUs; elsewhere it did not change
+    these models' speed, measured on an AVX512 EPYC), as in localspec's bindings: both run the same kernels."""
     binary = str(binary)
     f = Flags.detect(binary)
     cmd = [binary, "-m", oracle, "-f", prompt_file, "-n", str(n_predict), "-c", str(n_ctx),
            "-t", str(threads), "-tb", str(threads), "--temp", "0", "--top-k", "1", "--repeat-penalty", "1.0",
            "--seed", str(seed)]
+    if f.no_repack:
+        cmd.append(f.no_repack)
+    if flash_attn is not None:
+        if f.flash_attn is None:
+            raise AnchorUnavailable(f"{binary} has no flash attention option")
+        cmd += [f.flash_attn, flash_attn]
     if spec_type is not None:
         if not f.spec_type:
             raise AnchorUnavailable(f"{binary} has no --spec-type: this llama.cpp cannot do {spec_type}")
@@ -112,7 +124,7 @@ def command(binary: str | os.PathLike, *, oracle: str, draft: str | None, prompt
         cmd += [f.threads_draft, str(threads)]
     if f.n_min:
         cmd += [f.n_min, "0"]
-    if f.p_min:
+    if f.p_min and p_min is not None:
         cmd += [f.p_min, str(p_min)]
     if f.spec_type and Path(binary).name == "llama-speculative-simple":
         cmd += ["--spec-type", "draft-simple"]
@@ -171,8 +183,8 @@ def generated_text(stdout: str, prompt_echo: str) -> str:
 
 
 def run(binary: str | os.PathLike, *, oracle: str, draft: str | None, prompt_text: str, prompt_echo: str,
-        n_predict: int, k: int | None, threads: int, n_ctx: int, p_min: float = 0.0, spec_type: str | None = None,
-        timeout: float = 1800.0) -> dict:
+        n_predict: int, k: int | None, threads: int, n_ctx: int, p_min: float | None = None,
+        spec_type: str | None = None, flash_attn: str | None = None, timeout: float = 1800.0) -> dict:
     """Run one generation; returns the parsed stats, the generated text and the process's peak RSS."""
     with tempfile.TemporaryDirectory(prefix="localspec-anchor-") as tmp:
         prompt_file = os.path.join(tmp, "prompt.txt")
@@ -180,7 +192,7 @@ def run(binary: str | os.PathLike, *, oracle: str, draft: str | None, prompt_tex
             fh.write(prompt_text + "\n")  # llama.cpp drops one trailing newline from -f files
         out_path, err_path = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
         cmd = command(binary, oracle=oracle, draft=draft, prompt_file=prompt_file, n_predict=n_predict, k=k,
-                      threads=threads, n_ctx=n_ctx, p_min=p_min, spec_type=spec_type)
+                      threads=threads, n_ctx=n_ctx, p_min=p_min, spec_type=spec_type, flash_attn=flash_attn)
         t0 = time.perf_counter()
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err)

@@ -8,10 +8,18 @@ them in one oracle pass over K+1 positions; it yields the accepted prefix plus o
     step time       = K * c_draft + c_verify(K + 1)
     predicted speed = E * c_verify(1) / step time                            (the oracle alone: 1 token per c_verify(1))
 
-`c_draft` is the draft's cost per token and `c_verify(n)` the oracle's cost of an n-token pass, both
-measured on the real contexts. Measured speedup / predicted speedup is the efficiency: how much of
-the possible gain the implementation keeps (Python overhead, sampling, cache bookkeeping, ...).
-Pure Python, no model needed.
+`c_draft` is the draft's cost per token and `c_verify(n)` the oracle's cost of an n-token pass.
+
+For localspec's systems the prediction goes step by step, from the engine's own per-step records:
+`fit_costs` fits the context-aware pass-cost model (localspec.costs: verify(n, c), draft(l, c)) to
+every step a system ran, and `record_ceiling` predicts, for the steps a run actually took (their
+draft lengths, accepted tokens and context lengths), the oracle alone's time for the same tokens
+over the speculative time:
+
+    predicted speedup = sum_steps (accepted + 1) * verify(1, c) / sum_steps (draft(l, c) + verify(l + 1, c))
+
+Measured speedup / predicted speedup is the efficiency: how much of the possible gain the
+implementation keeps (Python overhead, sampling, cache bookkeeping, ...). No model needed.
 """
 
 from __future__ import annotations
@@ -19,6 +27,9 @@ from __future__ import annotations
 import math
 from typing import Callable, Mapping, Sequence
 
+from localspec.costs import PassCost, fit_steps
+from localspec.costs import predicted_speedup as predicted_steps_speedup
+from localspec.outputs import StepRecord
 from localspec.policy import fit_line
 
 
@@ -99,6 +110,24 @@ def cost_curve(points: Mapping[int | float, float]) -> Callable[[float], float]:
         return max(intercept + slope * n, min(ys))
 
     return c
+
+
+def steps_of(records: Sequence[Sequence[float]]) -> list[StepRecord]:
+    """The bench worker's compact records ([k, drafted, accepted, draft_time, verify_time, context,
+    draft_evaluated]) as the engine's StepRecords."""
+    return [StepRecord(int(r[0]), int(r[1]), int(r[2]), float(r[3]), float(r[4]), int(r[5]), int(r[6]))
+            for r in records]
+
+
+def fit_costs(records: Sequence[Sequence[float]]) -> tuple[PassCost, PassCost] | None:
+    """localspec.costs.fit_steps over compact records."""
+    return fit_steps(steps_of(records))
+
+
+def record_ceiling(records: Sequence[Sequence[float]], verify: PassCost, draft: PassCost | None) -> float | None:
+    """The speedup predicted for the steps in `records` (see the module docstring). `draft` None:
+    proposing costs nothing (prompt lookup)."""
+    return predicted_steps_speedup(steps_of(records), verify, draft)
 
 
 def median(values: Sequence[float]) -> float:

@@ -13,9 +13,12 @@ Aggregates (one row per system and workload, plus an "all" row per system):
     acceptance_rate       accepted / drafted draft tokens
     mean_accepted_length  accepted draft tokens per verify step (tokens_per_step = 1 + that)
     per_token_acceptance  a with E(a, K) = tokens_per_step, K = mean draft length (see ceiling.py)
-    ceiling               the speedup predicted from that acceptance and the measured draft and verify
-                          costs (the step time averaged over the recorded per-step draft lengths where
-                          they are known, i.e. all but the C++ anchor); efficiency = speedup / ceiling
+    ceiling               the speedup predicted for the steps the system took (their draft lengths,
+                          accepted tokens and context lengths) by the pass-cost model fitted to all of
+                          its steps (see ceiling.py); for the C++ anchor, from its acceptance and the
+                          costs fitted to localspec's run of the same K; efficiency = speedup / ceiling
+    one_shot_wall         with `--one-shot`: a fresh process's wall time per prompt (first repetition),
+                          summed over prompts; one_shot_speedup: the baseline's over it, geometric mean
     ttft                  time to first token (prompt evaluation included), median over runs
     latency_p50/p95       per-token latency: chunk inter-arrival time / tokens in the chunk
     peak_rss              per system (see the systems' peak_rss_scope)
@@ -26,43 +29,49 @@ from __future__ import annotations
 
 import json
 import math
-from collections import Counter, defaultdict
+import re
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from .ceiling import (acceptance_from_tokens_per_step, cost_curve, geomean, median, percentile,
-                      predicted_speedup, predicted_speedup_per_step, ratio_interval)
-from .systems import uses_draft_model
+from .ceiling import (acceptance_from_tokens_per_step, fit_costs, geomean, median, percentile, predicted_speedup,
+                      ratio_interval, record_ceiling)
+from .systems import LLAMA_CPP, uses_draft_model
 
 ALL = "all"
 RESULT_FIELDS = (
     "system", "workload", "n_prompts", "n_runs", "tokens_per_second", "speedup", "speedup_per_prompt",
     "paired_speedup", "paired_interval",
     "acceptance_rate", "per_token_acceptance", "mean_accepted_length", "tokens_per_step", "mean_draft_length",
-    "ceiling", "efficiency", "ttft", "latency_p50", "latency_p95", "peak_rss", "greedy_match", "mismatched_runs",
-    "costs",
+    "ceiling", "efficiency", "one_shot_wall", "one_shot_speedup",
+    "ttft", "latency_p50", "latency_p95", "peak_rss", "greedy_match", "mismatched_runs", "costs",
 )
+COST_SIZES = (1, 2, 5, 9, 17)  # pass sizes the report shows the fitted verify cost at
 
 
-def _costs(runs: list[dict]) -> dict | None:
-    """Pooled cost model of a set of runs: c_verify(n) and c_draft, medians over measurements."""
-    verify: dict[int, list[float]] = defaultdict(list)
-    draft: list[float] = []
-    for r in runs:
-        c = r.get("costs")
-        if not c:
-            continue
-        for n, t in c["verify"].items():
-            if t == t:  # not NaN
-                verify[int(n)].append(t)
-        if c.get("draft"):
-            draft.append(c["draft"])
-    if not verify or 1 not in verify:
-        return None
-    return {"verify": {n: median(v) for n, v in sorted(verify.items())}, "draft": median(draft) if draft else None}
+def _fits(report: dict) -> dict[str, tuple]:
+    """Per localspec system: (verify, draft) pass-cost models fitted to all its steps (drafting-off
+    runs of --paired included: same process, more one-token passes)."""
+    fits = {}
+    for system in report["systems"]:
+        records = [x for r in report["runs"] if r["system"] == system["name"]
+                   for x in (r.get("records") or []) + (r.get("paired_records") or [])]
+        fit = fit_costs(records) if records else None
+        if fit is not None:
+            fits[system["name"]] = fit
+    return fits
 
 
-def _row(system: dict, workload: str, runs: list[dict], base: dict[tuple[str, int], dict], costs: dict | None) -> dict:
+def _anchor_fit(system: dict, fits: dict[str, tuple]) -> tuple | None:
+    """The cost model for an anchor run's ceiling: localspec's with the same K, else adaptive's."""
+    for name in (f"k{system.get('params', {}).get('k')}", "adaptive"):
+        if name in fits:
+            return fits[name]
+    return next((f for n, f in fits.items() if n != "baseline" and f[1].ready), None)
+
+
+def _row(system: dict, workload: str, runs: list[dict], base: dict[tuple[str, int], dict], fits: dict[str, tuple],
+         one_shot_base: dict[str, float]) -> dict:
     name = system["name"]
     by_prompt: dict[str, list[dict]] = defaultdict(list)
     for r in runs:
@@ -93,26 +102,37 @@ def _row(system: dict, workload: str, runs: list[dict], base: dict[tuple[str, in
     k_mean = drafted / steps if steps else 0.0
     a = acceptance_from_tokens_per_step(tokens_per_step, k_mean) if tokens_per_step and k_mean > 0 else None
 
-    lengths: Counter[int] | None = Counter()
-    for r in runs:
-        if r.get("draft_lengths") is None:
-            lengths = None  # not recorded (the C++ anchor): the formula with the mean draft length
-            break
-        lengths.update({int(k): n for k, n in r["draft_lengths"].items()})
-
-    ceiling = None
-    if system["name"] == "baseline":
-        ceiling = 1.0
-    elif costs and tokens_per_step is not None and k_mean > 0:
-        # prompt lookup has no model to run
-        c_draft = costs["draft"] if uses_draft_model(system.get("kind", ""), system.get("params", {})) else 0.0
-        if c_draft is not None:
-            c_verify = cost_curve(costs["verify"])
-            if lengths:
-                ceiling = predicted_speedup_per_step(tokens_per_step, lengths, c_draft, c_verify)
-            elif a is not None:
-                ceiling = predicted_speedup(a, k_mean, c_draft, c_verify)
+    ceiling = costs = None
+    own = fits.get(name)
+    if own is not None:
+        verify, draft = own
+        model_draft = draft if uses_draft_model(system.get("kind", ""), system.get("params", {})) else None
+        base_time = spec_time = 0.0
+        for r in runs:  # the row's steps, pooled: sum of predicted times
+            x = record_ceiling(r.get("records") or [], verify, model_draft)
+            if x is not None:
+                spec_time += r["completion_tokens"] / x
+                base_time += r["completion_tokens"]
+        ceiling = base_time / spec_time if spec_time > 0 else None
+        if name == "baseline":
+            ceiling = 1.0
+        context = median([r["prompt_tokens"] + r["completion_tokens"] / 2 for r in runs])
+        length = max(1, round(k_mean))  # the draft's cost per token at its typical length in this run
+        costs = {"context": context, "verify": {str(n): verify(n, int(context)) for n in COST_SIZES},
+                 "draft_per_token": (draft(length, int(context)) / length
+                                     if model_draft is not None and draft.ready else None)}
+    elif system.get("kind") == LLAMA_CPP and a is not None and k_mean > 0:
+        fit = _anchor_fit(system, fits)
+        if fit is not None:
+            verify, draft = fit
+            context = int(median([r["prompt_tokens"] + r["completion_tokens"] / 2 for r in runs]))
+            c_draft = draft(8, context) / 8 if uses_draft_model(system["kind"], system.get("params", {})) else 0.0
+            ceiling = predicted_speedup(a, k_mean, c_draft, lambda n: verify(max(1, round(n)), context))
     speedup = geomean(list(speedups.values())) if speedups else None
+
+    shots = {pid: firsts[0]["one_shot_wall"] for pid, rs in by_prompt.items()
+             if (firsts := [r for r in rs if r["rep"] == 0 and r.get("one_shot_wall")])}
+    shot_ratios = [one_shot_base[pid] / t for pid, t in shots.items() if one_shot_base.get(pid)]
 
     latencies = [x for r in runs for x in (r.get("latencies") or [])]
     ttfts = [r["ttft"] for r in runs if r.get("ttft") is not None]
@@ -134,14 +154,15 @@ def _row(system: dict, workload: str, runs: list[dict], base: dict[tuple[str, in
         "mean_draft_length": k_mean if steps else None,
         "ceiling": ceiling,
         "efficiency": speedup / ceiling if speedup and ceiling else None,
+        "one_shot_wall": sum(shots.values()) if shots else None,
+        "one_shot_speedup": geomean(shot_ratios) if shot_ratios else None,
         "ttft": median(ttfts) if ttfts else None,
         "latency_p50": percentile(latencies, 50) if latencies else None,
         "latency_p95": percentile(latencies, 95) if latencies else None,
         "peak_rss": system.get("peak_rss"),
         "greedy_match": sum(matches) / len(matches) if matches else None,
         "mismatched_runs": sum(1 for m in matches if m < 1.0),
-        "costs": ({"draft": costs["draft"], "verify": {str(n): t for n, t in costs["verify"].items()}}
-                  if costs else None),
+        "costs": costs,
     }
 
 
@@ -149,6 +170,7 @@ def aggregate(report: dict) -> list[dict]:
     runs = report["runs"]
     workloads = [w for w in _workload_order(report)]
     base = {(r["workload"], r["prompt_id"], r["rep"]): r for r in runs if r["system"] == "baseline"}
+    fits = _fits(report)
     rows = []
     for system in report["systems"]:
         mine = [r for r in runs if r["system"] == system["name"]]
@@ -158,12 +180,12 @@ def aggregate(report: dict) -> list[dict]:
             rs = [r for r in mine if workload == ALL or r["workload"] == workload]
             if not rs:
                 continue
-            pool = [r for r in runs if workload == ALL or r["workload"] == workload]
             wbase = {(pid, rep): b for (w, pid, rep), b in base.items() if workload == ALL or w == workload}
             if workload == ALL:  # prompt ids are unique per workload only
                 rs = [dict(r, prompt_id=f"{r['workload']}/{r['prompt_id']}") for r in rs]
                 wbase = {(f"{w}/{pid}", rep): b for (w, pid, rep), b in base.items()}
-            rows.append(_row(system, workload, rs, wbase, _costs(pool)))
+            shot_base = {pid: b["one_shot_wall"] for (pid, rep), b in wbase.items() if rep == 0 and b.get("one_shot_wall")}
+            rows.append(_row(system, workload, rs, wbase, fits, shot_base))
     return rows
 
 
@@ -188,12 +210,16 @@ def _has_paired(report: dict) -> bool:
     return any(r.get("paired_speedup") is not None for r in report["results"])
 
 
+def _has_one_shot(report: dict) -> bool:
+    return any(r.get("one_shot_wall") is not None for r in report["results"])
+
+
 def markdown_table(report: dict) -> str:
-    paired = _has_paired(report)
+    paired, shot = _has_paired(report), _has_one_shot(report)
     head = ("| workload | system | tok/s | speedup | " + ("paired speedup | " if paired else "")
-            + "ceiling | efficiency | acceptance | accepted/step | TTFT ms | p50 ms/tok | p95 ms/tok | peak RSS MB | "
-            "greedy match |")
-    lines = [head, "|---|---|" + "---:|" * (11 + paired)]
+            + "ceiling | efficiency | " + ("one-shot s | one-shot speedup | " if shot else "")
+            + "acceptance | accepted/step | TTFT ms | p50 ms/tok | p95 ms/tok | peak RSS MB | greedy match |")
+    lines = [head, "|---|---|" + "---:|" * (11 + paired + 2 * shot)]
     order = {s["name"]: i for i, s in enumerate(report["systems"])}
     wl = _workload_order(report) + [ALL]
     for r in sorted(report["results"], key=lambda r: (wl.index(r["workload"]), order.get(r["system"], 99))):
@@ -205,10 +231,12 @@ def markdown_table(report: dict) -> str:
             interval = r.get("paired_interval")
             speedups.append(_f(r.get("paired_speedup"), ".2f") + ("×" if r.get("paired_speedup") is not None else "")
                             + (f" ({interval[0]:.2f}–{interval[1]:.2f})" if interval else ""))
+        shots = [_f(r.get("one_shot_wall"), ".2f"),
+                 _f(r.get("one_shot_speedup"), ".2f") + ("×" if r.get("one_shot_speedup") is not None else "")]
         lines.append("| " + " | ".join([
             r["workload"], r["system"], _f(r["tokens_per_second"], ".1f"), *speedups,
             _f(r["ceiling"], ".2f") + ("×" if r["ceiling"] is not None else ""), _f(r["efficiency"], ".0%"),
-            _f(r["acceptance_rate"], ".0%"), _f(r["mean_accepted_length"], ".2f"), _f(r["ttft"], ".0f", 1e3),
+            *(shots if shot else []), _f(r["acceptance_rate"], ".0%"), _f(r["mean_accepted_length"], ".2f"), _f(r["ttft"], ".0f", 1e3),
             _f(r["latency_p50"], ".1f", 1e3), _f(r["latency_p95"], ".1f", 1e3),
             _f(r["peak_rss"], ".0f", 1 / 2**20), match]) + " |")
     return "\n".join(lines)
@@ -218,9 +246,49 @@ def skipped_lines(report: dict) -> list[str]:
     return [f"- `{s['name']}` skipped: {s['reason']}" for s in report["systems"] if s.get("status") == "skipped"]
 
 
+def best_anchor(report: dict) -> dict | None:
+    """The C++ anchor's (llama.cpp's own speculative decoding with a draft model) fastest flags in
+    this run: its result row over all workloads."""
+    anchors = {s["name"] for s in report["systems"]
+               if s.get("kind") == LLAMA_CPP and not s.get("params", {}).get("spec_type")}
+    workloads = _workload_order(report)
+    scope = ALL if len(workloads) > 1 else workloads[0]
+    rows = [r for r in report["results"] if r["system"] in anchors and r["workload"] == scope and r["speedup"]]
+    return max(rows, key=lambda r: r["speedup"], default=None)
+
+
+def headline(report: dict) -> list[str]:
+    """One line per comparison a reader looks for first: adaptive against the oracle alone, against
+    the best fixed K, and against llama.cpp at its best flags."""
+    workloads = _workload_order(report)
+    scope = ALL if len(workloads) > 1 else workloads[0]
+    rows = {r["system"]: r for r in report["results"] if r["workload"] == scope}
+    lines = []
+    adaptive = rows.get("adaptive")
+    if adaptive and adaptive["speedup"]:
+        fixed = [r for n, r in rows.items() if re.fullmatch(r"k\d+", n) and r["speedup"]]
+        best_k = max(fixed, key=lambda r: r["speedup"], default=None)
+        line = f"adaptive: {adaptive['speedup']:.2f}x the oracle alone"
+        if best_k:
+            line += f" (best fixed K: {best_k['system']} {best_k['speedup']:.2f}x)"
+        if adaptive.get("one_shot_speedup"):
+            line += f"; one-shot {adaptive['one_shot_speedup']:.2f}x"
+        lines.append(line)
+    anchor = best_anchor(report)
+    if anchor:
+        line = f"llama.cpp at its best flags here: {anchor['system']}, {anchor['tokens_per_second']:.1f} tok/s " \
+               f"({anchor['speedup']:.2f}x the oracle alone)"
+        if adaptive and adaptive["tokens_per_second"] and anchor["tokens_per_second"]:
+            line += f"; localspec adaptive is {adaptive['tokens_per_second'] / anchor['tokens_per_second']:.2f}x that"
+        lines.append(line)
+    return lines
+
+
 def summary(report: dict) -> str:
-    """What `localspec bench` prints: the table, skipped systems and notes."""
+    """What `localspec bench` prints: the table, the headline comparisons, skipped systems and notes."""
     parts = [markdown_table(report)]
+    if headline(report):
+        parts.append("\n".join(f"- {line}" for line in headline(report)))
     extra = skipped_lines(report) + [f"- {n}" for n in report.get("notes", [])]
     if extra:
         parts.append("\n".join(extra))
@@ -246,6 +314,8 @@ def results_document(report: dict, charts: dict[str, str] | None = None, command
         "| | |",
         "|---|---|",
         f"| CPU | {m.get('cpu')} |",
+        f"| CPU features | {', '.join(m.get('cpu_flags') or []) or 'unknown'} |",
+        f"| llama.cpp backend | {m.get('llama_cpp_system_info') or 'unknown'} |",
         f"| cores | {m.get('physical_cores') or '?'} physical, {m.get('logical_cpus')} logical |",
         f"| threads used | {m.get('threads')} (every system) |",
         f"| RAM | {ram} |",
@@ -265,6 +335,8 @@ def results_document(report: dict, charts: dict[str, str] | None = None, command
         systems,
         "",
         "## Results",
+        "",
+        *[f"- {line}" for line in headline(report)],
         "",
         markdown_table(report),
         "",
@@ -288,13 +360,20 @@ def results_document(report: dict, charts: dict[str, str] | None = None, command
            "of every run). The baseline runs in a process of its own, and processes differ in speed by "
            "several percent on a shared VM: the paired figure is the one to judge a few percent by."]
           if _has_paired(report) else []),
-        "- **ceiling**: the speedup the standard model predicts from the measured acceptance and the measured "
-        "draft and verify costs: E = (1 − a^(K+1)) / (1 − a) tokens per step for per-token acceptance a "
-        "and mean draft length K, step time K·c_draft + c_verify(K+1), predicted speedup E·c_verify(1) / "
-        "step time (averaged over the recorded draft length of every step where the length varies: adaptive, "
-        "lookup); costs are timed decodes at the end of each rep-1 generation, i.e. on the real contexts (by "
-        "localspec's workers, also used for the anchor's ceiling). **efficiency** = speedup / ceiling; "
-        "around 100% means at the ceiling, within noise.",
+        "- **ceiling**: the speedup the measured costs allow for the steps the system took. localspec's "
+        "engine records every step (tokens drafted and accepted, draft and verify time, context length); a "
+        "pass-cost model, verify(n, c) and draft(l, c) as functions of the tokens in the pass and of the "
+        "context (localspec/costs.py), is fitted to all of a system's steps, and the ceiling is the oracle "
+        "alone's predicted time for the same tokens over the predicted time of those steps. For the C++ "
+        "anchor (no per-step record): the standard model, E = (1 − a^(K+1)) / (1 − a) tokens per step at "
+        "its acceptance, with the costs fitted to localspec's run of the same K. **efficiency** = speedup / "
+        "ceiling: what the implementation keeps of what the costs allow (around 100%: at the ceiling, within "
+        "noise).",
+        *(["- **one-shot**: a fresh process per prompt, as a script runs it: `localspec generate ... --json` "
+           "timed from process start to exit (imports, model loading, prompt and generation; model files "
+           "already cached, and the fitted costs an earlier process kept in the cache), first repetition. For "
+           "the C++ anchor, its own process's wall time. **one-shot speedup**: the baseline's (`localspec "
+           "generate --no-draft`) over it, geometric mean over prompts."] if _has_one_shot(report) else []),
         "- **acceptance**: accepted / drafted tokens; **accepted/step**: accepted draft tokens per verify pass.",
         "- **TTFT**: time to first token, prompt evaluation included (not reported by the C++ anchor).",
         "- **p50/p95 ms/tok**: per-token latency from chunk arrival times divided by tokens per chunk.",

@@ -11,6 +11,10 @@
   off, in its own process, right before or after (alternating) its own run: the paired speedup is the
   ratio of the two. It removes process-to-process speed differences (several percent on a shared VM)
   from the comparison, at the cost of running those prompts twice.
+- With `one_shot`, every localspec system also runs each prompt (in the first repetition) the way a
+  user's script does: a fresh `localspec generate --json` process, timed from its start to its exit
+  (model files already in the cache; the costs a previous process kept are used, as a user's would
+  be). The C++ anchor's figure is its own process's wall time, the same measure.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
+
+from localspec.llama import default_threads
 
 from . import anchor
 from .ceiling import percentile
@@ -54,15 +60,9 @@ class BenchConfig:
     anchor_bin: str | None = None  # directory of the anchor binaries (default: the cache)
     cross_tokenizer: bool = False  # the draft's vocabulary differs from the oracle's (drafting through text)
     paired: bool = False  # also time each localspec system with drafting off, in its own process
+    one_shot: bool = False  # also time each localspec system as a fresh `localspec generate` process
     warmup: bool = True
     progress: Callable[[str], None] | None = None
-
-
-def default_threads() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:
-        return max(1, os.cpu_count() or 1)
 
 
 # ------------------------------------------------------------------------------------ workers
@@ -125,14 +125,23 @@ def _safe(name: str) -> str:
 # ------------------------------------------------------------------------------------ machine
 
 
+# the CPU features llama.cpp's kernels care about (from /proc/cpuinfo's flags)
+CPU_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+             "avx_vnni", "amx_tile", "amx_int8", "amx_bf16", "asimd", "sve", "i8mm", "bf16")
+
+
 def machine_info(threads: int) -> dict:
     cpu = platform.processor() or platform.machine()
     physical: set[tuple[str, str]] = set()
+    flags: list[str] = []
     try:
         phys = core = None
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
             key, value = key.strip(), value.strip()
+            if key in ("flags", "Features") and not flags:
+                present = set(value.split())
+                flags = [f for f in CPU_FLAGS if f in present]
             if key == "model name":
                 cpu = value
             elif key == "physical id":
@@ -164,8 +173,16 @@ def machine_info(threads: int) -> dict:
         localspec_version = md.version("localspec")
     except Exception:
         localspec_version = "unknown"
+    try:
+        import llama_cpp
+
+        system_info = llama_cpp.llama_print_system_info().decode("utf-8", errors="replace").strip()
+    except Exception:
+        system_info = None
     return {
         "cpu": cpu,
+        "cpu_flags": flags,
+        "llama_cpp_system_info": system_info,
         "logical_cpus": os.cpu_count(),
         "physical_cores": len(physical) or None,
         "threads": threads,
@@ -272,7 +289,7 @@ def run_bench(config: BenchConfig) -> dict:
                 say(f"warming up {spec.name} ...")
                 try:
                     w.call(op="run", tokens=by_id[(first.workload, first.id)]["tokens"],
-                           max_tokens=min(WARMUP_TOKENS, first.max_tokens), costs=None)
+                           max_tokens=min(WARMUP_TOKENS, first.max_tokens), json_schema=_schema(first))
                 except Exception as e:
                     if spec.is_baseline:
                         raise BenchError(f"the baseline failed to warm up: {e}") from e
@@ -294,7 +311,8 @@ def run_bench(config: BenchConfig) -> dict:
                     done += 1
                     try:
                         record, output = _run_one(spec, prompt, prep, rep, workers, anchor_bins, models, threads,
-                                                  config.n_ctx, paired=config.paired, paired_first=(rep + i) % 2 == 0)
+                                                  config.n_ctx, paired=config.paired, paired_first=(rep + i) % 2 == 0,
+                                                  one_shot=config.one_shot and rep == 0)
                     except Exception as e:
                         if spec.is_baseline:
                             raise BenchError(f"the baseline failed on {prompt.id}: {e}") from e
@@ -305,7 +323,8 @@ def run_bench(config: BenchConfig) -> dict:
                     paired_tps = record.get("paired_tokens_per_second")
                     say(f"[{done}/{total}] rep {rep + 1} {prompt.id} {spec.name}: "
                         f"{record['tokens_per_second']:.1f} tok/s ({record['completion_tokens']} tokens)"
-                        + (f", drafting off {paired_tps:.1f} tok/s" if paired_tps else ""))
+                        + (f", drafting off {paired_tps:.1f} tok/s" if paired_tps else "")
+                        + (f", one-shot {record['one_shot_wall']:.2f} s" if record.get("one_shot_wall") else ""))
         elapsed = time.perf_counter() - t_run
 
         for name, w in workers.items():
@@ -336,7 +355,7 @@ def run_bench(config: BenchConfig) -> dict:
             "pair": config.pair, "oracle": config.oracle, "draft": config.draft,
             "cross_tokenizer": config.cross_tokenizer,
             "oracle_path": oracle_path, "draft_path": draft_path, "threads": threads, "n_ctx": config.n_ctx,
-            "reps": config.reps, "temperature": 0.0, "paired": config.paired,
+            "reps": config.reps, "temperature": 0.0, "paired": config.paired, "one_shot": config.one_shot,
             "workloads": sorted({p.workload for p in config.prompts}),
             "prompts": [{"workload": p.workload, "id": p.id, "max_tokens": p.max_tokens,
                          "prompt_tokens": len(by_id[(p.workload, p.id)]["tokens"])} for p in config.prompts],
@@ -353,52 +372,48 @@ def run_bench(config: BenchConfig) -> dict:
     return report
 
 
+def _schema(prompt: BenchPrompt) -> dict | None:
+    """A structured workload's schema, for localspec's workers (the C++ anchor runs unconstrained)."""
+    return json.loads(prompt.json_schema) if prompt.json_schema is not None else None
+
+
 def _first_line(e: BaseException) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
-def cost_sizes(spec: SystemSpec, info: dict) -> list[int]:
-    """Oracle pass sizes to time for the ceiling: 1..K+1 for the system's largest K."""
-    if spec.is_baseline:
-        return [1]
-    k = spec.params.get("draft_length") or info.get("engine_kwargs", {}).get("draft_max") or 16
-    sizes = set(range(1, min(k, 8) + 2)) | {k + 1}
-    return sorted(sizes)
-
-
 def _run_one(spec: SystemSpec, prompt: BenchPrompt, prep: dict, rep: int, workers: dict[str, Worker],
              anchor_bins: dict[str, Path], models: dict, threads: int, n_ctx: int, *, paired: bool = False,
-             paired_first: bool = True) -> tuple[dict, dict]:
+             paired_first: bool = True, one_shot: bool = False) -> tuple[dict, dict]:
     base = {"system": spec.name, "workload": prompt.workload, "prompt_id": prompt.id, "rep": rep,
             "prompt_tokens": len(prep["tokens"]), "max_tokens": prompt.max_tokens}
     if spec.kind == LLAMA_CPP:
         r = anchor.run(anchor_bins[spec.name], oracle=models["oracle"], draft=models["draft"],
                        prompt_text=prep["anchor_text"], prompt_echo=prep["echo"], n_predict=prompt.max_tokens,
-                       k=spec.params["k"], threads=threads, n_ctx=n_ctx, spec_type=spec.params.get("spec_type"))
+                       k=spec.params["k"], threads=threads, n_ctx=n_ctx, spec_type=spec.params.get("spec_type"),
+                       flash_attn=spec.params.get("flash_attn"))
         n_accept, n_drafted = r.get("n_accept") or 0, r.get("n_drafted") or 0
         n_predict = r.get("n_predict") if r.get("n_predict") is not None else r["completion_tokens"]
         record = {**base, "completion_tokens": r["completion_tokens"], "decode_time": r["decode_time"],
                   "tokens_per_second": r["tokens_per_second"], "ttft": None,
                   "drafted": n_drafted, "accepted": n_accept, "steps": max(0, n_predict - n_accept),
                   "finish_reason": None, "latencies": [], "peak_rss": r.get("peak_rss"),
-                  "anchor_prompt_tokens": r.get("prompt_tokens")}
+                  "anchor_prompt_tokens": r.get("prompt_tokens"), "one_shot_wall": r["wall_time"]}
         if rep == 0:  # the same command line every time but for the prompt file and -n
             record["anchor_command"] = " ".join(os.path.basename(c) if i == 0 else c for i, c in enumerate(r["command"]))
         return record, {"text": r["text"], "tokens": None}
     w = workers[spec.name]
-    costs = cost_sizes(spec, w.info) if rep == 0 else None  # the ceiling's costs, on the real contexts
 
-    def drafting_off() -> float:
-        return w.call(op="run", tokens=prep["tokens"], max_tokens=prompt.max_tokens, costs=None,
-                      speculative=False)["result"]["tokens_per_second"]
+    def drafting_off() -> dict:
+        return w.call(op="run", tokens=prep["tokens"], max_tokens=prompt.max_tokens, speculative=False,
+                      json_schema=_schema(prompt))["result"]
 
-    paired_tps = None
+    off = None
     paired = paired and spec.kind == LOCALSPEC and not spec.is_baseline
     if paired and paired_first:
-        paired_tps = drafting_off()
-    r = w.call(op="run", tokens=prep["tokens"], max_tokens=prompt.max_tokens, costs=costs)["result"]
+        off = drafting_off()
+    r = w.call(op="run", tokens=prep["tokens"], max_tokens=prompt.max_tokens, json_schema=_schema(prompt))["result"]
     if paired and not paired_first:
-        paired_tps = drafting_off()
+        off = drafting_off()
     latencies: list[float] = []
     prev = None
     for t, n in r["chunks"]:
@@ -409,12 +424,62 @@ def _run_one(spec: SystemSpec, prompt: BenchPrompt, prep: dict, rep: int, worker
     record = {**base, "completion_tokens": r["completion_tokens"], "decode_time": r["decode_time"],
               "tokens_per_second": r["tokens_per_second"], "ttft": r["ttft"], "drafted": r["drafted"],
               "accepted": r["accepted"], "steps": r["steps"], "draft_lengths": r.get("draft_lengths"),
-              "finish_reason": r["finish_reason"], "latencies": latencies}
-    if "costs" in r:
-        record["costs"] = r["costs"]
-    if paired_tps is not None:
-        record["paired_tokens_per_second"] = paired_tps
+              "finish_reason": r["finish_reason"], "latencies": latencies, "records": r.get("records")}
+    if off is not None:  # its one-token passes, in this process, inform the ceiling's cost fit too
+        record["paired_tokens_per_second"] = off["tokens_per_second"]
+        record["paired_records"] = off.get("records")
+    if one_shot and spec.kind == LOCALSPEC:
+        shot = one_shot_run(spec, prompt, models, threads, n_ctx)
+        if shot is not None:
+            record.update(one_shot_wall=shot["wall"], one_shot_tokens=shot["completion_tokens"],
+                          one_shot_ttft=shot["ttft"])
     return record, {"text": r["text"], "tokens": r["tokens"]}
+
+
+def one_shot_command(spec: SystemSpec, prompt: BenchPrompt, models: dict, threads: int, n_ctx: int) -> list[str] | None:
+    """`localspec generate ... --json` for this system and prompt, as a user would type it; None for a
+    prompt that one command line cannot express (chat messages other than an optional system message
+    and one user message)."""
+    cmd = [sys.executable, "-m", "localspec.cli", "generate", "--json", "--max-tokens", str(prompt.max_tokens),
+           "--oracle", models["oracle"], "--threads", str(threads), "--ctx", str(n_ctx)]
+    if prompt.messages is not None:
+        roles = [m["role"] for m in prompt.messages]
+        if roles not in (["user"], ["system", "user"]):
+            return None
+        if roles[0] == "system":
+            cmd += ["--system", prompt.messages[0]["content"]]
+        text = prompt.messages[-1]["content"]
+    else:
+        cmd.append("--raw")
+        text = prompt.prompt
+    params = spec.params
+    if params.get("draft") is None:
+        cmd.append("--no-draft")
+    elif params["draft"] == "ngram":
+        cmd += ["--draft", "ngram"]
+    else:
+        cmd += ["--draft", models["draft"]] + (["--cross-tokenizer"] if models.get("cross_tokenizer") else [])
+        if params.get("lookup"):
+            cmd.append("--lookup")
+    if params.get("draft") is not None and params.get("draft_length") is not None:
+        cmd += ["--draft-length", str(params["draft_length"])]
+    if params.get("flash_attn"):
+        cmd += ["--flash-attn", params["flash_attn"]]
+    return cmd + ["--", text]
+
+
+def one_shot_run(spec: SystemSpec, prompt: BenchPrompt, models: dict, threads: int, n_ctx: int) -> dict | None:
+    """Run a fresh `localspec generate` process; its wall time from start to exit, and its stats."""
+    cmd = one_shot_command(spec, prompt, models, threads, n_ctx)
+    if cmd is None:
+        return None
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, encoding="utf-8", timeout=1800)
+    wall = time.perf_counter() - t0
+    if p.returncode != 0:
+        raise RuntimeError(f"one-shot `localspec generate` exited with {p.returncode}: {p.stderr.strip()[-500:]}")
+    stats = json.loads(p.stdout)["stats"]
+    return {"wall": wall, "completion_tokens": stats["completion_tokens"], "ttft": stats["time_to_first_token"]}
 
 
 def _add_matches(runs: list[dict], outputs: dict) -> None:

@@ -12,6 +12,13 @@
     llama.cpp-ngram llama.cpp's C++ prompt lookup: llama-speculative-simple --spec-type ngram-simple, no
                     draft model, its defaults (a 12-token match, up to 48 drafted); llama.cpp-ngram-kN
                     drafts up to N
+    llama.cpp-grid  shorthand for the anchor at each of its plausible best flags: K = 4, 8, 16, each with
+                    flash attention auto (llama.cpp's default: on for the CPU) and off; the report names
+                    the best of them
+
+Any name takes a suffix `-fa-auto`, `-fa-on` or `-fa-off`: the attention kernel (localspec: its
+--flash-attn, whose auto is off on a CPU; the anchor: its -fa, whose auto is llama.cpp's own).
+Without one, each system runs its own default.
     lcp-lookup      llama-cpp-python's own prompt lookup (Llama(draft_model=LlamaPromptLookupDecoding)),
                     num_pred_tokens as its README recommends (2 on CPU, 10 with GPU offload);
                     lcp-lookup-kN for num_pred_tokens = N
@@ -23,8 +30,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-DEFAULT_SYSTEMS = ("baseline", "k2", "k4", "k8", "adaptive", "lookup", "llama.cpp", "llama.cpp-ngram", "lcp-lookup")
+DEFAULT_SYSTEMS = ("baseline", "k4", "k8", "k16", "adaptive", "lookup", "llama.cpp-grid", "llama.cpp-ngram",
+                   "llama.cpp-ngram-fa-off", "lcp-lookup")
 ANCHOR_K = 8
+ANCHOR_GRID = tuple(f"llama.cpp-k{k}{fa}" for k in (4, 8, 16) for fa in ("", "-fa-off"))
+GROUPS = {"llama.cpp-grid": ANCHOR_GRID}
 NGRAM_SIMPLE_M = 48  # llama.cpp's default --spec-ngram-simple-size-m
 
 LOCALSPEC = "localspec"
@@ -47,6 +57,11 @@ class SystemSpec:
     def is_baseline(self) -> bool:
         return self.name == "baseline"
 
+    @property
+    def is_anchor(self) -> bool:
+        """llama.cpp's own speculative decoding with a draft model (not its prompt lookup)."""
+        return self.kind == LLAMA_CPP and not self.params.get("spec_type")
+
     def to_dict(self) -> dict:
         return {"name": self.name, "kind": self.kind, "description": self.description, "params": dict(self.params)}
 
@@ -58,6 +73,20 @@ def uses_draft_model(kind: str, params: dict[str, Any]) -> bool:
 
 def parse_system(name: str) -> SystemSpec:
     n = name.strip()
+    if m := re.fullmatch(r"(.+)-fa-(auto|on|off)", n):
+        spec = _parse(m.group(1))
+        if spec.kind == LLAMA_CPP_PYTHON:
+            raise ValueError(f"{name}: llama-cpp-python's lookup runs with its own settings (no -fa suffix)")
+        if spec.is_baseline:
+            raise ValueError(f"{name}: the baseline runs localspec's default kernel (the same rule as every "
+                             "localspec system); compare kernels with e.g. adaptive-fa-on")
+        who = "llama.cpp's -fa" if spec.kind == LLAMA_CPP else "--flash-attn"
+        return SystemSpec(n, spec.kind, f"{spec.description}, flash attention {m.group(2)} ({who})",
+                          {**spec.params, "flash_attn": m.group(2)})
+    return _parse(n)
+
+
+def _parse(n: str) -> SystemSpec:
     if n == "baseline":
         return SystemSpec(n, LOCALSPEC, "the oracle alone (localspec, no draft)", {"draft": None})
     if m := re.fullmatch(r"k(\d+)", n):
@@ -87,7 +116,7 @@ def parse_system(name: str) -> SystemSpec:
         k = _k(m, n) if m.group(1) else None
         desc = f"llama-cpp-python LlamaPromptLookupDecoding, num_pred_tokens={k if k else '2 (CPU) / 10 (GPU)'}"
         return SystemSpec(n, LLAMA_CPP_PYTHON, desc, {"num_pred_tokens": k, "max_ngram_size": 2})
-    raise ValueError(f"unknown system {name!r} (known: baseline, kN, adaptive, lookup, lookup-kN, hybrid, "
+    raise ValueError(f"unknown system {n!r} (known: baseline, kN, adaptive, lookup, lookup-kN, hybrid, "
                      f"llama.cpp, llama.cpp-kN, llama.cpp-spec[-kN], llama.cpp-ngram[-kN], lcp-lookup[-kN])")
 
 
@@ -104,6 +133,7 @@ def parse_systems(names: str | list[str] | tuple[str, ...] | None) -> list[Syste
         names = list(DEFAULT_SYSTEMS)
     elif isinstance(names, str):
         names = [s for s in names.split(",") if s.strip()]
+    names = [n for name in names for n in GROUPS.get(name.strip(), (name,))]
     specs, seen = [], set()
     for s in ["baseline", *names]:
         spec = parse_system(s)

@@ -7,9 +7,10 @@ llama.cpp prints can corrupt the protocol):
 
     {"op": "load", "system": {...}, "models": {...}, "n_ctx": 4096, "threads": 2}  -> {"ok": true, "info": {...}}
     {"op": "prepare", "prompts": [...]}       -> rendered text and tokens of each prompt (load a baseline first)
-    {"op": "run", "tokens": [...], "max_tokens": N, "costs": [1, 2, ...] | null, "speculative": true}
-                                               -> tokens, text, stats, chunk arrival times, measured costs
-                                                  (speculative false: the same engine, drafting off)
+    {"op": "run", "tokens": [...], "max_tokens": N, "speculative": true}
+                                               -> tokens, text, stats, chunk arrival times, the engine's
+                                                  per-step records (speculative false: the same engine,
+                                                  drafting off)
     {"op": "rss"}                              -> peak RSS of this process
     {"op": "quit"}
 
@@ -21,14 +22,13 @@ from __future__ import annotations
 import json
 import os
 import resource
-import statistics
 import sys
 import time
 import traceback
 from collections import Counter
 from typing import Any
 
-COST_REPEATS = 3
+RECORD_FIELDS = ("k", "drafted", "accepted", "draft_time", "verify_time", "context", "draft_evaluated")
 
 
 def peak_rss_bytes() -> int:
@@ -55,6 +55,8 @@ class LocalspecRunner:
                 kwargs["lookup"] = True
             if draft == "model" and models.get("cross_tokenizer"):
                 kwargs["cross_tokenizer"] = True
+        if params.get("flash_attn"):
+            kwargs["flash_attn"] = params["flash_attn"]
         self.kwargs = dict(kwargs)
         t0 = time.perf_counter()
         self.engine = Engine(models["oracle"], draft_arg, **kwargs)
@@ -100,12 +102,14 @@ class LocalspecRunner:
                         "anchor_tokens_match": match, "echo": echo})
         return out
 
-    def run(self, tokens: list[int], max_tokens: int, costs: list[int] | None, speculative: bool = True) -> dict:
+    def run(self, tokens: list[int], max_tokens: int, speculative: bool = True, json_schema: dict | None = None) -> dict:
+        from localspec.constraints import Constraint
         from localspec.engine import Request
 
         for ctx in self._contexts():  # every run evaluates its whole prompt: no prefix reuse between runs
             ctx.reset()
-        request = Request(max_tokens=max_tokens, speculative=speculative)
+        request = Request(max_tokens=max_tokens, speculative=speculative,
+                          constraint=Constraint.json_schema(json_schema) if json_schema is not None else None)
         t_start = time.perf_counter()
         chunks: list[tuple[float, int]] = []
         out_tokens: list[int] = []
@@ -117,38 +121,13 @@ class LocalspecRunner:
             text.append(final.text)
         assert final is not None and final.stats is not None
         s = final.stats
-        result = {"tokens": out_tokens, "text": "".join(text), "finish_reason": final.finish_reason,
-                  "stats": s.to_dict(), "chunks": chunks,
-                  "decode_time": s.total_time - s.prompt_time, "completion_tokens": s.completion_tokens,
-                  "tokens_per_second": s.tokens_per_second, "ttft": s.time_to_first_token,
-                  "drafted": s.drafted, "accepted": s.accepted, "steps": s.steps,
-                  "draft_lengths": {str(k): n for k, n in sorted(Counter(r.drafted for r in s.records).items())}}
-        if costs:
-            result["costs"] = self.measure_costs(costs)
-        return result
-
-    def measure_costs(self, sizes: list[int]) -> dict:
-        """Time oracle passes of n tokens (logits at every position, as in verification) and one
-        draft-model token, at the position the generation ended: the real context."""
-        def timed(ctx, n: int) -> float:
-            base = ctx.n_past
-            recent = (ctx.tokens[-16:] or [0]) * (n // 16 + 1)
-            times = []
-            for _ in range(COST_REPEATS):
-                if ctx.n_past + n > ctx.n_ctx:
-                    break
-                t0 = time.perf_counter()
-                ctx.decode(recent[:n], n_logits=n)
-                times.append(time.perf_counter() - t0)
-                ctx.rollback(base)
-            return statistics.median(times) if times else float("nan")
-
-        ctxs = self._contexts()
-        oracle = ctxs[0]
-        timed(oracle, 1)  # warm
-        verify = {str(n): timed(oracle, n) for n in sizes}
-        draft = timed(ctxs[1], 1) if len(ctxs) > 1 else 0.0
-        return {"verify": verify, "draft": draft, "position": oracle.n_past}
+        return {"tokens": out_tokens, "text": "".join(text), "finish_reason": final.finish_reason,
+                "stats": s.to_dict(), "chunks": chunks,
+                "decode_time": s.total_time - s.prompt_time, "completion_tokens": s.completion_tokens,
+                "tokens_per_second": s.tokens_per_second, "ttft": s.time_to_first_token,
+                "drafted": s.drafted, "accepted": s.accepted, "steps": s.steps,
+                "draft_lengths": {str(k): n for k, n in sorted(Counter(r.drafted for r in s.records).items())},
+                "records": [[getattr(r, f) for f in RECORD_FIELDS] for r in s.records]}
 
     def close(self) -> None:
         self.engine.close()
@@ -191,7 +170,7 @@ class LlamaCppPythonRunner:
         return {"load_time": self.load_time, "num_pred_tokens": self.num_pred_tokens,
                 "llama_cpp_python": self.llama_cpp.__version__}
 
-    def run(self, tokens: list[int], max_tokens: int, costs: list[int] | None, speculative: bool = True) -> dict:
+    def run(self, tokens: list[int], max_tokens: int, speculative: bool = True, json_schema: dict | None = None) -> dict:
         if not speculative:
             raise ValueError("llama-cpp-python's prompt lookup cannot be switched off per run")
         llm, lc = self.llm, self.llama_cpp
@@ -276,8 +255,8 @@ def main() -> int:
             elif op == "prepare":
                 reply({"ok": True, "prompts": runner.prepare(msg["prompts"])})
             elif op == "run":
-                reply({"ok": True, "result": runner.run(msg["tokens"], msg["max_tokens"], msg.get("costs"),
-                                                        msg.get("speculative", True))})
+                reply({"ok": True, "result": runner.run(msg["tokens"], msg["max_tokens"], msg.get("speculative", True),
+                                                        msg.get("json_schema"))})
             elif op == "rss":
                 reply({"ok": True, "peak_rss": peak_rss_bytes()})
             elif op == "quit":

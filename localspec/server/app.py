@@ -1,13 +1,15 @@
 """The FastAPI app: OpenAI's /v1/chat/completions, /v1/completions and /v1/models over one engine
-worker, plus /health, /metrics and the OpenAPI docs (/docs, /openapi.json)."""
+worker, plus /health, /metrics and the OpenAPI docs (/docs, /openapi.json). What every request
+goes through first (Host, Origin, CORS, the API key, the body) is in gate.py; the error bodies in
+errors.py."""
 
 from __future__ import annotations
 
 import asyncio
 import codecs
-import hmac
 import json
 import logging
+import math
 import os
 import secrets
 import signal
@@ -16,175 +18,29 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterable
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from ..outputs import Chunk, Stats, TokenLogprob
 from . import schemas as S
 from . import tools as T
+from .errors import (SERVER_ERROR, APIError, on_api_error, on_http_error, on_internal_error, on_validation_error,
+                     shutting_down)
+from .gate import DEFAULT_BODY_TIMEOUT, Gate, Guard, HostRule, OriginRule
 from .worker import CANCELLED, DEFAULT_MAX_QUEUE, STARTED, EngineWorker, Failed, Job, QueueFull, WorkerClosed
 
 log = logging.getLogger("localspec.server")
 
 DEFAULT_MAX_BODY = 4 * 1024 * 1024
-GRACEFUL_SHUTDOWN = 5  # seconds in-flight requests get after SIGINT/SIGTERM
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
-_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-                499: "invalid_request_error",
-                503: "server_error"}
-_SERVER_ERROR = "The server had an error while processing your request."
+DEFAULT_TIME_LIMIT = 600.0  # seconds one generation may run (the openai client gives up at 600 s anyway)
+GRACEFUL_SHUTDOWN = 5.0  # seconds the running generation gets after SIGINT/SIGTERM
+_SERVER_ERROR = SERVER_ERROR
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
 
-
-class APIError(Exception):
-    """An OpenAI-shaped error response: {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type or _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-        self.headers = headers
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-
-# ---------------------------------------------------------------- ASGI middleware
-
-
-class _Gate:
-    """Before the app: the bearer token on /v1 routes (constant-time compare), the body size
-    limit (413), JSON bodies on /v1 whatever their Content-Type (curl -d sends form-urlencoded);
-    around it: request counts by endpoint and status, and latency."""
-
-    def __init__(self, app, *, api_key: str | None, max_body: int, metrics) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
-        self.max_body = max_body
-        self.metrics = metrics
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        path = scope["path"]
-        endpoint = path if path in ENDPOINTS else ("/v1/models" if path.startswith("/v1/models/") else "other")
-        t0 = time.perf_counter()
-        status = 500
-
-        async def send_status(message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self._handle(scope, receive, send_status, path)
-        finally:
-            self.metrics.requests.labels(endpoint, str(status)).inc()
-            self.metrics.request_latency.labels(endpoint).observe(time.perf_counter() - t0)
-
-    async def _handle(self, scope, receive, send, path: str) -> None:
-        headers = dict(scope["headers"])  # lower-case byte names; the last value of a repeated header wins
-        if path.startswith("/v1") and self.expected is not None:
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                await _send(send, APIError(
-                    401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
-                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}).response(), scope, receive)
-                return
-        try:
-            length = int(headers.get(b"content-length", b"0"))
-        except ValueError:
-            length = 0
-        if length > self.max_body:
-            await _send(send, _too_large(self.max_body).response(), scope, receive)
-            return
-        if path.startswith("/v1") and scope["method"] == "POST" and b"json" not in headers.get(b"content-type", b""):
-            scope = dict(scope, headers=[(k, v) for k, v in scope["headers"] if k != b"content-type"]
-                         + [(b"content-type", b"application/json")])
-        received = 0
-        limit = self.max_body
-
-        async def receive_limited():
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > limit:
-                    raise StarletteHTTPException(413, _too_large(limit).message)
-            return message
-
-        await self.app(scope, receive_limited, send)
-
-
-async def _send(send, response: Response, scope, receive) -> None:
-    await response(scope, receive, send)
-
-
-def _too_large(limit: int) -> APIError:
-    return APIError(413, f"The request body is larger than the server's limit of {limit} bytes.",
-                    code="request_too_large")
-
-
-# ---------------------------------------------------------------- error handlers
-
-
-def _param(loc: Iterable[Any]) -> str | None:
-    out = ""
-    for part in loc:
-        if part == "body":
-            continue
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += f".{part}" if out else str(part)
-    return out or None
-
-
-async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    errors = exc.errors()
-    err = errors[0] if errors else {"type": "", "loc": (), "msg": "invalid request"}
-    param = _param(err.get("loc", ()))
-    kind = err.get("type", "")
-    if kind == "json_invalid":
-        reason = (err.get("ctx") or {}).get("error", "")
-        message, param = f"The request body is not valid JSON ({reason}).", None
-    elif kind == "extra_forbidden":
-        message = f"Unrecognized request argument supplied: {param}"
-    elif kind == "missing":
-        message = f"Missing required parameter: '{param}'."
-    elif param:
-        message = f"Invalid value for '{param}': {err.get('msg')}."
-    else:
-        message = f"Invalid request: {err.get('msg')}."
-    return APIError(400, message, param=param).response()
-
-
-async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    if exc.status_code == 404:
-        message = f"Unknown endpoint: {request.method} {request.url.path}"
-    elif exc.status_code == 405:
-        message = f"Method {request.method} is not allowed on {request.url.path}"
-    else:
-        message = str(exc.detail)
-    return APIError(exc.status_code, message, headers=getattr(exc, "headers", None)).response()
-
-
-async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-    return exc.response()
-
-
-async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-    log.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
-    return APIError(500, _SERVER_ERROR).response()
 
 
 # ---------------------------------------------------------------- conversions
@@ -259,12 +115,13 @@ class _JobStream(StreamingResponse):
         try:
             await super().__call__(scope, receive, send_tracked)
         except asyncio.CancelledError:
-            # uvicorn cancels what is still streaming when its graceful shutdown ends: close the stream
-            # with an error event and [DONE] rather than leave a traceback in the log
-            self.job.cancel()
+            # uvicorn cancels what is still streaming when its graceful shutdown ends (a step slower
+            # than the grace period): close the stream with an error event and [DONE] rather than
+            # leave a traceback in the log
+            self.job.cancel(SHUTDOWN_REASON)
             if not started:
                 raise
-            tail = _sse(json.dumps(APIError(503, "The server is shutting down.").body())) + "data: [DONE]\n\n"
+            tail = _sse(json.dumps(shutting_down().body())) + "data: [DONE]\n\n"
             try:
                 await send({"type": "http.response.body", "body": tail.encode(), "more_body": False})
             except Exception:  # the connection is gone too
@@ -282,14 +139,28 @@ async def _watch_disconnect(receive, job: Job) -> None:
             return
 
 
+SHUTDOWN_REASON = "the server is shutting down"
+_SHUTDOWN = object()  # put on a queued request's event queue when the server starts shutting down
+
+
 # ---------------------------------------------------------------- the app
 
 
 def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = (), api_key: str | None = None,
-               max_queue: int | None = None, max_body: int = DEFAULT_MAX_BODY, log_prompts: bool = False) -> FastAPI:
+               max_queue: int | None = None, max_body: int = DEFAULT_MAX_BODY, log_prompts: bool = False,
+               max_tokens_limit: int | None = None, time_limit: float | None = DEFAULT_TIME_LIMIT,
+               host: str = "127.0.0.1", allowed_hosts: Iterable[str] = (), cors_origins: Iterable[str] = (),
+               body_timeout: float = DEFAULT_BODY_TIMEOUT) -> FastAPI:
     """An OpenAI-compatible app over an Engine (the app then owns a worker for it, stopped at
     shutdown) or an EngineWorker (the caller owns it). `model_name` is what /v1/models lists;
-    requests may also name any of `aliases` (e.g. the oracle's registry name)."""
+    requests may also name any of `aliases` (e.g. the oracle's registry name).
+
+    `max_tokens_limit` (default: half the context) caps every request's max_tokens (larger values
+    are clamped; chat without max_tokens gets it); `time_limit` (seconds, None: none) ends a
+    generation that runs longer with finish_reason "length". `host` is the address the server is
+    bound to: with `allowed_hosts` it decides which Host headers are answered; `cors_origins` are
+    the web origins allowed to call it (besides its own pages). `body_timeout`: seconds a request
+    body may take to arrive."""
     if isinstance(engine_or_worker, EngineWorker):
         worker, owns_worker = engine_or_worker, False
         if max_queue is not None:
@@ -299,12 +170,22 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
         owns_worker = True
     metrics = worker.metrics
     n_ctx = worker.engine.n_ctx
+    if max_tokens_limit is None:
+        max_tokens_limit = max(1, n_ctx // 2)
+    if max_tokens_limit < 1:
+        raise ValueError("max_tokens_limit must be >= 1")
+    if time_limit is not None and time_limit <= 0:
+        time_limit = None
     names = {model_name, *aliases}
     started = int(time.time())
+    waiting: dict[Job, asyncio.Queue] = {}  # submitted, not yet started by the engine
+    running: set[Job] = set()  # started, response not finished
+    draining = False
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        log.info("serving %s (n_ctx %d, max queue %d)", model_name, n_ctx, worker.max_queue)
+        log.info("serving %s (n_ctx %d, max queue %d, max_tokens limit %d)", model_name, n_ctx, worker.max_queue,
+                 max_tokens_limit)
         try:
             yield
         finally:
@@ -318,11 +199,47 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
                     "`usage` also reports drafted/accepted tokens and the acceptance rate.")
     app.state.worker = worker
     app.state.metrics = metrics
-    app.add_middleware(_Gate, api_key=api_key, max_body=max_body, metrics=metrics)
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(APIError, _api_error)
-    app.add_exception_handler(Exception, _internal_error)
+    app.state.max_tokens_limit = max_tokens_limit
+
+    def methods_for(path: str) -> set[str]:
+        out: set[str] = set()
+        for route in app.routes:
+            regex, methods = getattr(route, "path_regex", None), getattr(route, "methods", None)
+            if regex is not None and methods and regex.match(path):
+                out |= set(methods)
+        return out
+
+    # add_middleware: the last added runs first (Guard, then CORS, then Gate)
+    app.add_middleware(Gate, api_key=api_key, max_body=max_body, body_timeout=body_timeout, methods_for=methods_for)
+    app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"], allow_headers=["*"],
+                       expose_headers=["Retry-After"])
+    app.add_middleware(Guard, metrics=metrics, hosts=HostRule(host, allowed_hosts), origins=OriginRule(cors_origins))
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(Exception, on_internal_error)
+
+    def begin_shutdown(grace: float) -> None:
+        """The server stops (SIGTERM/SIGINT): queued requests get a 503 now, new ones too; the
+        running generation has `grace` seconds to finish, then ends with an error body (a 503, or
+        an error event and [DONE] on a stream). Called on the event loop."""
+        nonlocal draining
+        if draining:
+            return
+        draining = True
+        if waiting or running:
+            log.info("shutting down: %d queued request(s) refused, %d running get %g s", len(waiting),
+                     len(running), grace)
+        for events in list(waiting.values()):
+            events.put_nowait(_SHUTDOWN)
+
+        def stop_running() -> None:
+            for job in list(running):
+                job.cancel(SHUTDOWN_REASON)
+
+        asyncio.get_running_loop().call_later(grace, stop_running)
+
+    app.state.begin_shutdown = begin_shutdown
 
     def check_model(model: str | None) -> None:
         if model is not None and model not in names:
@@ -331,15 +248,18 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
 
     async def start(request: Request, prompt: Any, options: dict[str, Any], rid: str) -> tuple[Job, asyncio.Queue]:
         """Queue the job and wait until the engine has accepted it (errors are still HTTP errors here)."""
+        if draining:
+            raise shutting_down()
         try:
-            job, events = worker.submit_async(prompt, options)
+            job, events = worker.submit_async(prompt, options, time_limit=time_limit)
         except QueueFull as e:
             raise APIError(429, f"The server is busy ({worker.max_queue} requests queued); retry later.",
                            code="rate_limit_exceeded", headers={"Retry-After": str(e.retry_after)}) from None
         except WorkerClosed:
-            raise APIError(503, "The server is shutting down.") from None
+            raise shutting_down() from None
         if log_prompts:
             log.info("%s prompt: %r", rid, prompt)
+        waiting[job] = events
         watcher = asyncio.create_task(_watch_disconnect(request.receive, job))
         try:
             event = await events.get()
@@ -348,31 +268,42 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
             raise
         finally:
             watcher.cancel()
+            waiting.pop(job, None)
+        if event is _SHUTDOWN:
+            job.cancel(SHUTDOWN_REASON)
+            raise shutting_down()
         if isinstance(event, Failed):
             if event.client_error:
                 param = "messages" if isinstance(prompt, list) else "prompt"
-                code = "context_length_exceeded" if type(event.error).__name__ == "PromptTooLongError" else None
+                code = "context_length_exceeded" if type(event.error).__name__ == "PromptTooLongError" else "invalid_value"
                 raise APIError(400, str(event.error), param=param, code=code)
             if isinstance(event.error, WorkerClosed):
-                raise APIError(503, "The server is shutting down.")
+                raise shutting_down()
             raise APIError(500, _SERVER_ERROR)
         if event is CANCELLED:  # the client went away while queued; nobody reads this
             raise APIError(499, "The request was cancelled.", code="cancelled")
         assert event is STARTED, event
+        running.add(job)
         return job, events
 
     async def chunks(job: Job, events: asyncio.Queue, request: Request | None) -> AsyncIterator[Chunk | Failed]:
-        """The job's chunks until the last one (or a failure). With `request`, a disconnect cancels the job."""
+        """The job's chunks until the last one (or a failure). With `request`, a disconnect cancels the job.
+        A generation stopped because the server is shutting down ends with a Failed(WorkerClosed)."""
         watcher = asyncio.create_task(_watch_disconnect(request.receive, job)) if request is not None else None
         try:
             while True:
                 event = await events.get()
+                if event is _SHUTDOWN:  # meant for start(): this one runs on
+                    continue
                 if event is CANCELLED:
+                    if job.cancel_reason == SHUTDOWN_REASON:
+                        yield Failed(WorkerClosed(SHUTDOWN_REASON), client_error=False)
                     return
                 yield event
                 if isinstance(event, Failed) or event.finish_reason is not None:
                     return
         finally:
+            running.discard(job)
             if watcher is not None:
                 watcher.cancel()
             job.cancel()  # no-op once finished
@@ -381,12 +312,19 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
         """A whole (non-streamed) generation: its text, logprobs and last chunk; None when the
         client went away before the end (nobody reads the answer)."""
         parts, logprobs, final = [], [], None
-        async for event in chunks(job, events, request):
-            if isinstance(event, Failed):
-                raise APIError(500, _SERVER_ERROR)
-            parts.append(event.text)
-            logprobs.extend(event.logprobs or ())
-            final = event
+        try:
+            async for event in chunks(job, events, request):
+                if isinstance(event, Failed):
+                    raise shutting_down() if isinstance(event.error, WorkerClosed) else APIError(500, _SERVER_ERROR)
+                parts.append(event.text)
+                logprobs.extend(event.logprobs or ())
+                final = event
+        except asyncio.CancelledError:
+            if not draining:
+                raise
+            # uvicorn's own shutdown deadline passed first (a very slow step): still answer in JSON
+            job.cancel(SHUTDOWN_REASON)
+            raise shutting_down() from None
         if final is None or final.finish_reason is None:
             return None
         return "".join(parts), logprobs, final
@@ -454,12 +392,12 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
     async def chat_completions(body: S.ChatCompletionRequest, request: Request):
         """Chat completion; `stream: true` answers with server-sent `chat.completion.chunk`s."""
         check_model(body.model)
-        options = body.engine_options(n_ctx)
+        options = body.engine_options(max_tokens_limit)
         try:
             body.check_supported()
             prompt, plan = structured(body, body.engine_messages(), options)
         except S.InvalidParam as e:
-            raise APIError(400, str(e), param=e.param) from None
+            raise APIError(400, str(e), param=e.param, code=e.code) from None
         rid = f"chatcmpl-{secrets.token_hex(12)}"
         created = int(time.time())
         job, events = await start(request, prompt, options, rid)
@@ -519,12 +457,12 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
     async def completions(body: S.CompletionRequest, request: Request):
         """Text completion of a raw prompt (no chat template); `stream: true` for server-sent events."""
         check_model(body.model)
-        options = body.engine_options(n_ctx)
+        options = body.engine_options(max_tokens_limit)
         try:
             body.check_supported()
             grammar = T.grammar_constraint(body.grammar)
         except S.InvalidParam as e:
-            raise APIError(400, str(e), param=e.param) from None
+            raise APIError(400, str(e), param=e.param, code=e.code) from None
         if grammar is not None:
             options["grammar"] = grammar
         prompt = body.prompt_text()
@@ -591,15 +529,32 @@ def served_names(pair: str | None, oracle: str | None, model_name: str | None) -
     return name, [oracle_name]
 
 
-def run_server(engine, *, host: str = "127.0.0.1", port: int = 8080, **app_options) -> None:
-    """Serve `engine` until SIGINT/SIGTERM (uvicorn shuts down gracefully: in-flight streams get
-    a few seconds, then are cancelled; the worker thread is joined before this returns)."""
-    import uvicorn
+class Server(uvicorn.Server):
+    """uvicorn for an app made by create_app, whose shutdown (SIGINT/SIGTERM, or `should_exit`)
+    tells the app at once: queued requests get 503 right away and the running generation gets
+    `grace` seconds, then an error body. uvicorn's own deadline comes a few seconds later, for the
+    last bytes to go out."""
 
-    app = create_app(engine, **app_options)
+    def __init__(self, app, *, host: str = "127.0.0.1", port: int = 8080, grace: float = GRACEFUL_SHUTDOWN,
+                 log_level: str = "info") -> None:
+        super().__init__(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                        timeout_graceful_shutdown=int(math.ceil(grace)) + 5))
+        self.grace = grace
+
+    async def shutdown(self, sockets=None) -> None:
+        begin = getattr(getattr(self.config.app, "state", None), "begin_shutdown", None)
+        if begin is not None:
+            begin(self.grace)
+        await super().shutdown(sockets)
+
+
+def run_server(engine, *, host: str = "127.0.0.1", port: int = 8080, grace: float = GRACEFUL_SHUTDOWN,
+               **app_options) -> None:
+    """Serve `engine` until SIGINT/SIGTERM: queued requests then get 503 at once, the running one
+    `grace` seconds to finish; the worker thread is joined before this returns."""
+    app = create_app(engine, host=host, **app_options)
     logging.getLogger("localspec.server").setLevel(logging.INFO)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info",
-                                           timeout_graceful_shutdown=GRACEFUL_SHUTDOWN))
+    server = Server(app, host=host, port=port, grace=grace)
 
     def leave(signum, frame):  # uvicorn re-raises the signal that stopped it once it has shut down
         raise SystemExit(0)
@@ -615,6 +570,8 @@ def run_server(engine, *, host: str = "127.0.0.1", port: int = 8080, **app_optio
 
 def _stream_error(event: Failed) -> str:
     """An error after the response started: a `data: {"error": ...}` event (the openai client raises it)."""
+    if isinstance(event.error, WorkerClosed):
+        return json.dumps(shutting_down().body())
     return json.dumps(APIError(500, _SERVER_ERROR).body())
 
 

@@ -25,8 +25,9 @@ class Metrics:
                                              "From a generation request's arrival (queueing included) to its first token.",
                                              buckets=TTFT_BUCKETS, registry=r)
         self.generations = Counter("localspec_generations",
-                                   "Generations by outcome: completed, cancelled (client went away), rejected "
-                                   "(invalid prompt), failed (server error).", ["outcome"], registry=r)
+                                   "Generations by outcome: completed, time_limit (stopped at the time limit), "
+                                   "cancelled (client went away, or shutdown), rejected (invalid prompt), "
+                                   "failed (server error).", ["outcome"], registry=r)
         self.prompt_tokens = Counter("localspec_prompt_tokens", "Prompt tokens of completed generations.", registry=r)
         self.prompt_tokens_cached = Counter("localspec_prompt_tokens_cached",
                                             "Prompt tokens reused from the engine's cache (prefix reuse).", registry=r)

@@ -1,8 +1,9 @@
 """OpenAI request and response bodies (the subset localspec serves), as pydantic models.
 
-Requests are strict: an unknown field is a 400 ("Unrecognized request argument supplied"), as
-with OpenAI, and a parameter the engine cannot honour (n > 1, penalties, logit_bias, the legacy
-`functions`, ...) is a 400 rather than silently ignored. `response_format`, `tools` and
+Requests are strict, as with OpenAI: an unknown field is a 400 ("Unrecognized request argument
+supplied"), values must have their JSON type ("8" is not an integer, true is not a seed, 8.0 is
+not an integer either), and a parameter the engine cannot honour (n > 1, penalties, logit_bias,
+the legacy `functions`, ...) is a 400 rather than silently ignored. `response_format`, `tools` and
 `tool_choice` are served by server/tools.py. Responses follow OpenAI's schema; `usage` also carries
 the speculative-decoding counters (drafted, accepted, acceptance_rate).
 """
@@ -11,24 +12,30 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 MAX_STOP = 16  # OpenAI allows 4; more costs nothing here
 
 
 class InvalidParam(ValueError):
-    """A well-formed request asking for something unsupported: a 400 naming the parameter."""
+    """A well-formed request asking for something unsupported: a 400 naming the parameter.
+    `code`: unsupported_parameter (localspec has no such feature), unsupported_value (only some
+    values work), invalid_value (a combination that makes no sense)."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str = "unsupported_value") -> None:
         super().__init__(message)
         self.param = param
+        self.code = code
+
+
+_STRICT = ConfigDict(extra="forbid", strict=True)
 
 
 # ---------------------------------------------------------------- requests
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
 
     include_usage: bool = False
     include_obfuscation: bool | None = None  # accepted, nothing to obfuscate
@@ -37,7 +44,7 @@ class StreamOptions(BaseModel):
 class Speculative(BaseModel):
     """localspec's per-request extension: `"speculative": {"enabled": false, "draft_max": 6}`."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
 
     enabled: bool = Field(True, description="false: the oracle alone for this request (same output, no draft).")
     draft_max: int | None = Field(None, ge=0, le=64, description="Most tokens drafted per step for this request.")
@@ -46,10 +53,11 @@ class Speculative(BaseModel):
 class _Common(BaseModel):
     """Sampling and control parameters shared by /v1/chat/completions and /v1/completions."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
 
     model: str | None = Field(None, description="The served model name (or the oracle's registry name).")
-    max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate.")
+    max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate (clamped to the server's "
+                                   "--max-tokens-limit; default: that limit).")
     temperature: float | None = Field(None, ge=0, le=2, description="0 is greedy; omitted means 1, as with OpenAI.")
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0, description="Extension: keep the k most likely tokens (0 disables).")
@@ -82,7 +90,7 @@ class _Common(BaseModel):
             if getattr(self, name):
                 raise InvalidParam(f"{name}: not supported (only 0)", name)
         if self.logit_bias:
-            raise InvalidParam("logit_bias: not supported", "logit_bias")
+            raise InvalidParam("logit_bias: not supported", "logit_bias", "unsupported_parameter")
 
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
@@ -104,14 +112,14 @@ class _Common(BaseModel):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     type: str
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_calls, tool_call_id, refusal, ...
+    model_config = ConfigDict(extra="allow", strict=True)  # name, tool_calls, tool_call_id, refusal, ...
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
@@ -130,7 +138,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, description="Most tokens to generate (wins over max_tokens).")
+    max_completion_tokens: int | None = Field(None, ge=1, description="Most tokens to generate (wins over max_tokens; "
+                                              "clamped to the server's --max-tokens-limit).")
     logprobs: bool = Field(False, description="Return the oracle's log-probability of each emitted token.")
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: dict[str, Any] | None = Field(
@@ -149,16 +158,13 @@ class ChatCompletionRequest(_Common):
     service_tier: str | None = None  # ignored
     reasoning_effort: str | None = None  # ignored
 
-    @model_validator(mode="after")
-    def _top_logprobs_needs_logprobs(self):
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs: true")
-        return self
-
     def check_supported(self) -> None:
         super().check_supported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidParam("top_logprobs requires logprobs: true", "top_logprobs", "invalid_value")
         if self.functions or self.function_call:
-            raise InvalidParam("functions: the legacy function calling is not supported (use tools)", "functions")
+            raise InvalidParam("functions: the legacy function calling is not supported (use tools)", "functions",
+                               "unsupported_parameter")
 
     def engine_messages(self) -> list[dict[str, Any]]:
         """The messages as the engine renders them: role and text, and a tool call's fields."""
@@ -177,8 +183,9 @@ class ChatCompletionRequest(_Common):
             out.append(message)
         return out
 
-    def engine_options(self, n_ctx: int) -> dict[str, Any]:
-        limit = self.max_completion_tokens or self.max_tokens or n_ctx  # default: until the context is full
+    def engine_options(self, max_tokens_limit: int) -> dict[str, Any]:
+        """Engine options; max_tokens is clamped to the server's limit, which is also the default."""
+        limit = min(self.max_completion_tokens or self.max_tokens or max_tokens_limit, max_tokens_limit)
         return dict(max_tokens=limit, logprobs=(self.top_logprobs or 0) if self.logprobs else None,
                     **self.sampling_options())
 
@@ -201,7 +208,8 @@ def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
 
 class CompletionRequest(_Common):
     prompt: str | list[str] = Field(..., description="A string (a list holding one string is accepted too).")
-    max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate (default 16, as with OpenAI).")
+    max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate (default 16, as with OpenAI; "
+                                   "clamped to the server's --max-tokens-limit).")
     logprobs: int | None = Field(None, ge=0, le=20, description="Return the oracle's logprobs and this many top tokens.")
     echo: bool = Field(False, description="Only false.")
     best_of: int | None = Field(None, description="Only 1.")
@@ -212,17 +220,19 @@ class CompletionRequest(_Common):
         if isinstance(self.prompt, list) and len(self.prompt) != 1:
             raise InvalidParam("prompt: exactly one prompt per request is supported", "prompt")
         if self.echo:
-            raise InvalidParam("echo: not supported", "echo")
+            raise InvalidParam("echo: not supported", "echo", "unsupported_parameter")
         if self.best_of not in (None, 1):
             raise InvalidParam("best_of: only 1 is supported", "best_of")
         if self.suffix:
-            raise InvalidParam("suffix: not supported", "suffix")
+            raise InvalidParam("suffix: not supported", "suffix", "unsupported_parameter")
 
     def prompt_text(self) -> str:
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
 
-    def engine_options(self, n_ctx: int) -> dict[str, Any]:
-        return dict(max_tokens=self.max_tokens or 16, logprobs=self.logprobs, **self.sampling_options())
+    def engine_options(self, max_tokens_limit: int) -> dict[str, Any]:
+        """Engine options; max_tokens is clamped to the server's limit."""
+        return dict(max_tokens=min(self.max_tokens or 16, max_tokens_limit), logprobs=self.logprobs,
+                    **self.sampling_options())
 
 
 # ---------------------------------------------------------------- responses

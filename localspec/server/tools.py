@@ -25,6 +25,10 @@ from typing import Any
 from ..constraints import JSON_OPTIONS, Constraint, ConstraintError
 from .schemas import InvalidParam
 
+def _invalid(message: str, param: str) -> InvalidParam:
+    return InvalidParam(message, param, "invalid_value")
+
+
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 CALL_OPEN, CALL_CLOSE = "<tool_call>\n", "\n</tool_call>"
 _CALL = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.S)
@@ -40,7 +44,7 @@ def grammar_constraint(grammar: str | None) -> Constraint | None:
     try:
         return Constraint.from_grammar(grammar)
     except ConstraintError as e:
-        raise InvalidParam(f"grammar: {e}", "grammar") from None
+        raise _invalid(f"grammar: {e}", "grammar") from None
 
 
 def response_format_constraint(response_format: dict[str, Any] | None) -> Constraint | None:
@@ -54,21 +58,21 @@ def response_format_constraint(response_format: dict[str, Any] | None) -> Constr
     if kind == "json_object":
         return Constraint.json_object()
     if kind != "json_schema":
-        raise InvalidParam(f"response_format.type: expected 'text', 'json_object' or 'json_schema', got {kind!r}",
+        raise _invalid(f"response_format.type: expected 'text', 'json_object' or 'json_schema', got {kind!r}",
                            "response_format.type")
     spec = response_format.get("json_schema")
     if not isinstance(spec, dict):
-        raise InvalidParam("response_format.json_schema: missing (an object with 'name' and 'schema')",
+        raise _invalid("response_format.json_schema: missing (an object with 'name' and 'schema')",
                            "response_format.json_schema")
     name = spec.get("name")
     if not isinstance(name, str) or not _NAME.match(name):
-        raise InvalidParam("response_format.json_schema.name: required, letters, digits, '_' and '-' (at most 64)",
+        raise _invalid("response_format.json_schema.name: required, letters, digits, '_' and '-' (at most 64)",
                            "response_format.json_schema.name")
     schema = spec.get("schema", {"type": "object"})
     try:
         return Constraint.json_schema(schema)
     except ConstraintError as e:
-        raise InvalidParam(f"response_format.json_schema.schema: {e}", "response_format.json_schema.schema") from None
+        raise _invalid(f"response_format.json_schema.schema: {e}", "response_format.json_schema.schema") from None
 
 
 # ---------------------------------------------------------------- tools
@@ -96,14 +100,14 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel_to
                text: Constraint | None) -> ToolPlan | None:
     """Validate `tools` and `tool_choice`; None when no tool may be called (no tools, or "none")."""
     if tool_choice is not None and not isinstance(tool_choice, (str, dict)):
-        raise InvalidParam("tool_choice: expected 'none', 'auto', 'required' or a function", "tool_choice")
+        raise _invalid("tool_choice: expected 'none', 'auto', 'required' or a function", "tool_choice")
     if isinstance(tool_choice, str) and tool_choice not in ("none", "auto", "required"):
-        raise InvalidParam(f"tool_choice: expected 'none', 'auto', 'required' or a function, got {tool_choice!r}",
+        raise _invalid(f"tool_choice: expected 'none', 'auto', 'required' or a function, got {tool_choice!r}",
                            "tool_choice")
     parsed = _parse_tools(tools or [])
     if not parsed:
         if tool_choice not in (None, "none", "auto"):
-            raise InvalidParam("tool_choice: needs tools", "tool_choice")
+            raise _invalid("tool_choice: needs tools", "tool_choice")
         return None
     if tool_choice == "none":
         return None
@@ -111,11 +115,11 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel_to
         function = tool_choice.get("function") if tool_choice.get("type") == "function" else None
         name = function.get("name") if isinstance(function, dict) else None
         if not isinstance(name, str):
-            raise InvalidParam("tool_choice: expected {\"type\": \"function\", \"function\": {\"name\": ...}}",
+            raise _invalid("tool_choice: expected {\"type\": \"function\", \"function\": {\"name\": ...}}",
                                "tool_choice")
         chosen = [t for t in parsed if t.name == name]
         if not chosen:
-            raise InvalidParam(f"tool_choice: no tool named {name!r} in tools "
+            raise _invalid(f"tool_choice: no tool named {name!r} in tools "
                                f"({', '.join(t.name for t in parsed)})", "tool_choice")
         return ToolPlan(tuple(parsed), "function:" + name, parallel_tool_calls is not False, None)
     return ToolPlan(tuple(parsed), tool_choice or "auto", parallel_tool_calls is not False, text)
@@ -126,22 +130,22 @@ def _parse_tools(tools: list[dict[str, Any]]) -> list[Tool]:
     for i, spec in enumerate(tools):
         where = f"tools[{i}]"
         if not isinstance(spec, dict) or spec.get("type") != "function" or not isinstance(spec.get("function"), dict):
-            raise InvalidParam(f"{where}: expected {{\"type\": \"function\", \"function\": {{...}}}}", where)
+            raise _invalid(f"{where}: expected {{\"type\": \"function\", \"function\": {{...}}}}", where)
         f = spec["function"]
         name = f.get("name")
         if not isinstance(name, str) or not _NAME.match(name):
-            raise InvalidParam(f"{where}.function.name: required, letters, digits, '_' and '-' (at most 64)",
+            raise _invalid(f"{where}.function.name: required, letters, digits, '_' and '-' (at most 64)",
                                f"{where}.function.name")
         if name in names:
-            raise InvalidParam(f"{where}.function.name: {name!r} is given twice", f"{where}.function.name")
+            raise _invalid(f"{where}.function.name: {name!r} is given twice", f"{where}.function.name")
         names.add(name)
         parameters = f.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(parameters, dict):
-            raise InvalidParam(f"{where}.function.parameters: must be a JSON schema object", f"{where}.function.parameters")
+            raise _invalid(f"{where}.function.parameters: must be a JSON schema object", f"{where}.function.parameters")
         try:
             Constraint.json_schema(parameters)
         except ConstraintError as e:
-            raise InvalidParam(f"{where}.function.parameters: {e}", f"{where}.function.parameters") from None
+            raise _invalid(f"{where}.function.parameters: {e}", f"{where}.function.parameters") from None
         description = f.get("description")
         out.append(Tool(name, description if isinstance(description, str) else None, parameters, spec))
     return out

@@ -10,11 +10,15 @@ job (a client that went away) stops within one step and frees the engine for the
 Events, in order: STARTED (the engine accepted the request) then `outputs.Chunk`s, the last with
 a finish_reason; or a `Failed` (instead of STARTED when the engine rejected the request); or
 CANCELLED once a cancelled job has stopped.
+
+A job may have a time limit: when a step ends past it, the generation stops there and its last
+chunk (empty text) has finish_reason "length", as if max_tokens had been reached.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import queue
@@ -64,20 +68,26 @@ class Failed:
 class Job:
     """One generation request. `prompt` and `options` are `Engine.stream`'s arguments."""
 
-    def __init__(self, prompt: Any, options: dict[str, Any], deliver: Callable[[object], None]) -> None:
+    def __init__(self, prompt: Any, options: dict[str, Any], deliver: Callable[[object], None],
+                 time_limit: float | None = None) -> None:
         self.prompt = prompt
         self.options = options
+        self.time_limit = time_limit  # seconds the generation may run (None: no limit)
         self._deliver = deliver
         self.submitted = time.monotonic()
         self.started: float | None = None
         self.tokens = 0  # tokens generated so far
         self.stats: Stats | None = None  # set when the generation completes
-        self.outcome: str | None = None  # completed | cancelled | rejected | failed
+        self.outcome: str | None = None  # completed | time_limit | cancelled | rejected | failed
+        self.cancel_reason: str | None = None
         self._cancel = threading.Event()
         self.done = threading.Event()
 
-    def cancel(self) -> None:
-        """Stop the job (before it starts, or within one speculative step). Thread-safe, idempotent."""
+    def cancel(self, reason: str = "the client went away") -> None:
+        """Stop the job (before it starts, or within one speculative step). Thread-safe, idempotent:
+        the first reason given is the one logged."""
+        if self.cancel_reason is None and not self.done.is_set():
+            self.cancel_reason = reason
         self._cancel.set()
 
     @property
@@ -126,8 +136,9 @@ class EngineWorker:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._closed
 
-    def submit(self, prompt: Any, options: dict[str, Any], deliver: Callable[[object], None]) -> Job:
-        job = Job(prompt, options, deliver)
+    def submit(self, prompt: Any, options: dict[str, Any], deliver: Callable[[object], None], *,
+               time_limit: float | None = None) -> Job:
+        job = Job(prompt, options, deliver, time_limit)
         with self._lock:
             if self._closed:
                 raise WorkerClosed("the server is shutting down")
@@ -139,11 +150,13 @@ class EngineWorker:
             self._jobs.put(job)
         return job
 
-    def submit_async(self, prompt: Any, options: dict[str, Any]) -> tuple[Job, asyncio.Queue]:
+    def submit_async(self, prompt: Any, options: dict[str, Any], *,
+                     time_limit: float | None = None) -> tuple[Job, asyncio.Queue]:
         """Submit from the event loop; the job's events arrive on the returned asyncio.Queue."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        job = self.submit(prompt, options, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+        job = self.submit(prompt, options, lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
+                          time_limit=time_limit)
         return job, events
 
     # -- lifecycle
@@ -154,7 +167,7 @@ class EngineWorker:
             self._closed = True
             running = self._running
         if running is not None:
-            running.cancel()
+            running.cancel("the server is shutting down")
         while True:
             try:
                 job = self._jobs.get_nowait()
@@ -163,7 +176,7 @@ class EngineWorker:
             if job is not None:
                 with self._lock:
                     self._waiting -= 1
-                job.cancel()
+                job.cancel("the server is shutting down")
                 job.outcome = "cancelled"
                 job.deliver(Failed(WorkerClosed("the server is shutting down"), client_error=False))
                 job.done.set()
@@ -203,7 +216,7 @@ class EngineWorker:
                     self._running = None
                 self.metrics.running.set(0)
                 self.metrics.generations.labels(job.outcome or "failed").inc()
-                if job.outcome == "completed":
+                if job.outcome in ("completed", "time_limit"):
                     self.completed += 1
                 elif job.outcome == "cancelled":
                     self.cancelled += 1
@@ -229,6 +242,7 @@ class EngineWorker:
             return
         job.deliver(STARTED)
         running: Stats | None = None  # the engine's running counters (chunks carry them)
+        deadline = None if job.time_limit is None else job.started + job.time_limit
         try:
             while not job.cancelled:
                 chunk: Chunk | None = next(stream, None)
@@ -249,10 +263,13 @@ class EngineWorker:
                     job.deliver(chunk)
                     return
                 job.deliver(chunk)
+                if deadline is not None and time.monotonic() >= deadline and not job.cancelled:
+                    self._stop_at_time_limit(job, running)
+                    return
             job.outcome = "cancelled"
             if running is not None:  # what the interrupted generation drafted still counts
                 m.record_speculation(running.drafted, running.accepted)
-            log.info("generation cancelled after %d tokens (the client went away)", job.tokens)
+            log.info("generation cancelled after %d tokens (%s)", job.tokens, job.cancel_reason or "cancelled")
             job.deliver(CANCELLED)
         except Exception as e:
             log.exception("engine: generation failed")
@@ -260,3 +277,17 @@ class EngineWorker:
             job.deliver(Failed(e, client_error=False))
         finally:
             stream.close()
+
+    def _stop_at_time_limit(self, job: Job, running: Stats | None) -> None:
+        """End a generation that ran past its time limit like one that reached max_tokens: a last,
+        empty chunk with finish_reason "length" and the counters so far."""
+        m = self.metrics
+        stats = dataclasses.replace(running) if running is not None else Stats()
+        stats.total_time = time.monotonic() - (job.started or job.submitted)
+        job.stats = stats
+        m.prompt_tokens.inc(stats.prompt_tokens)
+        m.prompt_tokens_cached.inc(max(0, stats.prompt_tokens - stats.prompt_tokens_evaluated))
+        m.record_speculation(stats.drafted, stats.accepted)
+        job.outcome = "time_limit"
+        log.info("generation stopped at its time limit (%g s) after %d tokens", job.time_limit, job.tokens)
+        job.deliver(Chunk("", [], finish_reason="length", stats=stats))
