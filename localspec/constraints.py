@@ -134,10 +134,8 @@ def tokenizer_for(model) -> LLTokenizer:
 def _build_tokenizer(model) -> LLTokenizer:
     eog = [t for t in range(model.n_vocab) if model.is_eog(t)] or [model.eos]
     vocab = getattr(model, "_vocab", None)
-    if vocab is not None:  # a llama.cpp model: llguidance reads the vocabulary and tokenizes through llama.cpp
-        from llguidance.llamacpp import lltokenizer_from_vocab
-
-        return lltokenizer_from_vocab(vocab, n_vocab=model.n_vocab, eos_token=eog)
+    if vocab is not None:  # a llama.cpp model: llguidance tokenizes through llama.cpp itself
+        return _llama_tokenizer(model, vocab, eog)
     # anything else with LlamaModel's vocabulary interface (the tests' scripted models)
     special = sorted({model.bos, *eog})
 
@@ -154,6 +152,26 @@ def _build_tokenizer(model) -> LLTokenizer:
             return model.tokenize(text, add_special=False, parse_special=False)
 
     return LLTokenizer(llguidance.TokenizerWrapper(_Vocabulary()), n_vocab=model.n_vocab, eos_token=eog)
+
+
+def _llama_tokenizer(model, vocab, eog: list[int]) -> LLTokenizer:
+    """As llguidance.llamacpp.lltokenizer_from_vocab (which calls a llama.cpp function deprecated in the
+    installed version once per token): each token's bytes, control tokens (and user-defined ones that
+    look like them) prefixed with 0xFF as llguidance marks special tokens, llama_tokenize for text."""
+    import ctypes
+
+    import llama_cpp
+
+    tokens = []
+    for t in range(model.n_vocab):
+        piece = model.token_piece(t, special=True)
+        attr = llama_cpp.llama_vocab_get_attr(vocab, t)
+        if attr & llama_cpp.LLAMA_TOKEN_ATTR_CONTROL or (
+                attr & llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED and piece.startswith(b"<") and piece.endswith(b">")):
+            piece = b"\xff" + piece
+        tokens.append(piece)
+    tokenize = ctypes.cast(llama_cpp.llama_cpp._lib.llama_tokenize, ctypes.c_void_p).value
+    return LLTokenizer.from_llamacpp(tokens=tokens, vocab_ptr=vocab, tokenize_fptr=tokenize, eos_token=eog, slices=None)
 
 
 # ---------------------------------------------------------------- one generation's walk

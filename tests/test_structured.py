@@ -52,7 +52,7 @@ def served(pair_paths):
 
 @pytest.fixture(scope="module")
 def client(served):
-    with openai.OpenAI(base_url=wait_ready(served) + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+    with openai.OpenAI(base_url=wait_ready(served) + "/v1", api_key="unused", max_retries=0, timeout=300) as c:
         yield c
 
 
@@ -75,8 +75,10 @@ def test_openai_parse_returns_the_pydantic_object(client, speculative, sampling)
 def test_json_object_and_metrics(client, served):
     url = wait_ready(served)
     before = _metric(url, "localspec_tokens_accepted_total")
-    r = client.chat.completions.create(model="smollm2", messages=PERSON_PROMPT, max_tokens=200, temperature=0,
+    question = [{"role": "user", "content": 'Reply with a JSON object with the keys "city" and "country" for Paris.'}]
+    r = client.chat.completions.create(model="smollm2", messages=question, max_tokens=120, temperature=0,
                                        response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(r.choices[0].message.content), dict)
     assert _metric(url, "localspec_tokens_accepted_total") - before == r.usage.accepted > 0
 
