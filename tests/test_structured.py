@@ -248,3 +248,25 @@ def _metric(url: str, name: str) -> float:
             if sample.name == name:
                 return sample.value
     return 0.0
+
+
+def test_batch_lines_carry_their_schema_or_grammar(engine, tmp_path):
+    from contextlib import nullcontext
+
+    from localspec.batch import run_batch
+
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    lines = [{"id": "person", "messages": PERSON_PROMPT, "json_schema": Person.model_json_schema()},
+             {"id": "yes-no", "prompt": "Is the sky blue?", "grammar": 'root ::= "yes" | "no"'},
+             {"id": "short", "messages": PERSON_PROMPT, "json_schema": Person.model_json_schema(), "max_tokens": 5},
+             {"id": "bad", "prompt": "x", "json_schema": {"type": "nope"}},
+             {"id": "both", "prompt": "x", "json_schema": {}, "grammar": "start: /a/"}]
+    inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    run_batch(str(inp), str(out), open_engine=lambda: nullcontext(engine), progress=lambda _: None,
+              defaults={"max_tokens": 200, "temperature": 0.0})
+    got = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    Person.model_validate_json(got["person"]["text"])
+    assert got["person"]["structure"] == "complete" and got["person"]["finish_reason"] == "stop"
+    assert got["yes-no"]["text"] in ("yes", "no")
+    assert (got["short"]["finish_reason"], got["short"]["structure"]) == ("length", "incomplete")
+    assert "Invalid type" in got["bad"]["error"] and "not both" in got["both"]["error"]
