@@ -210,6 +210,11 @@ class ConstraintWalk:
             self.seconds += time.perf_counter() - t0
         return mask
 
+    def forced(self) -> int | None:
+        """The one token the grammar allows next, if only one is (None otherwise)."""
+        allowed = np.flatnonzero(self.allowed())
+        return int(allowed[0]) if allowed.size == 1 else None
+
     def push(self, token: int) -> None:
         """Advance over `token`, which must be allowed (a bug otherwise: nothing masked proposes it)."""
         t0 = time.perf_counter()

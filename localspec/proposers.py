@@ -128,6 +128,7 @@ class DraftModelProposer:
         evaluated = n_eval
         tokens: list[int] = []
         probs: list[np.ndarray] = []
+        keeps_probs = not sampling.greedy and not sampling.coupled  # _pick hands its distributions on
         while True:
             position = len(history) + len(tokens)
             row = self._in_oracle_vocab(logits[0])  # [oracle vocab]
@@ -137,11 +138,28 @@ class DraftModelProposer:
             if constraint is not None:
                 constraint.push(token)
             tokens.append(token)
-            if len(tokens) == max_len or not confident or self.ctx.model.is_eog(token):
+            batch = [token]
+            # a run of tokens the grammar forces (keys, punctuation) is drafted without the model: its
+            # masked distribution there is a point mass whatever its logits; the model reads the run
+            # in one batch with the token before it
+            while (constraint is not None and confident and len(tokens) < max_len
+                   and not self.ctx.model.is_eog(tokens[-1])):
+                forced = constraint.forced()
+                if forced is None:
+                    break
+                constraint.push(forced)
+                tokens.append(forced)
+                batch.append(forced)
+                if keeps_probs:
+                    probs.append(np.eye(1, self.n_vocab, forced, dtype=np.float64)[0])  # [oracle vocab] one-hot
+            if len(tokens) >= max_len or not confident or self.ctx.model.is_eog(tokens[-1]):
                 break  # nothing worth drafting past the end of the generation
-            logits = self.ctx.decode([token])
-            self.tokens_evaluated += 1
-            evaluated += 1
+            readable = self._readable(batch)
+            if not readable:
+                break
+            logits = self.ctx.decode(readable)
+            self.tokens_evaluated += len(readable)
+            evaluated += len(readable)
         return Draft(np.asarray(tokens, dtype=np.int32), np.stack(probs) if probs else None, evaluated)
 
     def _in_oracle_vocab(self, row: np.ndarray) -> np.ndarray:

@@ -177,3 +177,19 @@ def test_tokenizer_is_built_once_per_model():
     engine = proposer_engine("draft40")
     assert tokenizer_for(engine.oracle_model) is tokenizer_for(engine.oracle_model)
     assert json.loads(Constraint.json_object().grammar)
+
+
+def test_a_forced_run_is_drafted_without_the_model():
+    """Where the grammar allows one token only, the draft proposes it without a pass of its own: the
+    run is read in one batch with the token before it (here everything after the first letter is forced)."""
+    engine = proposer_engine("draft40")
+    proposer, draft_ctx = engine.proposer, engine.draft_ctx
+    model = engine.oracle_model
+    walk = engine.constraint_walk(Constraint.from_grammar('start: /[ab]/ "cdefg" /[ab]/ "hij"'))
+    history = model.tokenize(PROMPT)
+    proposer.start(catch_up=True)
+    draft = proposer.propose(history, 10, SamplingParams(), np.random.default_rng(0), constraint=walk)
+    text = model.detokenize(draft.tokens.tolist())
+    assert re.fullmatch(r"[ab]cdefg[ab]hij", text[:10]) and walk.depth == len(draft)
+    # one pass over the prompt, one batch of [first letter, c, d, e, f, g], then the rest is forced again
+    assert draft.evaluated == len(history) + 6
