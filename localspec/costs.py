@@ -59,7 +59,7 @@ DRAFT_SHAPE = (0.5, 0.0, 1.0, 0.2, 0.3)
 # measured step (a shared VM's steps vary by 10-20%): together they say how much evidence moves it
 PRIOR_SPREAD = (1.0, 0.5, 0.5, 0.1, 0.03)
 NOISE = 0.15
-STATE_VERSION = 2
+STATE_VERSION = 3
 
 
 def features(ns: np.ndarray, context: float) -> np.ndarray:
@@ -89,7 +89,8 @@ class PassCost:
         self.moment = np.zeros(N_FEATURES)  # [5] sum of decayed phi * t
         self.weight = 0.0  # sum of decayed observation weights
         self.observations = 0  # ever, including those loaded
-        self._w: np.ndarray | None = None
+        self._w: np.ndarray | None = None  # the fit, None when observations came since
+        self._last: np.ndarray | None = None  # the latest fit made (for clipping outliers)
 
     @property
     def ready(self) -> bool:
@@ -99,14 +100,18 @@ class PassCost:
     def observe(self, n: int, context: int, seconds: float) -> None:
         if n < 1 or not seconds > 0:
             return
-        phi = features(np.array([n]), context)[0]  # [5]
+        c = context / CONTEXT_UNIT
+        phi = np.array((1.0, float(n > 1), float(n), c, n * c))  # [5]
         if self.scale is None:
             self.scale = seconds / float(phi @ self.shape)
         elif self.observations >= 5:
-            expected = float(self.predict(np.array([n]), context)[0])
+            # against the last fit (a few steps stale at most): no solve on every step
+            expected = self._scalar(self._last if self._last is not None else self.weights(), n, c)
             seconds = min(max(seconds, expected / self.outlier), expected * self.outlier)
-        self.gram = self.decay * self.gram + np.outer(phi, phi)
-        self.moment = self.decay * self.moment + phi * seconds
+        self.gram *= self.decay
+        self.gram += np.outer(phi, phi)
+        self.moment *= self.decay
+        self.moment += phi * seconds
         self.weight = self.decay * self.weight + 1.0
         self.observations += 1
         self._w = None
@@ -119,8 +124,16 @@ class PassCost:
         if self._w is None:
             assert self.scale is not None
             prior = self.scale * self.shape  # [5]
-            self._w = np.linalg.solve(self.gram + self.ridge, self.moment + self.ridge @ prior)
+            self._w = self._last = np.linalg.solve(self.gram + self.ridge, self.moment + self.ridge @ prior)
         return self._w
+
+    def _floor(self) -> float:
+        assert self.scale is not None
+        return 0.1 * self.scale * float(self.shape[0] + self.shape[2])
+
+    def _scalar(self, w: np.ndarray, n: int, c: float) -> float:
+        t = w[0] + w[3] * c + (max(0.0, w[1]) if n > 1 else 0.0) + max(0.0, w[2] + w[4] * c) * n
+        return max(float(t), self._floor())
 
     def predict(self, ns: np.ndarray, context: int) -> np.ndarray:
         """Seconds for passes of each size in ns [m] at `context`: never decreasing in n, never
@@ -133,10 +146,12 @@ class PassCost:
         per_token = max(0.0, w[2] + w[4] * c)
         ns = np.asarray(ns, dtype=np.float64)
         out = base + np.where(ns > 1, max(0.0, w[1]), 0.0) + per_token * ns
-        return np.maximum(out, 0.1 * self.scale * float(self.shape[0] + self.shape[2]))
+        return np.maximum(out, self._floor())
 
     def __call__(self, n: int, context: int) -> float:
-        return float(self.predict(np.array([n]), context)[0])
+        if self.scale is None:
+            raise ValueError("no cost observed yet")
+        return self._scalar(self.weights(), n, context / CONTEXT_UNIT)
 
     # -- persistence
 
@@ -159,7 +174,7 @@ class PassCost:
         self.gram, self.moment = gram, moment
         self.weight = float(state.get("weight", 0.0))
         self.observations = int(state.get("observations", 0))
-        self._w = None
+        self._w = self._last = None
 
 
 # ------------------------------------------------------------------------------------ steps

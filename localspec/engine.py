@@ -430,6 +430,8 @@ class Engine:
         context = len(history) - 1  # the oracle holds all but the last token
         t0 = time.perf_counter()
         k = self.policy.draft_length(limit, context) if limit > 0 else 0
+        if k > 0 and self.policy.consume_catch_up():  # a re-try: the draft sees all the text again
+            self.proposer.start(catch_up=True)
         draft = self.proposer.propose(history, k, request.sampling, rng) if k > 0 else EMPTY_DRAFT
         t1 = time.perf_counter()
         logits, _ = self.oracle.sync(history + draft.tokens.tolist(), n_logits=len(draft) + 1)  # [k+1, vocab]

@@ -214,3 +214,33 @@ def test_a_draft_that_stops_itself_when_unsure_gets_a_long_allowance():
         p.update(step(n, n, 0.0106 * n, 0.0236 + 0.0024 * n))
     assert 0.6 < p.continuation < 0.8
     assert p.draft_length(16, CONTEXT) == 16
+
+
+def test_probes_teach_nothing_but_a_fully_accepted_one_retries_on_the_whole_text():
+    """A probe drafts from a window of the text (the draft skipped the idle stretch), so it is
+    accepted less often than a real draft: its outcome moves no estimate. When all its tokens are
+    accepted, the next step re-tries drafting with the draft caught up on everything."""
+    verify = lambda n: 0.024 + 0.002 * n  # noqa: E731
+    p = calibrated(verify, draft_cost=0.010, probe_every=4, probe_budget=0.05)
+    for _ in range(40):
+        p.update(step(4, 0, 0.04, verify(5)))
+    assert p.idle
+    estimates = (p.acceptance, p.long_acceptance, p.continuation, p.trials)
+    probes = 0
+    for _ in range(200):
+        k = p.draft_length(16, CONTEXT)
+        assert not p.consume_catch_up()
+        p.update(step(k, 0, 0.05 if k else 0.0, verify(k + 1)))  # probes rejected
+        probes += k > 0
+    assert probes > 0 and (p.acceptance, p.long_acceptance, p.continuation, p.trials) == estimates
+    while not p.draft_length(16, CONTEXT):
+        p.update(step(0, 0, 0.0, verify(1)))
+    p.update(step(2, 2, 0.05, verify(3)))  # a probe fully accepted
+    assert p.trials == estimates[3]  # still no evidence, but ...
+    k = p.draft_length(16, CONTEXT)
+    assert k == p.probe_length and p.consume_catch_up() and not p.consume_catch_up()  # ... a re-try
+    assert p.fresh_trials == 0
+    spent = p.probe_time
+    p.update(step(2, 2, 0.3, verify(3), k=k))  # its catch-up is dear: charged to the probe budget
+    assert p.probe_time == pytest.approx(spent + 0.3 + verify(3) - p.verify_cost(1, CONTEXT))
+    assert p.trials == estimates[3] + 2  # the re-try's tokens are judged as usual
