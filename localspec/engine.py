@@ -41,6 +41,7 @@ log = logging.getLogger("localspec.engine")
 Prompt = str | Sequence[Mapping[str, Any]]
 
 DEFAULT_DRAFT_MAX = 16
+LOOKUP_DRAFT_MAX = 64  # prompt lookup drafts for free: a copied passage may be accepted 30+ tokens at a time
 DEFAULT_P_MIN = 0.3  # measured on the default pair: acceptance 0.80 -> 0.91 at k=8, fewer wasted drafts
 NGRAM = "ngram"  # draft=NGRAM: prompt lookup instead of a draft model
 
@@ -79,13 +80,14 @@ class Engine:
     def __init__(self, oracle: str | os.PathLike, draft: str | os.PathLike | None = None, *,
                  n_ctx: int = 4096, n_batch: int = 512, n_threads: int | None = None,
                  gpu_layers: int = -1, draft_gpu_layers: int = -1, flash_attn: str = "auto",
-                 draft_length: int | None = None, draft_max: int = DEFAULT_DRAFT_MAX,
+                 draft_length: int | None = None, draft_max: int | None = None,
                  p_min: float = DEFAULT_P_MIN, lookup: bool = False, cross_tokenizer: bool = False,
                  policy: LengthPolicy | None = None, cost_cache: bool = True,
                  progress: Callable[[str], None] | None = None) -> None:
         """`draft`: a model (name or path), "ngram" (prompt lookup, no model) or None (oracle alone).
         `draft_length`: a fixed k; None chooses k per step from measured costs and acceptance
-        (capped by `draft_max`). `p_min`: the draft stops when its top probability falls below it.
+        (capped by `draft_max`: default 16 for a draft model, 64 for prompt lookup, whose drafts cost
+        nothing to make). `p_min`: the draft stops when its top probability falls below it.
         `lookup`: try prompt lookup first and the draft model when it finds nothing.
         `cross_tokenizer`: allow a draft whose vocabulary differs (re-tokenizes text between them).
         `flash_attn`: "auto" (see `llama.resolve_flash_attn`: off on a CPU, on with GPU offload,
@@ -130,6 +132,8 @@ class Engine:
         except BaseException:
             self.close()
             raise
+        if draft_max is None:
+            draft_max = LOOKUP_DRAFT_MAX if draft == NGRAM else DEFAULT_DRAFT_MAX
         if policy is None:
             if self.proposer is None:
                 policy = FixedLength(0)
