@@ -51,15 +51,16 @@ CONTEXT_UNIT = 1024.0  # context lengths enter the fit in units of 1024 tokens
 # relative prior shapes (times in units of a one-token pass at no context): an oracle pass of n
 # tokens costs 1 + 0.2 [n > 1] + 0.1 (n - 1) one-token passes, 0.15 + 0.02 n more per 1024 tokens of
 # context (an F32 oracle on a 2-core AVX512 CPU without flash attention; a GPU learns its flatter
-# curve in a few steps); a draft of n tokens costs n + 0.5 of its one-token decodes (its catch-up is
-# one or two) and, a small model's weights being cheap, relatively more for its attention
+# curve in a few steps); a draft proposal that evaluates n tokens (its catch-up, then one decode per
+# drafted token but the last) costs n of its one-token decodes and a little per call, and, a small
+# model's weights being cheap, relatively more for its attention
 VERIFY_SHAPE = (0.9, 0.2, 0.1, 0.15, 0.02)
-DRAFT_SHAPE = (0.5, 0.0, 1.0, 0.2, 0.3)
+DRAFT_SHAPE = (0.2, 0.0, 1.0, 0.2, 0.3)
 # how far each weight may plausibly sit from the prior, in the same units, and the noise of one
 # measured step (a shared VM's steps vary by 10-20%): together they say how much evidence moves it
 PRIOR_SPREAD = (1.0, 0.5, 0.5, 0.1, 0.03)
 NOISE = 0.15
-STATE_VERSION = 3
+STATE_VERSION = 4
 
 
 def features(ns: np.ndarray, context: float) -> np.ndarray:
@@ -180,18 +181,24 @@ class PassCost:
 # ------------------------------------------------------------------------------------ steps
 
 
-def fit_steps(steps: Sequence["StepRecord"]) -> tuple[PassCost, PassCost] | None:
-    """verify(n, c) and draft(l, c) fitted to `steps` in one go (no forgetting); None without a
-    one-token step to anchor the verify cost (every request's first step is one). Steps whose draft
-    caught up on many tokens (the first after a prompt, a probe after idle steps) are not samples of
-    what drafting costs."""
+def draft_size(step: "StepRecord") -> int:
+    """The draft cost's size of a step: the tokens its draft model evaluated (1 for a proposer
+    without a model, whose cost does not grow with what it proposes)."""
+    return max(1, step.draft_evaluated)
+
+
+def fit_steps(steps: Sequence["StepRecord"], *, max_draft_size: int = 64) -> tuple[PassCost, PassCost] | None:
+    """verify(n, c) and draft(e, c) (e: tokens the draft evaluated) fitted to `steps` in one go (no
+    forgetting); None without a one-token step to anchor the verify cost (every request's first step
+    is one). A draft's catch-up on a whole prompt (more than `max_draft_size` tokens) is left out: a
+    batch of hundreds of tokens runs at another rate than a step's few."""
     if not any(s.drafted == 0 for s in steps):
         return None
     verify, draft = PassCost(VERIFY_SHAPE, decay=1.0), PassCost(DRAFT_SHAPE, decay=1.0)
     for s in sorted(steps, key=lambda s: s.drafted):  # one-token passes first: they set the scale
         verify.observe(s.drafted + 1, s.context, s.verify_time)
-        if s.drafted and s.draft_evaluated <= s.drafted + 2:
-            draft.observe(s.drafted, s.context, s.draft_time)
+        if s.drafted and s.draft_evaluated <= max_draft_size:
+            draft.observe(draft_size(s), s.context, s.draft_time)
     return verify, draft
 
 
@@ -206,7 +213,7 @@ def predicted_speedup(steps: Sequence["StepRecord"], verify: PassCost, draft: Pa
     tokens over the passes they ran (draft(l, c) + verify(l + 1, c) each; `draft` None or not
     measured: proposing costs nothing, as for prompt lookup)."""
     spent = sum(verify(s.drafted + 1, s.context)
-                + (draft(s.drafted, s.context) if s.drafted and draft is not None and draft.ready else 0.0)
+                + (draft(draft_size(s), s.context) if s.drafted and draft is not None and draft.ready else 0.0)
                 for s in steps)
     return oracle_alone_time(steps, verify) / spent if spent > 0 else None
 

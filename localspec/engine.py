@@ -140,7 +140,8 @@ class Engine:
             elif draft_length is not None:
                 policy = FixedLength(min(draft_length, draft_max))
             else:
-                policy = AdaptiveLength(k_max=draft_max, draft_cost_ratio=self._draft_cost_ratio())
+                policy = AdaptiveLength(k_max=draft_max, draft_cost_ratio=self._draft_cost_ratio(),
+                                        model_draft=self.draft_model is not None)
         self.policy: LengthPolicy = policy
         if self.cost_store is not None and isinstance(policy, AdaptiveLength):
             self._cost_keys = self._cost_identities(gpu_layers=gpu_layers, draft_gpu_layers=draft_gpu_layers,

@@ -19,7 +19,11 @@ token up to the first rejection is one trial, so short drafts also teach what lo
 c_acc the continuation rate after an accepted token (a confident draft is more often right), and
 draft(l, ctx) / verify(n, ctx) the draft's time to propose l tokens and the oracle's time for an
 n-token pass at a context of ctx tokens: `costs.PassCost` models, fitted from every step (nothing
-is timed on purpose) and persisted between processes by the engine. Before the draft's first step
+is timed on purpose) and persisted between processes by the engine. A draft model's time goes with
+the tokens it evaluates: it first catches up on the tokens accepted since its last proposal (one or
+two: `catch_up`, a running mean), then decodes one token per drafted token but the last, so
+draft(l) = D(l - 1 + catch_up) with D fitted to (tokens evaluated, time) of every step; a proposer
+without a model (prompt lookup) costs the same whatever it proposes. Before the draft's first step
 its cost is guessed as `draft_cost_ratio` of an oracle pass per token (the engine sets the ratio
 from the two models' sizes). A long allowance is cheap when the draft often stops early: the policy
 does not pay for tokens that are never drafted.
@@ -119,7 +123,7 @@ class AdaptiveLength:
     """Cost-aware draft length (see the module docstring)."""
 
     def __init__(self, *, k_max: int = 16, prior_acceptance: float = 0.9, prior_continuation: float = 1.0,
-                 prior_weight: float = 4.0, draft_cost_ratio: float = 0.5,
+                 prior_weight: float = 4.0, draft_cost_ratio: float = 0.5, model_draft: bool = True,
                  decay: float = 0.97, probe_every: int = 16, probe_budget: float = 0.01, probe_length: int = 2,
                  min_trials: int = 8, min_gain: float = 0.10, long_decay: float = 0.995) -> None:
         self.k_max = k_max
@@ -130,8 +134,10 @@ class AdaptiveLength:
         self.prior_weight = prior_weight  # the prior (or, on a re-try, the old estimate) counts as this many trials
         self.decay = decay
         self.verify_cost = PassCost(VERIFY_SHAPE)  # seconds for an oracle pass of n tokens at a context
-        self.draft_cost = PassCost(DRAFT_SHAPE)  # seconds for the draft to propose l tokens at a context
+        self.draft_cost = PassCost(DRAFT_SHAPE)  # seconds for a proposal that evaluates n draft tokens
         self.draft_cost_ratio = draft_cost_ratio  # a draft token / a one-token oracle pass, until measured
+        self.model_draft = model_draft  # False: proposing costs the same whatever is proposed (lookup)
+        self.catch_up = 1.5  # tokens a draft model catches up on before it drafts (the last step's accepted + 1)
         self.probe_every = probe_every  # idle (k = 0) steps before a probe
         self.probe_budget = probe_budget  # most of the time spent that probes may take
         self.probe_length = probe_length
@@ -169,12 +175,20 @@ class AdaptiveLength:
         reached = acceptance ** i * self.continuation_accepted ** (i - 1)  # [K] P(1..i proposed and accepted)
         return 1.0 + np.concatenate(([0.0], np.cumsum(reached)))
 
+    def evaluated(self, lengths: np.ndarray) -> np.ndarray:
+        """Tokens the draft evaluates to propose each of `lengths` [m] (the draft cost's size)."""
+        lengths = np.asarray(lengths, dtype=np.float64)
+        if not self.model_draft:
+            return np.ones_like(lengths)
+        return np.maximum(1.0, lengths - 1.0 + self.catch_up)
+
     def draft_times(self, lengths: np.ndarray, context: int) -> np.ndarray:
         """Seconds for the draft to propose each of `lengths` [m] tokens at `context` [m]."""
+        sizes = self.evaluated(lengths)  # [m]
         if self.draft_cost.ready:
-            return self.draft_cost.predict(lengths, context)
+            return self.draft_cost.predict(sizes, context)
         per_token = self.draft_cost_ratio * self.verify_cost(1, context)  # not measured yet: the prior guess
-        return per_token * (DRAFT_SHAPE[0] + DRAFT_SHAPE[2] * np.asarray(lengths, dtype=np.float64))
+        return per_token * (DRAFT_SHAPE[0] + DRAFT_SHAPE[2] * sizes)
 
     def _step_times(self, k_top: int, context: int) -> np.ndarray:
         """T(k) for k = 0..k_top [k_top+1] at `context`."""
@@ -243,6 +257,7 @@ class AdaptiveLength:
         spent = step.draft_time + step.verify_time
         self.time_spent += spent
         self.verify_cost.observe(n_drafted + 1, step.context, step.verify_time)
+        self._observe_draft_cost(step)
         if self._probing or self._exploring:  # beyond a plain oracle step, exploring cost this much
             self.probe_time += max(0.0, spent - self.verify_cost(1, step.context))
         if self._probing:  # drafted from a window of the text: a biased sample, only a hint
@@ -259,10 +274,22 @@ class AdaptiveLength:
             self._exploring = False
         if n_drafted:
             self._observe_continuation(n_drafted, n_accepted, allowance=max(self.last_k, n_drafted))
-        # a first proposal after the prompt or a re-try pays for the draft catching up on many
-        # tokens: not a sample of what a step's drafting costs
-        if n_drafted and step.draft_evaluated <= n_drafted + 2:
-            self.draft_cost.observe(n_drafted, step.context, step.draft_time)
+
+    def _observe_draft_cost(self, step: StepRecord) -> None:
+        """Every proposal is a sample of the draft's cost at the tokens it evaluated, but a catch-up
+        on a whole prompt (a batch of hundreds of tokens runs at another rate than a step's one or
+        two): those are left out. A normal step's catch-up updates `catch_up`."""
+        if not step.drafted:
+            return
+        if not self.model_draft:
+            self.draft_cost.observe(1, step.context, step.draft_time)
+            return
+        if step.draft_evaluated > 2 * self.k_max + 2:
+            return
+        self.draft_cost.observe(max(1, step.draft_evaluated), step.context, step.draft_time)
+        caught_up = step.draft_evaluated - step.drafted + 1
+        if 1 <= caught_up <= 4:  # a probe's window or a re-try's is not a step's usual catch-up
+            self.catch_up += 0.1 * (caught_up - self.catch_up)
 
     def _observe_continuation(self, n_drafted: int, n_accepted: int, *, allowance: int) -> None:
         """After each drafted token the draft went on (it is not the last) or stopped (the last, short
@@ -289,7 +316,7 @@ class AdaptiveLength:
     def acceptance_state(self) -> dict[str, Any]:
         return {"acceptance": self.acceptance, "long_acceptance": self.long_acceptance,
                 "continuation": self.continuation, "continuation_accepted": self.continuation_accepted,
-                "trials": self.trials,
+                "catch_up": self.catch_up, "trials": self.trials,
                 "continuation_events": self._continuation_events,
                 "continuation_accepted_events": self._continuation_accepted_events}
 
@@ -300,6 +327,7 @@ class AdaptiveLength:
         if not all(0.0 <= v <= 1.0 for v in values):
             raise ValueError("malformed acceptance state")
         self.acceptance, self.long_acceptance, self.continuation, self.continuation_accepted = values
+        self.catch_up = min(4.0, max(1.0, float(state.get("catch_up", self.catch_up))))
         self.trials = max(0, int(state.get("trials", 0)))
         self.fresh_trials = min(self.trials, self.min_trials)
         self._continuation_events = max(0, int(state.get("continuation_events", 0)))

@@ -10,20 +10,22 @@ CONTEXT = 100
 
 def calibrated(verify, draft_cost, k_max=16, **kw):
     """A policy whose cost models have seen synthetic steps: an oracle pass of n tokens costs
-    verify(n) and a draft of l tokens (l + 1) * draft_cost (its catch-up on the last step's
-    tokens is one more), at one context length."""
+    verify(n), and the draft draft_cost per token it evaluates; it catches up on two tokens (the last
+    step's accepted one and its bonus) before it drafts, so a draft of l tokens costs (l + 1) *
+    draft_cost, at one context length."""
     policy = AdaptiveLength(k_max=k_max, **kw)
+    policy.catch_up = 2.0
     for _ in range(3):
         for n in (1, 2, 4, 8, 16):
             policy.verify_cost.observe(n, CONTEXT, verify(n))
-            policy.draft_cost.observe(n, CONTEXT, (n + 1) * draft_cost)
+            policy.draft_cost.observe(n + 1, CONTEXT, (n + 1) * draft_cost)
     policy.context = CONTEXT
     return policy
 
 
 def step(drafted, accepted, draft_time, verify_time, context=CONTEXT, k=None):
     return StepRecord(k=drafted if k is None else k, drafted=drafted, accepted=accepted, draft_time=draft_time,
-                      verify_time=verify_time, context=context, draft_evaluated=drafted)
+                      verify_time=verify_time, context=context, draft_evaluated=drafted + 1 if drafted else 0)
 
 
 def test_fixed_length_caps_at_limit():
@@ -183,7 +185,8 @@ def test_a_draft_that_stops_early_is_charged_for_what_it_drafts():
     """E(k) and T(k) with the continuation rates: c for the draft's length, c_acc after an accepted token."""
     p = calibrated(lambda n: 0.02 + 0.01 * n, draft_cost=0.005, prior_acceptance=0.8)
     p.continuation, p.continuation_accepted = 0.5, 0.6
-    cost = {l: p.draft_cost(l, CONTEXT) + p.verify_cost(l + 1, CONTEXT) for l in (1, 2)}
+    # drafting l tokens evaluates l + 1 (a catch-up of two, then a decode per drafted token but the last)
+    cost = {l: p.draft_cost(l + 1, CONTEXT) + p.verify_cost(l + 1, CONTEXT) for l in (1, 2)}
     assert p.step_time(0) == pytest.approx(p.verify_cost(1, CONTEXT))
     assert p.step_time(1) == pytest.approx(cost[1])
     assert p.step_time(2) == pytest.approx(0.5 * cost[1] + 0.5 * cost[2])  # stops after one token half the time
@@ -244,3 +247,25 @@ def test_probes_teach_nothing_but_a_fully_accepted_one_retries_on_the_whole_text
     p.update(step(2, 2, 0.3, verify(3), k=k))  # its catch-up is dear: charged to the probe budget
     assert p.probe_time == pytest.approx(spent + 0.3 + verify(3) - p.verify_cost(1, CONTEXT))
     assert p.trials == estimates[3] + 2  # the re-try's tokens are judged as usual
+
+
+def test_a_draft_models_cost_goes_with_the_tokens_it_evaluates_and_lookups_does_not():
+    """A proposal costs what the draft evaluates: its catch-up (the last step's accepted tokens and
+    bonus) and a decode per drafted token but the last. Probes' and re-tries' longer catch-ups are
+    samples of the same cost; the usual catch-up is learned from normal steps only."""
+    p = AdaptiveLength(k_max=16)
+    p.verify_cost.observe(1, CONTEXT, 0.020)
+    for _ in range(30):  # 10 ms per evaluated token; a draft of 4 after a fully accepted step: 2 + 3
+        p.update(StepRecord(4, 4, 4, 0.050, 0.028, CONTEXT, draft_evaluated=5))
+        p.update(StepRecord(4, 4, 1, 0.040, 0.028, CONTEXT, draft_evaluated=4))  # after a rejection: 1 + 3
+    assert p.catch_up == pytest.approx(1.5, abs=0.05)
+    assert p.draft_times([1, 8], CONTEXT) == pytest.approx([0.015, 0.085], rel=0.05)
+    p.update(StepRecord(2, 2, 0, 0.180, 0.024, CONTEXT, draft_evaluated=18))  # a catch-up of 17: still 10 ms a token
+    assert p.catch_up == pytest.approx(1.5, abs=0.05)
+    assert p.draft_times([1], CONTEXT)[0] == pytest.approx(0.015, rel=0.05)
+
+    lookup = AdaptiveLength(k_max=64, model_draft=False)
+    lookup.verify_cost.observe(1, CONTEXT, 0.020)
+    for n in (2, 30, 60):
+        lookup.update(StepRecord(n, n, n, 0.0002, 0.020 + 0.002 * n, CONTEXT, draft_evaluated=0))
+    assert lookup.draft_times([1, 64], CONTEXT) == pytest.approx([0.0002, 0.0002], rel=0.05)
