@@ -8,7 +8,7 @@ from localspec.policy import AdaptiveLength, FixedLength
 CONTEXT = 100
 
 
-def calibrated(verify, draft_cost, k_max=16, **kw):
+def primed(verify, draft_cost, k_max=16, **kw):
     """A policy whose cost models have seen synthetic steps: an oracle pass of n tokens costs
     verify(n), and the draft draft_cost per token it evaluates; it catches up on two tokens (the last
     step's accepted one and its bonus) before it drafts, so a draft of l tokens costs (l + 1) *
@@ -44,7 +44,7 @@ def test_expected_tokens_formula():
 
 def test_useless_draft_gives_k0():
     verify = lambda n: 0.024 + 0.002 * n  # noqa: E731  cheap-ish verify
-    p = calibrated(verify, draft_cost=0.010)
+    p = primed(verify, draft_cost=0.010)
     for _ in range(40):  # every draft token rejected
         p.update(step(4, 0, 0.04, verify(5)))
     assert p.best_length(16) == 0
@@ -53,14 +53,14 @@ def test_useless_draft_gives_k0():
 
 def test_a_marginal_predicted_gain_is_not_worth_drafting():
     verify = lambda n: 0.030 + 0.004 * (n - 1)  # noqa: E731
-    assert calibrated(verify, 0.008, prior_acceptance=0.68, min_gain=0.0).best_length(16) == 2  # +3% predicted
-    assert calibrated(verify, 0.008, prior_acceptance=0.7).best_length(16) == 0  # +5%: within min_gain (10%)
-    assert calibrated(verify, 0.008, prior_acceptance=0.78).best_length(16) == 3  # +15% predicted
+    assert primed(verify, 0.008, prior_acceptance=0.68, min_gain=0.0).best_length(16) == 2  # +3% predicted
+    assert primed(verify, 0.008, prior_acceptance=0.7).best_length(16) == 0  # +5%: within min_gain (10%)
+    assert primed(verify, 0.008, prior_acceptance=0.78).best_length(16) == 3  # +15% predicted
 
 
 def test_high_acceptance_and_cheap_verify_gives_large_k():
     verify = lambda n: 0.020 + 0.0005 * n  # noqa: E731  GPU-like: a wide pass costs little more
-    p = calibrated(verify, draft_cost=0.001)
+    p = primed(verify, draft_cost=0.001)
     for _ in range(60):
         p.update(step(16, 16, 0.016, verify(17)))
     assert p.best_length(16) >= 12
@@ -68,14 +68,14 @@ def test_high_acceptance_and_cheap_verify_gives_large_k():
 
 def test_expensive_verify_keeps_k_small_even_with_good_acceptance():
     verify = lambda n: 0.010 * n  # noqa: E731  compute-bound: a pass costs in proportion to its size
-    p = calibrated(verify, draft_cost=0.004)
+    p = primed(verify, draft_cost=0.004)
     for _ in range(60):
         p.update(step(4, 4, 0.016, verify(5)))
     assert p.best_length(16) == 0  # speculation can never win when verify is linear from zero
 
 
 def test_k_is_capped_by_limit_and_k_max():
-    p = calibrated(lambda n: 0.02 + 0.0001 * n, draft_cost=0.0001, k_max=6, prior_acceptance=0.99)
+    p = primed(lambda n: 0.02 + 0.0001 * n, draft_cost=0.0001, k_max=6, prior_acceptance=0.99)
     assert p.draft_length(100, CONTEXT) == 6
     assert p.draft_length(3, CONTEXT) == 3
     assert p.draft_length(0, CONTEXT) == 0
@@ -83,7 +83,7 @@ def test_k_is_capped_by_limit_and_k_max():
 
 def test_probes_now_and_then_within_a_time_budget():
     verify = lambda n: 0.024 + 0.002 * n  # noqa: E731
-    p = calibrated(verify, draft_cost=0.010, probe_every=5, probe_length=2, probe_budget=0.02)
+    p = primed(verify, draft_cost=0.010, probe_every=5, probe_length=2, probe_budget=0.02)
     for _ in range(40):
         p.update(step(4, 0, 0.04, verify(5)))
     probes = []
@@ -103,7 +103,7 @@ def test_probes_now_and_then_within_a_time_budget():
 
 def test_recovers_when_acceptance_improves():
     verify = lambda n: 0.024 + 0.002 * n  # noqa: E731
-    p = calibrated(verify, draft_cost=0.003, probe_every=4)
+    p = primed(verify, draft_cost=0.003, probe_every=4)
     for _ in range(40):
         p.update(step(4, 0, 0.012, verify(5)))
     assert p.best_length(16) == 0
@@ -117,7 +117,7 @@ def test_an_early_rejection_does_not_end_drafting():
     """On a pair where drafting barely pays, one rejection in the first step would tip the estimate
     to k = 0; the policy keeps drafting short until it has judged min_trials draft tokens."""
     table = {1: 0.045, 2: 0.055, 4: 0.062, 8: 0.090, 16: 0.130}
-    p = calibrated(lambda n: table[n], draft_cost=0.025, min_trials=8)
+    p = primed(lambda n: table[n], draft_cost=0.025, min_trials=8)
     p.update(step(1, 0, 0.050, 0.055))
     assert p.best_length(16) == 0 and not p.idle
     ks = []
@@ -133,7 +133,7 @@ def test_grows_k_from_a_short_start_when_drafts_keep_being_accepted():
     """The default pair's measured costs on a 2-core CPU (F32 oracle, Q4_1 draft): from the prior
     the policy drafts a few tokens, sees every one accepted, and moves to long drafts."""
     table = {1: 0.0236, 2: 0.0278, 4: 0.0337, 8: 0.0412, 16: 0.0601}
-    p = calibrated(lambda n: table[n], draft_cost=0.0106)
+    p = primed(lambda n: table[n], draft_cost=0.0106)
     first = p.draft_length(16, CONTEXT)
     assert 1 <= first <= 6
     for _ in range(30):
@@ -161,7 +161,7 @@ def test_a_new_request_retries_drafting_only_on_a_pair_that_pays_in_the_long_run
     """A hard prompt drags the running acceptance down until the policy idles; the next request
     tries again (on its whole prompt) if the long-run acceptance says the pair pays, not otherwise."""
     verify = lambda n: 0.030 + 0.004 * (n - 1)  # noqa: E731
-    usually_pays = calibrated(verify, 0.008, prior_acceptance=0.95)
+    usually_pays = primed(verify, 0.008, prior_acceptance=0.95)
     for _ in range(300):  # a long record of good drafts ...
         usually_pays.update(step(4, 4, 0.040, verify(5)))
     for _ in range(12):  # ... then a hard prompt
@@ -173,7 +173,7 @@ def test_a_new_request_retries_drafting_only_on_a_pair_that_pays_in_the_long_run
     usually_pays.update(step(2, 2, 0.024, verify(3)))
     assert usually_pays.acceptance == pytest.approx(before + (1 - before) / 5 + (1 - before - (1 - before) / 5) / 6)
 
-    close_call = calibrated(verify, 0.008, prior_acceptance=0.68)  # +3% predicted: never worth a re-try
+    close_call = primed(verify, 0.008, prior_acceptance=0.68)  # +3% predicted: never worth a re-try
     for i in range(300):  # two drafts in three accepted
         close_call.update(step(1, int(i % 3 != 0), 0.016, verify(2)))
     assert close_call.idle
@@ -183,7 +183,7 @@ def test_a_new_request_retries_drafting_only_on_a_pair_that_pays_in_the_long_run
 
 def test_a_draft_that_stops_early_is_charged_for_what_it_drafts():
     """E(k) and T(k) with the continuation rates: c for the draft's length, c_acc after an accepted token."""
-    p = calibrated(lambda n: 0.02 + 0.01 * n, draft_cost=0.005, prior_acceptance=0.8)
+    p = primed(lambda n: 0.02 + 0.01 * n, draft_cost=0.005, prior_acceptance=0.8)
     p.continuation, p.continuation_accepted = 0.5, 0.6
     # drafting l tokens evaluates l + 1 (a catch-up of two, then a decode per drafted token but the last)
     cost = {l: p.draft_cost(l + 1, CONTEXT) + p.verify_cost(l + 1, CONTEXT) for l in (1, 2)}
@@ -210,7 +210,7 @@ def test_a_draft_that_stops_itself_when_unsure_gets_a_long_allowance():
     """The default pair's measured costs; the draft (with its p_min cut-off) proposes 3 tokens a step
     and all are accepted. Charging every allowed token would cap k; the policy sees it is not paid for."""
     table = {1: 0.0236, 2: 0.0278, 4: 0.0337, 8: 0.0412, 16: 0.0601}
-    p = calibrated(lambda n: table[n], draft_cost=0.0106)
+    p = primed(lambda n: table[n], draft_cost=0.0106)
     for _ in range(60):
         k = p.draft_length(16, CONTEXT)
         n = min(k, 3)
@@ -224,7 +224,7 @@ def test_probes_teach_nothing_but_a_fully_accepted_one_retries_on_the_whole_text
     accepted less often than a real draft: its outcome moves no estimate. When all its tokens are
     accepted, the next step re-tries drafting with the draft caught up on everything."""
     verify = lambda n: 0.024 + 0.002 * n  # noqa: E731
-    p = calibrated(verify, draft_cost=0.010, probe_every=4, probe_budget=0.05)
+    p = primed(verify, draft_cost=0.010, probe_every=4, probe_budget=0.05)
     for _ in range(40):
         p.update(step(4, 0, 0.04, verify(5)))
     assert p.idle
