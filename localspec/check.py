@@ -61,7 +61,7 @@ def _throughput(engine: Engine, prompts: list, **options) -> tuple[float, list]:
     for p in prompts:
         r = engine.generate(p.request, max_tokens=p.max_tokens, **options)
         tokens += r.stats.completion_tokens
-        seconds += r.stats.total_time - r.stats.prompt_time
+        seconds += r.stats.generation_time
         results.append(r)
     return (tokens / seconds if seconds > 0 else 0.0), results
 

@@ -436,7 +436,7 @@ class Engine:
         t0 = time.perf_counter()
         k = self.policy.draft_length(limit, context) if limit > 0 else 0
         if k > 0 and self.policy.consume_catch_up():  # a re-try: the draft sees all the text again
-            self.proposer.start(catch_up=True)
+            self.proposer.resync()
         draft = self.proposer.propose(history, k, request.sampling, rng) if k > 0 else EMPTY_DRAFT
         t1 = time.perf_counter()
         logits, _ = self.oracle.sync(history + draft.tokens.tolist(), n_logits=len(draft) + 1)  # [k+1, vocab]
@@ -447,7 +447,7 @@ class Engine:
         logprobs = self._logprobs(logits[:len(out)], out, request.logprobs) if request.logprobs is not None else None
 
         step = StepRecord(k=k, drafted=len(draft), accepted=n_accepted, draft_time=t1 - t0, verify_time=t2 - t1,
-                          context=context, draft_evaluated=draft.evaluated)
+                          context=context, draft_evaluated=draft.evaluated, draft_prompt_time=draft.prompt_time)
         if request.speculative:  # a request that does not draft teaches the policy nothing
             self.policy.update(step)
         stats.records.append(step)
@@ -455,6 +455,7 @@ class Engine:
         stats.drafted += step.drafted
         stats.accepted += step.accepted
         stats.draft_time += step.draft_time
+        stats.draft_prompt_time += step.draft_prompt_time
         stats.verify_time += step.verify_time
         return out.tolist(), logprobs
 
