@@ -61,7 +61,7 @@ def _throughput(engine: Engine, prompts: list, **options) -> tuple[float, list]:
     for p in prompts:
         r = engine.generate(p.request, max_tokens=p.max_tokens, **options)
         tokens += r.stats.completion_tokens
-        seconds += r.stats.total_time - r.stats.prompt_time
+        seconds += r.stats.generation_time
         results.append(r)
     return (tokens / seconds if seconds > 0 else 0.0), results
 
@@ -109,7 +109,7 @@ def run_check(engine: Engine, prompts: list, *, oracle: str, draft: str,
         c = report.context
         report.fitted = {ctx: {n: 1000 * verify(n, ctx) for n in FIT_SIZES} for ctx in FIT_CONTEXTS}
         report.verify_cost_ms = {n: 1000 * verify(n, c) for n in FIT_SIZES}
-        if draft_cost.ready:
+        if draft_cost.ready:  # per token, for a step that evaluates PROBE_K of them
             report.draft_fitted = {ctx: 1000 * draft_cost(PROBE_K, ctx) / PROBE_K for ctx in FIT_CONTEXTS}
             report.draft_cost_ms = 1000 * draft_cost(PROBE_K, c) / PROBE_K
             options = {k: predicted_speedup(report.per_token_acceptance, k, report.draft_cost_ms / 1000,

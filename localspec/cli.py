@@ -76,7 +76,7 @@ def model_options(fn: Callable) -> Callable:
                      help="Draft model: a name or a GGUF path, or 'ngram' for prompt lookup (no model)."),
         click.option("--no-draft", is_flag=True, help="Run the oracle alone (the baseline)."),
         click.option("--draft-max", type=click.IntRange(0, 64), default=None,
-                     help="Most tokens drafted per step (default 16)."),
+                     help="Most tokens drafted per step (default 16; 64 for --draft ngram, whose drafts are free)."),
         click.option("--draft-length", type=click.IntRange(0, 64), default=None,
                      help="Draft exactly this many tokens per step (default: adaptive, from measured costs)."),
         click.option("--p-min", type=click.FloatRange(0, 1), default=None,
@@ -149,7 +149,7 @@ def structure_kwargs(json_schema: str | None, grammar: str | None) -> dict[str, 
 def open_engine(*, pair, oracle, draft, no_draft, draft_max, draft_length, p_min, lookup, cross_tokenizer,
                 gpu_layers, draft_gpu_layers, n_ctx, threads, flash_attn="auto", **_):
     """Resolve the models (fetching them on first use) and load them."""
-    from .engine import DEFAULT_DRAFT_MAX, DEFAULT_P_MIN, Engine
+    from .engine import DEFAULT_P_MIN, Engine
     from .models import Registry
 
     registry = Registry.load()
@@ -164,7 +164,7 @@ def open_engine(*, pair, oracle, draft, no_draft, draft_max, draft_length, p_min
         cross_tokenizer = cross_tokenizer or chosen.cross_tokenizer
     return Engine(oracle, draft, n_ctx=n_ctx, n_threads=threads, gpu_layers=gpu_layers,
                   draft_gpu_layers=draft_gpu_layers, flash_attn=flash_attn, draft_length=draft_length,
-                  draft_max=DEFAULT_DRAFT_MAX if draft_max is None else draft_max,
+                  draft_max=draft_max,
                   p_min=DEFAULT_P_MIN if p_min is None else p_min, lookup=lookup,
                   cross_tokenizer=cross_tokenizer, progress=progress)
 

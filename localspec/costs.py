@@ -51,15 +51,16 @@ CONTEXT_UNIT = 1024.0  # context lengths enter the fit in units of 1024 tokens
 # relative prior shapes (times in units of a one-token pass at no context): an oracle pass of n
 # tokens costs 1 + 0.2 [n > 1] + 0.1 (n - 1) one-token passes, 0.15 + 0.02 n more per 1024 tokens of
 # context (an F32 oracle on a 2-core AVX512 CPU without flash attention; a GPU learns its flatter
-# curve in a few steps); a draft of n tokens costs n + 0.5 of its one-token decodes (its catch-up is
-# one or two) and, a small model's weights being cheap, relatively more for its attention
+# curve in a few steps); a draft proposal that evaluates n tokens (its catch-up, then one decode per
+# drafted token but the last) costs n of its one-token decodes and a little per call, and, a small
+# model's weights being cheap, relatively more for its attention
 VERIFY_SHAPE = (0.9, 0.2, 0.1, 0.15, 0.02)
-DRAFT_SHAPE = (0.5, 0.0, 1.0, 0.2, 0.3)
+DRAFT_SHAPE = (0.2, 0.0, 1.0, 0.2, 0.3)
 # how far each weight may plausibly sit from the prior, in the same units, and the noise of one
 # measured step (a shared VM's steps vary by 10-20%): together they say how much evidence moves it
 PRIOR_SPREAD = (1.0, 0.5, 0.5, 0.1, 0.03)
 NOISE = 0.15
-STATE_VERSION = 2
+STATE_VERSION = 4
 
 
 def features(ns: np.ndarray, context: float) -> np.ndarray:
@@ -89,7 +90,8 @@ class PassCost:
         self.moment = np.zeros(N_FEATURES)  # [5] sum of decayed phi * t
         self.weight = 0.0  # sum of decayed observation weights
         self.observations = 0  # ever, including those loaded
-        self._w: np.ndarray | None = None
+        self._w: np.ndarray | None = None  # the fit, None when observations came since
+        self._last: np.ndarray | None = None  # the latest fit made (for clipping outliers)
 
     @property
     def ready(self) -> bool:
@@ -99,14 +101,18 @@ class PassCost:
     def observe(self, n: int, context: int, seconds: float) -> None:
         if n < 1 or not seconds > 0:
             return
-        phi = features(np.array([n]), context)[0]  # [5]
+        c = context / CONTEXT_UNIT
+        phi = np.array((1.0, float(n > 1), float(n), c, n * c))  # [5]
         if self.scale is None:
             self.scale = seconds / float(phi @ self.shape)
         elif self.observations >= 5:
-            expected = float(self.predict(np.array([n]), context)[0])
+            # against the last fit (a few steps stale at most): no solve on every step
+            expected = self._scalar(self._last if self._last is not None else self.weights(), n, c)
             seconds = min(max(seconds, expected / self.outlier), expected * self.outlier)
-        self.gram = self.decay * self.gram + np.outer(phi, phi)
-        self.moment = self.decay * self.moment + phi * seconds
+        self.gram *= self.decay
+        self.gram += np.outer(phi, phi)
+        self.moment *= self.decay
+        self.moment += phi * seconds
         self.weight = self.decay * self.weight + 1.0
         self.observations += 1
         self._w = None
@@ -119,8 +125,16 @@ class PassCost:
         if self._w is None:
             assert self.scale is not None
             prior = self.scale * self.shape  # [5]
-            self._w = np.linalg.solve(self.gram + self.ridge, self.moment + self.ridge @ prior)
+            self._w = self._last = np.linalg.solve(self.gram + self.ridge, self.moment + self.ridge @ prior)
         return self._w
+
+    def _floor(self) -> float:
+        assert self.scale is not None
+        return 0.1 * self.scale * float(self.shape[0] + self.shape[2])
+
+    def _scalar(self, w: np.ndarray, n: int, c: float) -> float:
+        t = w[0] + w[3] * c + (max(0.0, w[1]) if n > 1 else 0.0) + max(0.0, w[2] + w[4] * c) * n
+        return max(float(t), self._floor())
 
     def predict(self, ns: np.ndarray, context: int) -> np.ndarray:
         """Seconds for passes of each size in ns [m] at `context`: never decreasing in n, never
@@ -133,10 +147,12 @@ class PassCost:
         per_token = max(0.0, w[2] + w[4] * c)
         ns = np.asarray(ns, dtype=np.float64)
         out = base + np.where(ns > 1, max(0.0, w[1]), 0.0) + per_token * ns
-        return np.maximum(out, 0.1 * self.scale * float(self.shape[0] + self.shape[2]))
+        return np.maximum(out, self._floor())
 
     def __call__(self, n: int, context: int) -> float:
-        return float(self.predict(np.array([n]), context)[0])
+        if self.scale is None:
+            raise ValueError("no cost observed yet")
+        return self._scalar(self.weights(), n, context / CONTEXT_UNIT)
 
     # -- persistence
 
@@ -159,24 +175,30 @@ class PassCost:
         self.gram, self.moment = gram, moment
         self.weight = float(state.get("weight", 0.0))
         self.observations = int(state.get("observations", 0))
-        self._w = None
+        self._w = self._last = None
 
 
 # ------------------------------------------------------------------------------------ steps
 
 
-def fit_steps(steps: Sequence["StepRecord"]) -> tuple[PassCost, PassCost] | None:
-    """verify(n, c) and draft(l, c) fitted to `steps` in one go (no forgetting); None without a
-    one-token step to anchor the verify cost (every request's first step is one). Steps whose draft
-    caught up on many tokens (the first after a prompt, a probe after idle steps) are not samples of
-    what drafting costs."""
+def draft_size(step: "StepRecord") -> int:
+    """The draft cost's size of a step: the tokens its draft model evaluated (1 for a proposer
+    without a model, whose cost does not grow with what it proposes)."""
+    return max(1, step.draft_evaluated)
+
+
+def fit_steps(steps: Sequence["StepRecord"], *, max_draft_size: int = 64) -> tuple[PassCost, PassCost] | None:
+    """verify(n, c) and draft(e, c) (e: tokens the draft evaluated) fitted to `steps` in one go (no
+    forgetting); None without a one-token step to anchor the verify cost (every request's first step
+    is one). A draft's catch-up on a whole prompt (more than `max_draft_size` tokens) is left out: a
+    batch of hundreds of tokens runs at another rate than a step's few."""
     if not any(s.drafted == 0 for s in steps):
         return None
     verify, draft = PassCost(VERIFY_SHAPE, decay=1.0), PassCost(DRAFT_SHAPE, decay=1.0)
     for s in sorted(steps, key=lambda s: s.drafted):  # one-token passes first: they set the scale
         verify.observe(s.drafted + 1, s.context, s.verify_time)
-        if s.drafted and s.draft_evaluated <= s.drafted + 2:
-            draft.observe(s.drafted, s.context, s.draft_time)
+        if s.drafted and s.draft_evaluated <= max_draft_size:
+            draft.observe(draft_size(s), s.context, s.draft_time)
     return verify, draft
 
 
@@ -191,7 +213,7 @@ def predicted_speedup(steps: Sequence["StepRecord"], verify: PassCost, draft: Pa
     tokens over the passes they ran (draft(l, c) + verify(l + 1, c) each; `draft` None or not
     measured: proposing costs nothing, as for prompt lookup)."""
     spent = sum(verify(s.drafted + 1, s.context)
-                + (draft(s.drafted, s.context) if s.drafted and draft is not None and draft.ready else 0.0)
+                + (draft(draft_size(s), s.context) if s.drafted and draft is not None and draft.ready else 0.0)
                 for s in steps)
     return oracle_alone_time(steps, verify) / spent if spent > 0 else None
 

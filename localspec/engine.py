@@ -47,6 +47,7 @@ log = logging.getLogger("localspec.engine")
 Prompt = str | Sequence[Mapping[str, Any]]
 
 DEFAULT_DRAFT_MAX = 16
+LOOKUP_DRAFT_MAX = 64  # prompt lookup drafts for free: a copied passage may be accepted 30+ tokens at a time
 DEFAULT_P_MIN = 0.3  # measured on the default pair: acceptance 0.80 -> 0.91 at k=8, fewer wasted drafts
 NGRAM = "ngram"  # draft=NGRAM: prompt lookup instead of a draft model
 
@@ -86,13 +87,14 @@ class Engine:
     def __init__(self, oracle: str | os.PathLike, draft: str | os.PathLike | None = None, *,
                  n_ctx: int = 4096, n_batch: int = 512, n_threads: int | None = None,
                  gpu_layers: int = -1, draft_gpu_layers: int = -1, flash_attn: str = "auto",
-                 draft_length: int | None = None, draft_max: int = DEFAULT_DRAFT_MAX,
+                 draft_length: int | None = None, draft_max: int | None = None,
                  p_min: float = DEFAULT_P_MIN, lookup: bool = False, cross_tokenizer: bool = False,
                  policy: LengthPolicy | None = None, cost_cache: bool = True,
                  progress: Callable[[str], None] | None = None) -> None:
         """`draft`: a model (name or path), "ngram" (prompt lookup, no model) or None (oracle alone).
         `draft_length`: a fixed k; None chooses k per step from measured costs and acceptance
-        (capped by `draft_max`). `p_min`: the draft stops when its top probability falls below it.
+        (capped by `draft_max`: default 16 for a draft model, 64 for prompt lookup, whose drafts cost
+        nothing to make). `p_min`: the draft stops when its top probability falls below it.
         `lookup`: try prompt lookup first and the draft model when it finds nothing.
         `cross_tokenizer`: allow a draft whose vocabulary differs (re-tokenizes text between them).
         `flash_attn`: "auto" (see `llama.resolve_flash_attn`: off on a CPU, on with GPU offload,
@@ -137,13 +139,16 @@ class Engine:
         except BaseException:
             self.close()
             raise
+        if draft_max is None:
+            draft_max = LOOKUP_DRAFT_MAX if draft == NGRAM else DEFAULT_DRAFT_MAX
         if policy is None:
             if self.proposer is None:
                 policy = FixedLength(0)
             elif draft_length is not None:
                 policy = FixedLength(min(draft_length, draft_max))
             else:
-                policy = AdaptiveLength(k_max=draft_max, draft_cost_ratio=self._draft_cost_ratio())
+                policy = AdaptiveLength(k_max=draft_max, draft_cost_ratio=self._draft_cost_ratio(),
+                                        model_draft=self.draft_model is not None)
         self.policy: LengthPolicy = policy
         if self.cost_store is not None and isinstance(policy, AdaptiveLength):
             self._cost_keys = self._cost_identities(gpu_layers=gpu_layers, draft_gpu_layers=draft_gpu_layers,
@@ -472,6 +477,8 @@ class Engine:
         context = len(history) - 1  # the oracle holds all but the last token
         t0 = time.perf_counter()
         k = self.policy.draft_length(limit, context) if limit > 0 else 0
+        if k > 0 and self.policy.consume_catch_up():  # a re-try: the draft sees all the text again
+            self.proposer.resync()
         base = walk.depth if walk is not None else 0
         draft = propose(self.proposer, history, k, request.sampling, rng, walk) if k > 0 else EMPTY_DRAFT
         t1 = time.perf_counter()
@@ -490,7 +497,7 @@ class Engine:
         logprobs = self._logprobs(raw[:len(out)], out, request.logprobs) if request.logprobs is not None else None
 
         step = StepRecord(k=k, drafted=len(draft), accepted=n_accepted, draft_time=t1 - t0, verify_time=t2 - t1,
-                          context=context, draft_evaluated=draft.evaluated)
+                          context=context, draft_evaluated=draft.evaluated, draft_prompt_time=draft.prompt_time)
         if request.speculative:  # a request that does not draft teaches the policy nothing
             self.policy.update(step)
         stats.records.append(step)
@@ -498,6 +505,7 @@ class Engine:
         stats.drafted += step.drafted
         stats.accepted += step.accepted
         stats.draft_time += step.draft_time
+        stats.draft_prompt_time += step.draft_prompt_time
         stats.verify_time += step.verify_time
         return out.tolist(), logprobs
 

@@ -16,6 +16,7 @@ class StepRecord:
     verify_time: float  # the oracle's pass over [last, d1..d_drafted] and the acceptance test
     context: int  # tokens in the oracle's cache before the verify pass
     draft_evaluated: int = 0  # tokens the draft model evaluated for this proposal (its catch-up included)
+    draft_prompt_time: float = 0.0  # of draft_time, evaluating the request's prompt (the first proposal's)
 
     @property
     def emitted(self) -> int:
@@ -34,8 +35,9 @@ class Stats:
     steps: int = 0  # oracle verify passes
     drafted: int = 0  # draft tokens proposed
     accepted: int = 0  # draft tokens the oracle accepted
-    prompt_time: float = 0.0  # evaluating the prompt on both models
-    draft_time: float = 0.0
+    prompt_time: float = 0.0  # the oracle evaluating the prompt (before the first token)
+    draft_prompt_time: float = 0.0  # the draft evaluating it (in its first proposal, after the first token)
+    draft_time: float = 0.0  # proposing, draft_prompt_time included
     verify_time: float = 0.0  # oracle passes plus acceptance
     constraint_time: float = 0.0  # of draft + verify time, in the grammar's masks and matcher (structured output)
     time_to_first_token: float = 0.0
@@ -58,9 +60,14 @@ class Stats:
         return self.completion_tokens / self.steps if self.steps else 0.0
 
     @property
+    def generation_time(self) -> float:
+        """Seconds generating: the total without either model's evaluation of the prompt."""
+        return self.total_time - self.prompt_time - self.draft_prompt_time
+
+    @property
     def tokens_per_second(self) -> float:
-        """Generation speed, prompt evaluation excluded."""
-        t = self.total_time - self.prompt_time
+        """Generation speed, prompt evaluation (the oracle's and the draft's) excluded."""
+        t = self.generation_time
         return self.completion_tokens / t if t > 0 else 0.0
 
     def to_dict(self, *, records: bool = False) -> dict:

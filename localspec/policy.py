@@ -19,7 +19,11 @@ token up to the first rejection is one trial, so short drafts also teach what lo
 c_acc the continuation rate after an accepted token (a confident draft is more often right), and
 draft(l, ctx) / verify(n, ctx) the draft's time to propose l tokens and the oracle's time for an
 n-token pass at a context of ctx tokens: `costs.PassCost` models, fitted from every step (nothing
-is timed on purpose) and persisted between processes by the engine. Before the draft's first step
+is timed on purpose) and persisted between processes by the engine. A draft model's time goes with
+the tokens it evaluates: it first catches up on the tokens accepted since its last proposal (one or
+two: `catch_up`, a running mean), then decodes one token per drafted token but the last, so
+draft(l) = D(l - 1 + catch_up) with D fitted to (tokens evaluated, time) of every step; a proposer
+without a model (prompt lookup) costs the same whatever it proposes. Before the draft's first step
 its cost is guessed as `draft_cost_ratio` of an oracle pass per token (the engine sets the ratio
 from the two models' sizes). A long allowance is cheap when the draft often stops early: the policy
 does not pay for tokens that are never drafted.
@@ -28,20 +32,24 @@ k = 0 is plain oracle decoding, and it also wins unless the best k is predicted 
 `min_gain` (10%): a smaller predicted gain is within the error of the estimates and of a shared
 machine's timings (the acceptance estimate lags the text), and drafting on it risks a loss for next
 to nothing. When k = 0 wins, the policy still probes with a short draft now and then, so a
-better-matched stretch of text is noticed. A probe after idle steps is dear (the
-draft first catches up on the text it skipped), so probing is held to a small share of the time spent
-(`probe_budget`): a badly matched draft costs next to nothing once the policy has stopped using it.
-It stops only after judging `min_trials` draft tokens: an unlucky first step is not evidence enough.
+better-matched stretch of text is noticed. A probe drafts from the start of the text and a short
+window of recent text, not all of it (catching up would cost more than a probe is worth), so its
+tokens are accepted less often than a draft that saw everything (measured on the default pair:
+62-84% against 95-100%): a probe teaches the estimates nothing, but when all of its tokens are
+accepted the policy re-tries drafting at once, with the draft caught up on the whole text
+(`consume_catch_up`), for `min_trials` draft tokens that are judged as usual. Probes are held to a
+small share of the time spent (`probe_budget`), and a re-try's cost counts against it, delaying
+the next probes: a badly matched draft costs next to nothing once the policy has stopped using it. It stops only after judging `min_trials` draft tokens: an unlucky first
+step is not evidence enough.
 
 The acceptance and continuation estimates are running means over trials that settle into an
 exponential average (each trial weighs at least 1 - `decay`): quick to learn from a fresh start,
-steady afterwards; they too are kept between processes (`acceptance_state`). A probe after a pause
-drafts from the start of the text and a short window of recent text, not all of it (catching up
-would cost more than the probe is worth), so its acceptance may read low. A slower estimate,
+steady afterwards; they too are kept between processes (`acceptance_state`). A slower estimate,
 `long_acceptance` (each trial weighs 1 - `long_decay`: the last few hundred count), says whether
 the pair pays in the long run: when the policy is idle but the long run says drafting pays by
-`min_gain`, a new request re-tries drafting with the draft on its whole prompt, for `min_trials`
-draft tokens that count as fresh evidence. One hard prompt does not end drafting on a pair that
+`min_gain` (and the probe budget allows), a new request re-tries drafting with the draft on its
+whole prompt, for `min_trials` draft tokens that count as fresh evidence; their cost counts as
+probing. One hard prompt does not end drafting on a pair that
 usually pays, and a pair that does not pay is not re-tried (each re-try costs the draft a pass
 over the prompt: on a one-shot run of a badly matched pair that alone would cost a few percent).
 """
@@ -66,6 +74,9 @@ class LengthPolicy(Protocol):
 
     def start_request(self) -> None:
         """A new request begins (before its prompt is evaluated)."""
+
+    def consume_catch_up(self) -> bool:
+        """Whether the draft should first catch up on all the text it has not seen (asked once)."""
 
     @property
     def idle(self) -> bool:
@@ -93,6 +104,9 @@ class FixedLength:
     def start_request(self) -> None:
         pass
 
+    def consume_catch_up(self) -> bool:
+        return False
+
 
 def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     """(intercept, slope) of the least-squares line through a handful of points (plain Python: quicker
@@ -109,7 +123,7 @@ class AdaptiveLength:
     """Cost-aware draft length (see the module docstring)."""
 
     def __init__(self, *, k_max: int = 16, prior_acceptance: float = 0.9, prior_continuation: float = 1.0,
-                 prior_weight: float = 4.0, draft_cost_ratio: float = 0.5,
+                 prior_weight: float = 4.0, draft_cost_ratio: float = 0.5, model_draft: bool = True,
                  decay: float = 0.97, probe_every: int = 16, probe_budget: float = 0.01, probe_length: int = 2,
                  min_trials: int = 8, min_gain: float = 0.10, long_decay: float = 0.995) -> None:
         self.k_max = k_max
@@ -120,8 +134,10 @@ class AdaptiveLength:
         self.prior_weight = prior_weight  # the prior (or, on a re-try, the old estimate) counts as this many trials
         self.decay = decay
         self.verify_cost = PassCost(VERIFY_SHAPE)  # seconds for an oracle pass of n tokens at a context
-        self.draft_cost = PassCost(DRAFT_SHAPE)  # seconds for the draft to propose l tokens at a context
+        self.draft_cost = PassCost(DRAFT_SHAPE)  # seconds for a proposal that evaluates n draft tokens
         self.draft_cost_ratio = draft_cost_ratio  # a draft token / a one-token oracle pass, until measured
+        self.model_draft = model_draft  # False: proposing costs the same whatever is proposed (lookup)
+        self.catch_up = 1.5  # tokens a draft model catches up on before it drafts (the last step's accepted + 1)
         self.probe_every = probe_every  # idle (k = 0) steps before a probe
         self.probe_budget = probe_budget  # most of the time spent that probes may take
         self.probe_length = probe_length
@@ -136,6 +152,9 @@ class AdaptiveLength:
         self._idle = 0  # consecutive k = 0 steps
         self.recheck_every = 8  # while idle, judge k afresh every this many steps
         self._probing = False
+        self._retry_wanted = False  # a probe was fully accepted: re-try drafting on the whole text
+        self._catch_up = False  # the draft must catch up on everything before the next proposal
+        self._exploring = False  # re-trying: until min_trials are judged, what drafting costs is probe time
         self.last_k = 0
         self.context = 0  # the context length of the last step asked about
 
@@ -156,12 +175,20 @@ class AdaptiveLength:
         reached = acceptance ** i * self.continuation_accepted ** (i - 1)  # [K] P(1..i proposed and accepted)
         return 1.0 + np.concatenate(([0.0], np.cumsum(reached)))
 
+    def evaluated(self, lengths: np.ndarray) -> np.ndarray:
+        """Tokens the draft evaluates to propose each of `lengths` [m] (the draft cost's size)."""
+        lengths = np.asarray(lengths, dtype=np.float64)
+        if not self.model_draft:
+            return np.ones_like(lengths)
+        return np.maximum(1.0, lengths - 1.0 + self.catch_up)
+
     def draft_times(self, lengths: np.ndarray, context: int) -> np.ndarray:
         """Seconds for the draft to propose each of `lengths` [m] tokens at `context` [m]."""
+        sizes = self.evaluated(lengths)  # [m]
         if self.draft_cost.ready:
-            return self.draft_cost.predict(lengths, context)
+            return self.draft_cost.predict(sizes, context)
         per_token = self.draft_cost_ratio * self.verify_cost(1, context)  # not measured yet: the prior guess
-        return per_token * (DRAFT_SHAPE[0] + DRAFT_SHAPE[2] * np.asarray(lengths, dtype=np.float64))
+        return per_token * (DRAFT_SHAPE[0] + DRAFT_SHAPE[2] * sizes)
 
     def _step_times(self, k_top: int, context: int) -> np.ndarray:
         """T(k) for k = 0..k_top [k_top+1] at `context`."""
@@ -188,17 +215,26 @@ class AdaptiveLength:
         return k if rate[k] >= (1.0 + self.min_gain) * rate[0] else 0
 
     def start_request(self) -> None:
-        if not self.idle:
+        if not self.idle or self.probe_time > self.probe_budget * self.time_spent:
             return
         rate = self.rates(self.k_max, acceptance=self.long_acceptance)  # [K+1]
         if rate[1:].max(initial=0.0) >= (1.0 + self.min_gain) * rate[0]:
             self.fresh_trials = 0  # it pays in the long run: judge min_trials draft tokens on this prompt
+            self._exploring = True
+
+    def consume_catch_up(self) -> bool:
+        wanted, self._catch_up = self._catch_up, False
+        return wanted
 
     def draft_length(self, limit: int, context: int = 0) -> int:
         self._probing = False
         self.context = context
         if limit <= 0:
             return 0
+        if self._retry_wanted:  # at once, while the text is easy; its cost delays the next probes
+            self._retry_wanted = False
+            self.fresh_trials = 0  # judge min_trials draft tokens afresh, on the whole text
+            self._catch_up = self._exploring = True
         if self._idle % self.recheck_every and self.fresh_trials >= self.min_trials:
             k = 0  # idle: only the oracle's cost moved since the last judgement (~0.1 ms saved per step)
         else:
@@ -218,6 +254,15 @@ class AdaptiveLength:
 
     def update(self, step: StepRecord) -> None:
         n_drafted, n_accepted = step.drafted, step.accepted
+        spent = step.draft_time + step.verify_time
+        self.time_spent += spent
+        self.verify_cost.observe(n_drafted + 1, step.context, step.verify_time)
+        self._observe_draft_cost(step)
+        if self._probing or self._exploring:  # beyond a plain oracle step, exploring cost this much
+            self.probe_time += max(0.0, spent - self.verify_cost(1, step.context))
+        if self._probing:  # drafted from a window of the text: a biased sample, only a hint
+            self._retry_wanted = n_drafted > 0 and n_accepted == n_drafted
+            return
         trials = n_accepted + (n_accepted < n_drafted)  # the accepted tokens and the first rejected one
         for i in range(trials):
             self.trials += 1
@@ -225,17 +270,26 @@ class AdaptiveLength:
             self.acceptance = self._blend(self.acceptance, i < n_accepted, self.fresh_trials)
             weight = max(1.0 - self.long_decay, 1.0 / (self.prior_weight + self.trials))
             self.long_acceptance += weight * ((i < n_accepted) - self.long_acceptance)
+        if self.fresh_trials >= self.min_trials:
+            self._exploring = False
         if n_drafted:
             self._observe_continuation(n_drafted, n_accepted, allowance=max(self.last_k, n_drafted))
-        spent = step.draft_time + step.verify_time
-        self.time_spent += spent
-        if self._probing and self.verify_cost.ready:
-            self.probe_time += max(0.0, spent - self.verify_cost(1, step.context))
-        self.verify_cost.observe(n_drafted + 1, step.context, step.verify_time)
-        # a probe after idle steps, or a first proposal after the prompt, pays for the draft catching
-        # up on many tokens: not a sample of what a step's drafting costs
-        if n_drafted and not self._probing and step.draft_evaluated <= n_drafted + 2:
-            self.draft_cost.observe(n_drafted, step.context, step.draft_time)
+
+    def _observe_draft_cost(self, step: StepRecord) -> None:
+        """Every proposal is a sample of the draft's cost at the tokens it evaluated, but a catch-up
+        on a whole prompt (a batch of hundreds of tokens runs at another rate than a step's one or
+        two): those are left out. A normal step's catch-up updates `catch_up`."""
+        if not step.drafted:
+            return
+        if not self.model_draft:
+            self.draft_cost.observe(1, step.context, step.draft_time)
+            return
+        if step.draft_evaluated > 2 * self.k_max + 2:
+            return
+        self.draft_cost.observe(max(1, step.draft_evaluated), step.context, step.draft_time)
+        caught_up = step.draft_evaluated - step.drafted + 1
+        if 1 <= caught_up <= 4:  # a probe's window or a re-try's is not a step's usual catch-up
+            self.catch_up += 0.1 * (caught_up - self.catch_up)
 
     def _observe_continuation(self, n_drafted: int, n_accepted: int, *, allowance: int) -> None:
         """After each drafted token the draft went on (it is not the last) or stopped (the last, short
@@ -262,7 +316,7 @@ class AdaptiveLength:
     def acceptance_state(self) -> dict[str, Any]:
         return {"acceptance": self.acceptance, "long_acceptance": self.long_acceptance,
                 "continuation": self.continuation, "continuation_accepted": self.continuation_accepted,
-                "trials": self.trials,
+                "catch_up": self.catch_up, "trials": self.trials,
                 "continuation_events": self._continuation_events,
                 "continuation_accepted_events": self._continuation_accepted_events}
 
@@ -273,6 +327,7 @@ class AdaptiveLength:
         if not all(0.0 <= v <= 1.0 for v in values):
             raise ValueError("malformed acceptance state")
         self.acceptance, self.long_acceptance, self.continuation, self.continuation_accepted = values
+        self.catch_up = min(4.0, max(1.0, float(state.get("catch_up", self.catch_up))))
         self.trials = max(0, int(state.get("trials", 0)))
         self.fresh_trials = min(self.trials, self.min_trials)
         self._continuation_events = max(0, int(state.get("continuation_events", 0)))

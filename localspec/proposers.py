@@ -13,6 +13,7 @@ verifier, is the constrained one); a model-free draft is cut at the first token 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -30,6 +31,7 @@ class Draft:
     tokens: np.ndarray  # [k] int32
     probs: np.ndarray | None  # [k, oracle vocab] the distributions the tokens were drawn from; None: point masses
     evaluated: int = 0  # tokens a draft model evaluated to propose these (its catch-up included)
+    prompt_time: float = 0.0  # seconds of the proposing spent evaluating a new request's prompt
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -45,6 +47,9 @@ class Proposer(Protocol):
     def start(self, *, catch_up: bool) -> None:
         """A new request begins. `catch_up`: the first proposal conditions on the whole prompt
         (drafting is expected to pay); otherwise a later probe may condition on part of it."""
+
+    def resync(self) -> None:
+        """Drafting resumes after a pause: the next proposal conditions on all of the text again."""
 
 
 def propose(proposer: Proposer, history: Sequence[int], max_len: int, sampling: SamplingParams,
@@ -90,11 +95,16 @@ class DraftModelProposer:
         # a long pause in drafting, the start it still held and the recent text, with a gap between
         self.keep = self.gap_start = 0
         self.catch_up = False  # the next proposal evaluates all it has not seen, however much
+        self.prompt_pending = False  # ... and that is a new request's prompt
         self.tokens_evaluated = 0  # draft-side tokens decoded, prompt included
 
     def start(self, *, catch_up: bool) -> None:
         self.keep = self.gap_start = 0
-        self.catch_up = catch_up
+        self.catch_up = self.prompt_pending = catch_up
+
+    def resync(self) -> None:
+        self.keep = self.gap_start = 0
+        self.catch_up, self.prompt_pending = True, False
 
     def _view(self, history: Sequence[int]) -> list[int]:
         """The tokens the draft conditions on. After many steps without drafting, catching up on all
@@ -116,14 +126,17 @@ class DraftModelProposer:
 
     def propose(self, history: Sequence[int], max_len: int, sampling: SamplingParams,
                 rng: np.random.Generator, constraint=None) -> Draft:
+        prompt, self.prompt_pending = self.prompt_pending, False
         view = self._view(history)
         max_len = min(max_len, self.ctx.n_ctx - len(view) + 1)
         if max_len <= 0 or not view:
             return EMPTY_DRAFT
+        t0 = time.perf_counter()
         try:
             logits, n_eval = self.ctx.sync(view)  # [1, vocab]
         except ContextFullError:
             return EMPTY_DRAFT
+        prompt_time = time.perf_counter() - t0 if prompt else 0.0
         self.tokens_evaluated += n_eval
         evaluated = n_eval
         tokens: list[int] = []
@@ -160,7 +173,7 @@ class DraftModelProposer:
             logits = self.ctx.decode(readable)
             self.tokens_evaluated += len(readable)
             evaluated += len(readable)
-        return Draft(np.asarray(tokens, dtype=np.int32), np.stack(probs) if probs else None, evaluated)
+        return Draft(np.asarray(tokens, dtype=np.int32), np.stack(probs) if probs else None, evaluated, prompt_time)
 
     def _in_oracle_vocab(self, row: np.ndarray) -> np.ndarray:
         """The draft's logits [draft vocab] as logits over the oracle's vocabulary [n_vocab]."""
@@ -223,6 +236,9 @@ class PromptLookupProposer:
     def start(self, *, catch_up: bool) -> None:
         pass  # nothing to evaluate
 
+    def resync(self) -> None:
+        pass
+
 
 class HybridProposer:
     """Prompt lookup when the history's tail matches earlier text (free), the draft model otherwise."""
@@ -238,6 +254,9 @@ class HybridProposer:
 
     def start(self, *, catch_up: bool) -> None:
         self.model.start(catch_up=catch_up)
+
+    def resync(self) -> None:
+        self.model.resync()
 
 
 class CrossTokenizerProposer:
@@ -284,7 +303,10 @@ class CrossTokenizerProposer:
         tokens = self.oracle.tokenize(text, add_special=False, parse_special=False)[:max_len]
         if constraint is not None:
             tokens = tokens[:constraint.extend(tokens)]
-        return Draft(np.asarray(tokens, dtype=np.int32), None, proposal.evaluated)
+        return Draft(np.asarray(tokens, dtype=np.int32), None, proposal.evaluated, proposal.prompt_time)
 
     def start(self, *, catch_up: bool) -> None:
         self.inner.start(catch_up=catch_up)
+
+    def resync(self) -> None:
+        self.inner.resync()

@@ -163,6 +163,7 @@ class Totals:
     drafted: int = 0
     accepted: int = 0
     draft_time: float = 0.0
+    draft_prompt_time: float = 0.0
     verify_time: float = 0.0
     generation_time: float = 0.0
     interrupted: int = 0
@@ -177,8 +178,9 @@ class Totals:
         self.drafted += s.drafted
         self.accepted += s.accepted
         self.draft_time += s.draft_time
+        self.draft_prompt_time += s.draft_prompt_time
         self.verify_time += s.verify_time
-        self.generation_time += max(0.0, s.total_time - s.prompt_time)
+        self.generation_time += max(0.0, s.generation_time)
         self.records += s.records
 
 
@@ -506,13 +508,14 @@ class Chat:
             lines.append("speedup vs oracle alone: n/a (no one-token oracle step recorded yet)")
             return lines
         verify, _ = fit
-        last = speedup(oracle_alone_time(s.records, verify), s.draft_time, s.verify_time)
-        sess = speedup(oracle_alone_time(t.records, verify), t.draft_time, t.verify_time)
+        # prompt evaluation is left out on both sides: the draft evaluates the prompt in its first proposal
+        last = speedup(oracle_alone_time(s.records, verify), s.draft_time - s.draft_prompt_time, s.verify_time)
+        sess = speedup(oracle_alone_time(t.records, verify), t.draft_time - t.draft_prompt_time, t.verify_time)
 
         def fmt(x: float | None) -> str:
             return f"{x:.2f}x" if x is not None else "n/a"
 
-        per_step = (s.draft_time + s.verify_time) / s.steps if s.steps else 0.0
+        per_step = (s.draft_time - s.draft_prompt_time + s.verify_time) / s.steps if s.steps else 0.0
         context = s.records[-1].context if s.records else 0
         lines.append(
             f"speedup vs oracle alone (estimate): {fmt(last)} last reply, {fmt(sess)} session; "

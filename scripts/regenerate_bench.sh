@@ -2,12 +2,18 @@
 # Regenerate the committed benchmark results: benchmarks/RESULTS.md, benchmarks/results.json and the
 # PNG charts, on this machine, with every system side by side in one run.
 #
-#   scripts/regenerate_bench.sh                      # the default pair, every workload, 3 repetitions
+#   scripts/regenerate_bench.sh                      # the default pair, every workload, 2 prompts each
 #   scripts/regenerate_bench.sh --pair qwen2.5-7b    # extra options go to `localspec bench`
+#
+# Every system runs in the same run: the oracle alone, localspec at fixed K 4/8/16, adaptive and prompt
+# lookup, llama.cpp's own speculative decoding at K 4/8/16 with flash attention auto and off (the
+# report names its best), llama.cpp's and llama-cpp-python's prompt lookup; answers of up to 400
+# tokens; and a one-shot figure per system (a fresh `localspec generate` process per prompt).
 #
 # Environment:
 #   SYSTEMS     systems to compare (default below; see `localspec bench --help`)
-#   REPS        interleaved repetitions (default 3)
+#   REPS        interleaved repetitions (default 2)
+#   PROMPTS     prompts per workload (default 2)
 #   THREADS     CPU threads for every system (default: all cores)
 #   OUT         output directory (default: benchmarks/ in the repository)
 #   NO_ANCHOR=1 do not build llama.cpp's C++ programs (the anchor rows are then skipped)
@@ -19,8 +25,9 @@
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
-SYSTEMS=${SYSTEMS:-baseline,k2,k4,k8,adaptive,lookup,llama.cpp-k4,llama.cpp,llama.cpp-ngram,lcp-lookup}
-REPS=${REPS:-3}
+SYSTEMS=${SYSTEMS:-baseline,k4,k8,k16,adaptive,lookup,llama.cpp-grid,llama.cpp-ngram,llama.cpp-ngram-fa-off,lcp-lookup}
+REPS=${REPS:-2}
+PROMPTS=${PROMPTS:-2}
 THREADS=${THREADS:-$(nproc 2>/dev/null || echo 4)}
 OUT=${OUT:-benchmarks}
 MAX_LOAD=${MAX_LOAD:-0.5}
@@ -39,6 +46,6 @@ if [[ "${NO_ANCHOR:-0}" != 1 ]]; then
 fi
 
 mkdir -p "$OUT"
-"$PYTHON" -m localspec.cli bench --systems "$SYSTEMS" --reps "$REPS" --threads "$THREADS" \
-    --json "$OUT/results.json" --charts "$OUT" --markdown "$OUT/RESULTS.md" "$@"
+"$PYTHON" -m localspec.cli bench --systems "$SYSTEMS" --reps "$REPS" --threads "$THREADS" --max-prompts "$PROMPTS" \
+    --max-tokens 400 --one-shot --json "$OUT/results.json" --charts "$OUT" --markdown "$OUT/RESULTS.md" "$@"
 echo "regenerate_bench: wrote $OUT/RESULTS.md, $OUT/results.json and the charts" >&2

@@ -215,3 +215,20 @@ def test_check_reports_the_fitted_costs_and_records_the_faster_kernel(tmp_path, 
     assert set(report["kernel"]["ms"]["on"]) == {"1@256", "9@256", "1@1024", "9@1024"}
     with Engine(*[str(p) for p in (report["oracle"],)], None, n_ctx=256, n_threads=2) as engine:
         assert engine.oracle.flash_attn == report["kernel"]["chosen"]  # auto now follows the measurement
+
+
+def test_the_drafts_evaluation_of_the_prompt_counts_as_prompt_evaluation(pair_paths):
+    """The draft evaluates the prompt in its first proposal (after the first token, so it does not
+    delay it): that time is in the step's record and the request's draft time, and, like the
+    oracle's prompt evaluation, outside the generation speed."""
+    with Engine(*pair_paths, n_ctx=512, draft_length=4, cost_cache=False) as engine:
+        r = engine.generate([{"role": "user", "content": "Name three fruits and say why you like them."}],
+                            max_tokens=24)
+        s = r.stats
+        first = s.records[1]
+        assert first.draft_evaluated >= s.prompt_tokens - 1 and first.draft_prompt_time > 0
+        assert first.draft_prompt_time <= first.draft_time
+        assert all(x.draft_prompt_time == 0 for x in s.records[2:])
+        assert s.draft_prompt_time == pytest.approx(first.draft_prompt_time)
+        assert s.generation_time == pytest.approx(s.total_time - s.prompt_time - s.draft_prompt_time)
+        assert s.tokens_per_second == pytest.approx(s.completion_tokens / s.generation_time)

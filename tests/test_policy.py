@@ -8,22 +8,24 @@ from localspec.policy import AdaptiveLength, FixedLength
 CONTEXT = 100
 
 
-def calibrated(verify, draft_cost, k_max=16, **kw):
+def primed(verify, draft_cost, k_max=16, **kw):
     """A policy whose cost models have seen synthetic steps: an oracle pass of n tokens costs
-    verify(n) and a draft of l tokens (l + 1) * draft_cost (its catch-up on the last step's
-    tokens is one more), at one context length."""
+    verify(n), and the draft draft_cost per token it evaluates; it catches up on two tokens (the last
+    step's accepted one and its bonus) before it drafts, so a draft of l tokens costs (l + 1) *
+    draft_cost, at one context length."""
     policy = AdaptiveLength(k_max=k_max, **kw)
+    policy.catch_up = 2.0
     for _ in range(3):
         for n in (1, 2, 4, 8, 16):
             policy.verify_cost.observe(n, CONTEXT, verify(n))
-            policy.draft_cost.observe(n, CONTEXT, (n + 1) * draft_cost)
+            policy.draft_cost.observe(n + 1, CONTEXT, (n + 1) * draft_cost)
     policy.context = CONTEXT
     return policy
 
 
 def step(drafted, accepted, draft_time, verify_time, context=CONTEXT, k=None):
     return StepRecord(k=drafted if k is None else k, drafted=drafted, accepted=accepted, draft_time=draft_time,
-                      verify_time=verify_time, context=context, draft_evaluated=drafted)
+                      verify_time=verify_time, context=context, draft_evaluated=drafted + 1 if drafted else 0)
 
 
 def test_fixed_length_caps_at_limit():
@@ -42,7 +44,7 @@ def test_expected_tokens_formula():
 
 def test_useless_draft_gives_k0():
     verify = lambda n: 0.024 + 0.002 * n  # noqa: E731  cheap-ish verify
-    p = calibrated(verify, draft_cost=0.010)
+    p = primed(verify, draft_cost=0.010)
     for _ in range(40):  # every draft token rejected
         p.update(step(4, 0, 0.04, verify(5)))
     assert p.best_length(16) == 0
@@ -51,14 +53,14 @@ def test_useless_draft_gives_k0():
 
 def test_a_marginal_predicted_gain_is_not_worth_drafting():
     verify = lambda n: 0.030 + 0.004 * (n - 1)  # noqa: E731
-    assert calibrated(verify, 0.008, prior_acceptance=0.68, min_gain=0.0).best_length(16) == 2  # +3% predicted
-    assert calibrated(verify, 0.008, prior_acceptance=0.7).best_length(16) == 0  # +5%: within min_gain (10%)
-    assert calibrated(verify, 0.008, prior_acceptance=0.78).best_length(16) == 3  # +15% predicted
+    assert primed(verify, 0.008, prior_acceptance=0.68, min_gain=0.0).best_length(16) == 2  # +3% predicted
+    assert primed(verify, 0.008, prior_acceptance=0.7).best_length(16) == 0  # +5%: within min_gain (10%)
+    assert primed(verify, 0.008, prior_acceptance=0.78).best_length(16) == 3  # +15% predicted
 
 
 def test_high_acceptance_and_cheap_verify_gives_large_k():
     verify = lambda n: 0.020 + 0.0005 * n  # noqa: E731  GPU-like: a wide pass costs little more
-    p = calibrated(verify, draft_cost=0.001)
+    p = primed(verify, draft_cost=0.001)
     for _ in range(60):
         p.update(step(16, 16, 0.016, verify(17)))
     assert p.best_length(16) >= 12
@@ -66,14 +68,14 @@ def test_high_acceptance_and_cheap_verify_gives_large_k():
 
 def test_expensive_verify_keeps_k_small_even_with_good_acceptance():
     verify = lambda n: 0.010 * n  # noqa: E731  compute-bound: a pass costs in proportion to its size
-    p = calibrated(verify, draft_cost=0.004)
+    p = primed(verify, draft_cost=0.004)
     for _ in range(60):
         p.update(step(4, 4, 0.016, verify(5)))
     assert p.best_length(16) == 0  # speculation can never win when verify is linear from zero
 
 
 def test_k_is_capped_by_limit_and_k_max():
-    p = calibrated(lambda n: 0.02 + 0.0001 * n, draft_cost=0.0001, k_max=6, prior_acceptance=0.99)
+    p = primed(lambda n: 0.02 + 0.0001 * n, draft_cost=0.0001, k_max=6, prior_acceptance=0.99)
     assert p.draft_length(100, CONTEXT) == 6
     assert p.draft_length(3, CONTEXT) == 3
     assert p.draft_length(0, CONTEXT) == 0
@@ -81,7 +83,7 @@ def test_k_is_capped_by_limit_and_k_max():
 
 def test_probes_now_and_then_within_a_time_budget():
     verify = lambda n: 0.024 + 0.002 * n  # noqa: E731
-    p = calibrated(verify, draft_cost=0.010, probe_every=5, probe_length=2, probe_budget=0.02)
+    p = primed(verify, draft_cost=0.010, probe_every=5, probe_length=2, probe_budget=0.02)
     for _ in range(40):
         p.update(step(4, 0, 0.04, verify(5)))
     probes = []
@@ -101,7 +103,7 @@ def test_probes_now_and_then_within_a_time_budget():
 
 def test_recovers_when_acceptance_improves():
     verify = lambda n: 0.024 + 0.002 * n  # noqa: E731
-    p = calibrated(verify, draft_cost=0.003, probe_every=4)
+    p = primed(verify, draft_cost=0.003, probe_every=4)
     for _ in range(40):
         p.update(step(4, 0, 0.012, verify(5)))
     assert p.best_length(16) == 0
@@ -115,7 +117,7 @@ def test_an_early_rejection_does_not_end_drafting():
     """On a pair where drafting barely pays, one rejection in the first step would tip the estimate
     to k = 0; the policy keeps drafting short until it has judged min_trials draft tokens."""
     table = {1: 0.045, 2: 0.055, 4: 0.062, 8: 0.090, 16: 0.130}
-    p = calibrated(lambda n: table[n], draft_cost=0.025, min_trials=8)
+    p = primed(lambda n: table[n], draft_cost=0.025, min_trials=8)
     p.update(step(1, 0, 0.050, 0.055))
     assert p.best_length(16) == 0 and not p.idle
     ks = []
@@ -131,7 +133,7 @@ def test_grows_k_from_a_short_start_when_drafts_keep_being_accepted():
     """The default pair's measured costs on a 2-core CPU (F32 oracle, Q4_1 draft): from the prior
     the policy drafts a few tokens, sees every one accepted, and moves to long drafts."""
     table = {1: 0.0236, 2: 0.0278, 4: 0.0337, 8: 0.0412, 16: 0.0601}
-    p = calibrated(lambda n: table[n], draft_cost=0.0106)
+    p = primed(lambda n: table[n], draft_cost=0.0106)
     first = p.draft_length(16, CONTEXT)
     assert 1 <= first <= 6
     for _ in range(30):
@@ -159,7 +161,7 @@ def test_a_new_request_retries_drafting_only_on_a_pair_that_pays_in_the_long_run
     """A hard prompt drags the running acceptance down until the policy idles; the next request
     tries again (on its whole prompt) if the long-run acceptance says the pair pays, not otherwise."""
     verify = lambda n: 0.030 + 0.004 * (n - 1)  # noqa: E731
-    usually_pays = calibrated(verify, 0.008, prior_acceptance=0.95)
+    usually_pays = primed(verify, 0.008, prior_acceptance=0.95)
     for _ in range(300):  # a long record of good drafts ...
         usually_pays.update(step(4, 4, 0.040, verify(5)))
     for _ in range(12):  # ... then a hard prompt
@@ -171,7 +173,7 @@ def test_a_new_request_retries_drafting_only_on_a_pair_that_pays_in_the_long_run
     usually_pays.update(step(2, 2, 0.024, verify(3)))
     assert usually_pays.acceptance == pytest.approx(before + (1 - before) / 5 + (1 - before - (1 - before) / 5) / 6)
 
-    close_call = calibrated(verify, 0.008, prior_acceptance=0.68)  # +3% predicted: never worth a re-try
+    close_call = primed(verify, 0.008, prior_acceptance=0.68)  # +3% predicted: never worth a re-try
     for i in range(300):  # two drafts in three accepted
         close_call.update(step(1, int(i % 3 != 0), 0.016, verify(2)))
     assert close_call.idle
@@ -181,9 +183,10 @@ def test_a_new_request_retries_drafting_only_on_a_pair_that_pays_in_the_long_run
 
 def test_a_draft_that_stops_early_is_charged_for_what_it_drafts():
     """E(k) and T(k) with the continuation rates: c for the draft's length, c_acc after an accepted token."""
-    p = calibrated(lambda n: 0.02 + 0.01 * n, draft_cost=0.005, prior_acceptance=0.8)
+    p = primed(lambda n: 0.02 + 0.01 * n, draft_cost=0.005, prior_acceptance=0.8)
     p.continuation, p.continuation_accepted = 0.5, 0.6
-    cost = {l: p.draft_cost(l, CONTEXT) + p.verify_cost(l + 1, CONTEXT) for l in (1, 2)}
+    # drafting l tokens evaluates l + 1 (a catch-up of two, then a decode per drafted token but the last)
+    cost = {l: p.draft_cost(l + 1, CONTEXT) + p.verify_cost(l + 1, CONTEXT) for l in (1, 2)}
     assert p.step_time(0) == pytest.approx(p.verify_cost(1, CONTEXT))
     assert p.step_time(1) == pytest.approx(cost[1])
     assert p.step_time(2) == pytest.approx(0.5 * cost[1] + 0.5 * cost[2])  # stops after one token half the time
@@ -207,10 +210,62 @@ def test_a_draft_that_stops_itself_when_unsure_gets_a_long_allowance():
     """The default pair's measured costs; the draft (with its p_min cut-off) proposes 3 tokens a step
     and all are accepted. Charging every allowed token would cap k; the policy sees it is not paid for."""
     table = {1: 0.0236, 2: 0.0278, 4: 0.0337, 8: 0.0412, 16: 0.0601}
-    p = calibrated(lambda n: table[n], draft_cost=0.0106)
+    p = primed(lambda n: table[n], draft_cost=0.0106)
     for _ in range(60):
         k = p.draft_length(16, CONTEXT)
         n = min(k, 3)
         p.update(step(n, n, 0.0106 * n, 0.0236 + 0.0024 * n))
     assert 0.6 < p.continuation < 0.8
     assert p.draft_length(16, CONTEXT) == 16
+
+
+def test_probes_teach_nothing_but_a_fully_accepted_one_retries_on_the_whole_text():
+    """A probe drafts from a window of the text (the draft skipped the idle stretch), so it is
+    accepted less often than a real draft: its outcome moves no estimate. When all its tokens are
+    accepted, the next step re-tries drafting with the draft caught up on everything."""
+    verify = lambda n: 0.024 + 0.002 * n  # noqa: E731
+    p = primed(verify, draft_cost=0.010, probe_every=4, probe_budget=0.05)
+    for _ in range(40):
+        p.update(step(4, 0, 0.04, verify(5)))
+    assert p.idle
+    estimates = (p.acceptance, p.long_acceptance, p.continuation, p.trials)
+    probes = 0
+    for _ in range(200):
+        k = p.draft_length(16, CONTEXT)
+        assert not p.consume_catch_up()
+        p.update(step(k, 0, 0.05 if k else 0.0, verify(k + 1)))  # probes rejected
+        probes += k > 0
+    assert probes > 0 and (p.acceptance, p.long_acceptance, p.continuation, p.trials) == estimates
+    while not p.draft_length(16, CONTEXT):
+        p.update(step(0, 0, 0.0, verify(1)))
+    p.update(step(2, 2, 0.05, verify(3)))  # a probe fully accepted
+    assert p.trials == estimates[3]  # still no evidence, but ...
+    k = p.draft_length(16, CONTEXT)
+    assert k == p.probe_length and p.consume_catch_up() and not p.consume_catch_up()  # ... a re-try
+    assert p.fresh_trials == 0
+    spent = p.probe_time
+    p.update(step(2, 2, 0.3, verify(3), k=k))  # its catch-up is dear: charged to the probe budget
+    assert p.probe_time == pytest.approx(spent + 0.3 + verify(3) - p.verify_cost(1, CONTEXT))
+    assert p.trials == estimates[3] + 2  # the re-try's tokens are judged as usual
+
+
+def test_a_draft_models_cost_goes_with_the_tokens_it_evaluates_and_lookups_does_not():
+    """A proposal costs what the draft evaluates: its catch-up (the last step's accepted tokens and
+    bonus) and a decode per drafted token but the last. Probes' and re-tries' longer catch-ups are
+    samples of the same cost; the usual catch-up is learned from normal steps only."""
+    p = AdaptiveLength(k_max=16)
+    p.verify_cost.observe(1, CONTEXT, 0.020)
+    for _ in range(30):  # 10 ms per evaluated token; a draft of 4 after a fully accepted step: 2 + 3
+        p.update(StepRecord(4, 4, 4, 0.050, 0.028, CONTEXT, draft_evaluated=5))
+        p.update(StepRecord(4, 4, 1, 0.040, 0.028, CONTEXT, draft_evaluated=4))  # after a rejection: 1 + 3
+    assert p.catch_up == pytest.approx(1.5, abs=0.05)
+    assert p.draft_times([1, 8], CONTEXT) == pytest.approx([0.015, 0.085], rel=0.05)
+    p.update(StepRecord(2, 2, 0, 0.180, 0.024, CONTEXT, draft_evaluated=18))  # a catch-up of 17: still 10 ms a token
+    assert p.catch_up == pytest.approx(1.5, abs=0.05)
+    assert p.draft_times([1], CONTEXT)[0] == pytest.approx(0.015, rel=0.05)
+
+    lookup = AdaptiveLength(k_max=64, model_draft=False)
+    lookup.verify_cost.observe(1, CONTEXT, 0.020)
+    for n in (2, 30, 60):
+        lookup.update(StepRecord(n, n, n, 0.0002, 0.020 + 0.002 * n, CONTEXT, draft_evaluated=0))
+    assert lookup.draft_times([1, 64], CONTEXT) == pytest.approx([0.0002, 0.0002], rel=0.05)

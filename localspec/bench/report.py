@@ -65,7 +65,7 @@ def _fits(report: dict) -> dict[str, tuple]:
 def _anchor_fit(system: dict, fits: dict[str, tuple]) -> tuple | None:
     """The cost model for an anchor run's ceiling: localspec's with the same K, else adaptive's."""
     for name in (f"k{system.get('params', {}).get('k')}", "adaptive"):
-        if name in fits:
+        if name in fits and fits[name][1].ready:
             return fits[name]
     return next((f for n, f in fits.items() if n != "baseline" and f[1].ready), None)
 
@@ -123,7 +123,7 @@ def _row(system: dict, workload: str, runs: list[dict], base: dict[tuple[str, in
                                      if model_draft is not None and draft.ready else None)}
     elif system.get("kind") == LLAMA_CPP and a is not None and k_mean > 0:
         fit = _anchor_fit(system, fits)
-        if fit is not None:
+        if fit is not None and fit[1].ready:
             verify, draft = fit
             context = int(median([r["prompt_tokens"] + r["completion_tokens"] / 2 for r in runs]))
             c_draft = draft(8, context) / 8 if uses_draft_model(system["kind"], system.get("params", {})) else 0.0

@@ -123,7 +123,7 @@ class LocalspecRunner:
         s = final.stats
         return {"tokens": out_tokens, "text": "".join(text), "finish_reason": final.finish_reason,
                 "stats": s.to_dict(), "chunks": chunks,
-                "decode_time": s.total_time - s.prompt_time, "completion_tokens": s.completion_tokens,
+                "decode_time": s.generation_time, "completion_tokens": s.completion_tokens,
                 "tokens_per_second": s.tokens_per_second, "ttft": s.time_to_first_token,
                 "drafted": s.drafted, "accepted": s.accepted, "steps": s.steps,
                 "draft_lengths": {str(k): n for k, n in sorted(Counter(r.drafted for r in s.records).items())},

@@ -9,6 +9,7 @@
 - grounded: rewrite / summarise / extract from a passage in the prompt (the answer copies from it)
 - code:     edit a given function (the answer repeats most of it)
 - long:     400+ tokens of output
+- copy:     repeat a passage, a list or code given in the prompt (prompt lookup's best case)
 - structured: JSON answers under a JSON schema (a record's optional "json_schema"; localspec's systems
             constrain the output to it, the C++ anchor and llama-cpp-python's lookup do not)
 """
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 WORKLOAD_DIR = Path(__file__).with_name("workloads")
-WORKLOADS = ("chat", "grounded", "code", "long")
+WORKLOADS = ("chat", "grounded", "code", "long", "copy")
 
 
 @dataclass(frozen=True)
