@@ -2,12 +2,15 @@
 
 Input, one JSON object per line:
     {"id": ..., "prompt": "..." | "messages": [...], "raw": false,
-     "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop"}   (all optional but id)
+     "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+     "json_schema": {...} | "grammar": "..."}   (all optional but id)
 A "prompt" is sent as a chat user message (after --system, if given) unless "raw" is true (or the
 --raw flag is given and the line does not say otherwise); sampling fields override the command line.
 
 Output, one JSON object per line, in input order:
     {"id", "text", "finish_reason", "stats"}   or   {"id", "error"}
+(with "structure": "complete" | "incomplete" under a schema or grammar). A line's "json_schema" /
+"grammar" replaces --json-schema / --grammar; an invalid one is that line's error.
 
 The input is UTF-8 (a leading byte-order mark is accepted); a line that is not valid UTF-8 becomes
 an error record naming the line, like any other malformed line. Lines end at LF or CRLF only.
@@ -30,7 +33,8 @@ from typing import Any, Callable, Iterator
 import click
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop")
-FIELDS = frozenset(("id", "prompt", "messages", "raw") + SAMPLING_FIELDS)
+STRUCTURE_FIELDS = ("json_schema", "grammar")
+FIELDS = frozenset(("id", "prompt", "messages", "raw") + SAMPLING_FIELDS + STRUCTURE_FIELDS)
 
 
 class BadRequest(ValueError):
@@ -130,6 +134,22 @@ def _request(obj: dict[str, Any], *, defaults: dict[str, Any], system: str | Non
             raise BadRequest(rid, "\"messages\" must be a non-empty list of objects")
         request = messages
     options = dict(defaults)
+    if any(name in obj for name in STRUCTURE_FIELDS):
+        from .constraints import Constraint
+
+        options.pop("schema", None)
+        options.pop("grammar", None)
+        try:
+            if "json_schema" in obj and "grammar" in obj:
+                raise ValueError("give \"json_schema\" or \"grammar\", not both")
+            if "json_schema" in obj:
+                options["schema"] = Constraint.json_schema(obj["json_schema"])
+            elif not isinstance(obj["grammar"], str):
+                raise ValueError("\"grammar\" must be a string")
+            else:
+                options["grammar"] = Constraint.from_grammar(obj["grammar"])
+        except ValueError as e:
+            raise BadRequest(rid, str(e)) from None
     for name in SAMPLING_FIELDS:
         if name in obj:
             check, expected = _CHECKS[name]
@@ -322,7 +342,10 @@ def _run_one(engine, item: Item, summary: Summary) -> dict[str, Any]:
             summary.tokens += s.completion_tokens
             summary.drafted += s.drafted
             summary.accepted += s.accepted
-            return {"id": item.id, "text": result.text, "finish_reason": result.finish_reason, "stats": s.to_dict()}
+            record = {"id": item.id, "text": result.text, "finish_reason": result.finish_reason, "stats": s.to_dict()}
+            if result.structure is not None:
+                record["structure"] = result.structure
+            return record
     summary.written += 1
     summary.failed += 1
     return {"id": item.id, "error": item.error}

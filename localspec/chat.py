@@ -57,7 +57,10 @@ def _compile(template: str) -> jinja2.Template:
     return env.from_string(template)
 
 
-def validate_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
+TOOL_FIELDS = ("tool_calls", "tool_call_id", "name")  # passed on to templates that use them
+
+
+def validate_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     if not messages:
         raise ChatTemplateError("messages must not be empty")
     out = []
@@ -71,20 +74,23 @@ def validate_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, s
             content = ""
         if not isinstance(content, str):
             raise ChatTemplateError(f"messages[{i}]: content must be a string")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        message = {"role": "system" if role == "developer" else role, "content": content}
+        message.update((k, m[k]) for k in TOOL_FIELDS if m.get(k) is not None)
+        out.append(message)
     return out
 
 
 def render(template: str | None, messages: Sequence[Mapping[str, Any]], *, bos_token: str = "",
-           eos_token: str = "", add_generation_prompt: bool = True) -> str:
-    """Render `messages` with the model's template (ChatML when it has none)."""
+           eos_token: str = "", add_generation_prompt: bool = True, tools: list | None = None) -> str:
+    """Render `messages` with the model's template (ChatML when it has none); `tools` (OpenAI's
+    function specs) for a template that takes them."""
     msgs = validate_messages(messages)
     if not template:
         template = CHATML_TEMPLATE
     try:
         return _compile(template).render(
             messages=msgs, bos_token=bos_token, eos_token=eos_token,
-            add_generation_prompt=add_generation_prompt)
+            add_generation_prompt=add_generation_prompt, **({"tools": tools} if tools else {}))
     except ChatTemplateError:
         raise
     except jinja2.TemplateError as e:

@@ -118,6 +118,34 @@ def sampling_kwargs(kw: dict[str, Any]) -> dict[str, Any]:
     return {k: kw[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop")}
 
 
+STRUCTURE_OPTIONS = [
+    click.option("--json-schema", "json_schema", type=click.Path(exists=True, dir_okay=False, allow_dash=True),
+                 default=None, help="The output must be JSON following this JSON schema (a file)."),
+    click.option("--grammar", type=click.Path(exists=True, dir_okay=False, allow_dash=True), default=None,
+                 help="The output must follow this grammar (a file: llguidance's Lark syntax, or llama.cpp's GBNF "
+                      "when it has '::=' rules)."),
+]
+
+
+def structure_kwargs(json_schema: str | None, grammar: str | None) -> dict[str, Any]:
+    """--json-schema / --grammar, read and checked before any model loads (exit 2 naming the problem)."""
+    from .constraints import Constraint
+
+    if json_schema is not None and grammar is not None:
+        raise UserError("give --json-schema or --grammar, not both")
+    path = json_schema or grammar
+    if path is None:
+        return {}
+    with click.open_file(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        if json_schema is not None:
+            return {"schema": Constraint.json_schema(text)}
+        return {"grammar": Constraint.from_grammar(text)}
+    except ValueError as e:
+        raise UserError(f"{path}: {e}") from None
+
+
 def open_engine(*, pair, oracle, draft, no_draft, draft_max, draft_length, p_min, lookup, cross_tokenizer,
                 gpu_layers, draft_gpu_layers, n_ctx, threads, flash_attn="auto", **_):
     """Resolve the models (fetching them on first use) and load them."""
@@ -164,13 +192,18 @@ def main(debug: bool) -> None:
               help="Batch: a JSONL file of requests ({\"id\", \"prompt\" | \"messages\", sampling fields}).")
 @click.option("--output", "output_path", type=click.Path(dir_okay=False, allow_dash=True), default=None,
               help="Batch: the JSONL results file (appended; ids already in it are skipped). Default: stdout.")
+@STRUCTURE_OPTIONS[0]
+@STRUCTURE_OPTIONS[1]
 @friendly_errors
 def generate(prompt: str | None, system: str | None, raw: bool, as_json: bool, input_path: str | None,
-             output_path: str | None, **kw) -> None:
+             output_path: str | None, json_schema: str | None, grammar: str | None, **kw) -> None:
     """Generate a reply to PROMPT (read from stdin when omitted or '-'), or run a JSONL batch (--input).
+    --json-schema / --grammar constrain the output (JSONL lines may carry their own "json_schema" /
+    "grammar").
 
     A batch exits 0 when every record of the input succeeded, 1 when any has an error record in
     the output (written now or by an earlier run), 2 on a usage or model error, 130 on Ctrl-C."""
+    structure = structure_kwargs(json_schema, grammar)
     if input_path is not None or output_path is not None:
         if input_path is None:
             raise UserError("--output needs --input")
@@ -178,7 +211,7 @@ def generate(prompt: str | None, system: str | None, raw: bool, as_json: bool, i
             raise UserError("give either PROMPT or --input, not both")
         from .batch import run_batch
 
-        defaults = sampling_kwargs(kw) | {"stop": list(kw["stop"]) or None}
+        defaults = sampling_kwargs(kw) | {"stop": list(kw["stop"]) or None} | structure
         try:
             summary = run_batch(input_path, output_path, open_engine=lambda: open_engine(**kw), defaults=defaults,
                                 system=system, raw=raw, progress=progress)
@@ -197,19 +230,21 @@ def generate(prompt: str | None, system: str | None, raw: bool, as_json: bool, i
         request = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     with open_engine(**kw) as engine:
         if as_json:
-            result = engine.generate(request, **sampling_kwargs(kw))
+            result = engine.generate(request, **sampling_kwargs(kw), **structure)
             click.echo(json.dumps(result.to_dict(), ensure_ascii=False))
             return
         final = None
-        for final in engine.stream(request, **sampling_kwargs(kw)):
+        for final in engine.stream(request, **sampling_kwargs(kw), **structure):
             click.echo(final.text, nl=False)
             sys.stdout.flush()
         click.echo()
         s = final.stats
+        incomplete = ", INCOMPLETE: the output stopped before the schema/grammar was complete" \
+            if final.structure == "incomplete" else ""
         click.echo(click.style(
             f"[{s.completion_tokens} tokens, {s.tokens_per_second:.1f} tok/s, acceptance "
-            f"{s.acceptance_rate:.0%}, {s.mean_accepted_length:.2f} accepted/step, finish: {final.finish_reason}]",
-            dim=True), err=True)
+            f"{s.acceptance_rate:.0%}, {s.mean_accepted_length:.2f} accepted/step, finish: {final.finish_reason}"
+            f"{incomplete}]", dim=True), err=True)
 
 
 @main.command()

@@ -10,6 +10,11 @@ One speculative step, as in llama.cpp's speculative-simple:
     oracle cache trimmed to history + accepted (seq_rm); the draft's cache is synced lazily
 
 With no draft (or k = 0) the same loop is plain oracle decoding: the baseline.
+
+Under a JSON schema or a grammar (`constraints.ConstraintWalk`), the draft proposes only allowed
+tokens (pushing them onto the walk), every verified row of the oracle's logits gets the mask of its
+position before acceptance (so the target is the constrained oracle distribution, and recovered and
+bonus tokens come from it), and the walk pops back to the accepted prefix.
 """
 
 from __future__ import annotations
@@ -23,17 +28,18 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from . import chat
+from . import chat, constraints
 from .acceptance import accept_draft, accept_greedy
 from .compat import check_compatible, first_difference
+from .constraints import Constraint, ConstraintWalk
 from .costs import CostStore, file_fingerprint, machine_identity
 from .llama import Detokenizer, LlamaContext, LlamaModel, default_threads, resolve_flash_attn
 from .outputs import Chunk, Result, Stats, StepRecord, TokenLogprob, TopLogprob
 from .policy import AdaptiveLength, FixedLength, LengthPolicy
 from .proposers import (EMPTY_DRAFT, CrossTokenizerProposer, Draft, DraftModelProposer, HybridProposer,
-                        PromptLookupProposer, Proposer)
-from .sampling import (SamplingParams, coupled_choice, greedy_argmax, log_softmax, logits_to_probs, seed_key,
-                       top_ids)
+                        PromptLookupProposer, Proposer, propose)
+from .sampling import (SamplingParams, coupled_choice, greedy_argmax, log_softmax, logits_to_probs, mask_logits,
+                       seed_key, top_ids)
 from .text import TextStream
 
 log = logging.getLogger("localspec.engine")
@@ -60,6 +66,7 @@ class Request:
     logprobs: int | None = None  # None: off; n >= 0: the emitted token's logprob and the top n
     speculative: bool = True
     draft_max: int | None = None  # per-request cap on the draft length
+    constraint: Constraint | None = None  # a JSON schema or grammar the output must follow
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -300,21 +307,22 @@ class Engine:
 
     # -- prompts
 
-    def render(self, messages: Sequence[Mapping[str, Any]]) -> str:
+    def render(self, messages: Sequence[Mapping[str, Any]], tools: list | None = None) -> str:
         m = self.oracle_model
         template = m.chat_template
         if not template and not self._warned_no_template:
             self._warned_no_template = True  # once per engine, not on every request
             log.warning("%s has no chat template; using ChatML", m.name)
         return chat.render(template, messages, bos_token=m.token_piece(m.bos, special=True).decode(errors="replace"),
-                           eos_token=m.token_piece(m.eos, special=True).decode(errors="replace"))
+                           eos_token=m.token_piece(m.eos, special=True).decode(errors="replace"), tools=tools)
 
-    def tokenize_prompt(self, prompt: Prompt) -> list[int]:
-        """A completion prompt (str) or chat messages (rendered with the model's template)."""
+    def tokenize_prompt(self, prompt: Prompt, tools: list | None = None) -> list[int]:
+        """A completion prompt (str) or chat messages (rendered with the model's template, with
+        `tools` for a template that takes them)."""
         m = self.oracle_model
         if isinstance(prompt, str):
             return m.tokenize(prompt, add_special=True, parse_special=True)
-        text = self.render(prompt)
+        text = self.render(prompt, tools)
         bos_text = m.token_piece(m.bos, special=True).decode(errors="replace")
         has_bos = bool(bos_text) and text.startswith(bos_text)  # templates often write BOS themselves
         return m.tokenize(text, add_special=not has_bos, parse_special=True)
@@ -332,20 +340,28 @@ class Engine:
                 logprobs.extend(final.logprobs)
         assert final is not None and final.finish_reason is not None and final.stats is not None
         return Result(text="".join(text), tokens=tokens, finish_reason=final.finish_reason,
-                      stats=final.stats, logprobs=logprobs if options.get("logprobs") is not None else None)
+                      stats=final.stats, logprobs=logprobs if options.get("logprobs") is not None else None,
+                      structure=final.structure)
 
     def stream(self, prompt: Prompt, *, max_tokens: int = 256, temperature: float = 0.0,
                top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
                stop: str | Sequence[str] | None = None, logprobs: int | None = None,
-               speculative: bool = True, draft_max: int | None = None) -> Iterator[Chunk]:
+               speculative: bool = True, draft_max: int | None = None, schema: Any = None,
+               grammar: Any = None, tools: list | None = None) -> Iterator[Chunk]:
         """Yield text chunks as speculative steps are accepted; the last chunk carries
-        finish_reason ("stop" or "length") and the stats."""
+        finish_reason ("stop" or "length") and the stats.
+
+        `schema`: a JSON schema (dict, JSON text or a pydantic model class) the output must follow;
+        `grammar`: a Lark or GBNF grammar (text) it must follow; or a `constraints.Constraint`.
+        Invalid ones raise `constraints.ConstraintError` (a ValueError) before anything is generated.
+        `tools`: OpenAI function specs handed to a chat template that takes them (the server's tool calls)."""
         request = Request(
             max_tokens=max_tokens,
             sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed),
             stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
-            logprobs=logprobs, speculative=speculative, draft_max=draft_max)
-        tokens = self.tokenize_prompt(prompt)
+            logprobs=logprobs, speculative=speculative, draft_max=draft_max,
+            constraint=constraints.build(schema, grammar))
+        tokens = self.tokenize_prompt(prompt, tools)
         return self.stream_tokens(tokens, request)
 
     def stream_tokens(self, prompt_tokens: list[int], request: Request) -> Iterator[Chunk]:
@@ -354,9 +370,15 @@ class Engine:
         if len(prompt_tokens) >= self.n_ctx:
             raise PromptTooLongError(
                 f"the prompt has {len(prompt_tokens)} tokens; the context holds {self.n_ctx}")
-        return self._run(list(prompt_tokens), request)
+        walk = self.constraint_walk(request.constraint) if request.constraint is not None else None
+        return self._run(list(prompt_tokens), request, walk)
 
-    def _run(self, history: list[int], request: Request) -> Iterator[Chunk]:
+    def constraint_walk(self, constraint: Constraint) -> ConstraintWalk:
+        """A matcher for one generation under `constraint` over the oracle's vocabulary. Raises
+        ConstraintError when llguidance cannot compile it (the vocabulary is read on first use)."""
+        return ConstraintWalk(constraints.tokenizer_for(self.oracle_model), constraint, self.oracle_model.n_vocab)
+
+    def _run(self, history: list[int], request: Request, walk: ConstraintWalk | None = None) -> Iterator[Chunk]:
         stats = Stats(prompt_tokens=len(history), flash_attn=self.oracle.flash_attn,
                       draft_flash_attn=self.draft_ctx.flash_attn if self.draft_ctx is not None else None)
         t_start = time.perf_counter()
@@ -376,8 +398,13 @@ class Engine:
             # the draft evaluates the prompt in the next step
             limit = self._draft_limit(history, request, request.max_tokens - stats.completion_tokens) \
                 if stats.steps else 0
-            out, logprobs = self._step(history, limit, request, rng, stats)
+            out, logprobs = self._step(history, limit, request, rng, stats, walk)
             emitted, finish = self._emit(out, history, text, request, stats)
+            structure = None
+            if walk is not None:
+                stats.constraint_time = walk.seconds
+                if finish:
+                    finish, structure = self._structure(walk, out, emitted, finish, stats)
             if stats.time_to_first_token == 0.0:
                 stats.time_to_first_token = time.perf_counter() - t_start
             if logprobs is not None:
@@ -387,9 +414,23 @@ class Engine:
                 stats.total_time = time.perf_counter() - t_start
                 if speculative:
                     self.save_costs()
-                yield Chunk(piece, emitted, logprobs, finish_reason=finish, stats=stats)
+                yield Chunk(piece, emitted, logprobs, finish_reason=finish, stats=stats, structure=structure)
             elif emitted:
                 yield Chunk(text.release(), emitted, logprobs, stats=stats)  # stats so far
+
+    def _structure(self, walk: ConstraintWalk, out: list[int], emitted: list[int], finish: str,
+                   stats: Stats) -> tuple[str, str]:
+        """(finish_reason, "complete" | "incomplete") of a constrained generation that just ended.
+        Complete: it ended with the end-of-generation token (allowed only once the text is a whole
+        instance of the grammar), or it reached max_tokens where nothing but the end could follow
+        (then it stopped as it would have: "stop"). Anything else, e.g. max_tokens in the middle
+        of a JSON object or a stop string, is incomplete."""
+        if len(emitted) < len(out) and self.oracle_model.is_eog(out[len(emitted)]):
+            return finish, "complete"
+        walk.pop(walk.depth - stats.completion_tokens)  # the step's tokens after the end
+        if finish == "length" and walk.complete:
+            return "stop", "complete"
+        return finish, "incomplete"
 
     def _emit(self, out: list[int], history: list[int], text: TextStream, request: Request,
               stats: Stats) -> tuple[list[int], str | None]:
@@ -429,22 +470,31 @@ class Engine:
         return max(0, limit)
 
     def _step(self, history: list[int], limit: int, request: Request, rng: np.random.Generator,
-              stats: Stats) -> tuple[list[int], list[TokenLogprob] | None]:
+              stats: Stats, walk: ConstraintWalk | None = None) -> tuple[list[int], list[TokenLogprob] | None]:
         """One propose -> verify -> accept -> rollback step. Returns the tokens it yields (accepted
-        draft tokens, then a recovered or bonus token) and, if asked, their oracle logprobs."""
+        draft tokens, then a recovered or bonus token) and, if asked, their oracle logprobs.
+        `walk`: the grammar's matcher, holding every emitted token (the draft pushes its own)."""
         context = len(history) - 1  # the oracle holds all but the last token
         t0 = time.perf_counter()
         k = self.policy.draft_length(limit, context) if limit > 0 else 0
         if k > 0 and self.policy.consume_catch_up():  # a re-try: the draft sees all the text again
             self.proposer.resync()
-        draft = self.proposer.propose(history, k, request.sampling, rng) if k > 0 else EMPTY_DRAFT
+        base = walk.depth if walk is not None else 0
+        draft = propose(self.proposer, history, k, request.sampling, rng, walk) if k > 0 else EMPTY_DRAFT
         t1 = time.perf_counter()
         logits, _ = self.oracle.sync(history + draft.tokens.tolist(), n_logits=len(draft) + 1)  # [k+1, vocab]
+        raw = logits
+        if walk is not None:  # the constrained oracle: each row masked at its position (draft tokens included)
+            logits = mask_logits(logits, walk.masks(base))  # [k+1, vocab]
         out, n_accepted = self._accept(draft, logits, request.sampling, rng, len(history))
+        if walk is not None:
+            walk.pop(len(draft) - n_accepted)
+            walk.push(int(out[-1]))  # drawn from a masked row: allowed
+            walk.settle()
         self.oracle.rollback(len(history) + n_accepted)  # keep last + accepted; the new last stays out
         t2 = time.perf_counter()
         # the logits stay valid until the next decode: logprobs are not part of the verify time
-        logprobs = self._logprobs(logits[:len(out)], out, request.logprobs) if request.logprobs is not None else None
+        logprobs = self._logprobs(raw[:len(out)], out, request.logprobs) if request.logprobs is not None else None
 
         step = StepRecord(k=k, drafted=len(draft), accepted=n_accepted, draft_time=t1 - t0, verify_time=t2 - t1,
                           context=context, draft_evaluated=draft.evaluated, draft_prompt_time=draft.prompt_time)

@@ -39,6 +39,7 @@ class Stats:
     draft_prompt_time: float = 0.0  # the draft evaluating it (in its first proposal, after the first token)
     draft_time: float = 0.0  # proposing, draft_prompt_time included
     verify_time: float = 0.0  # oracle passes plus acceptance
+    constraint_time: float = 0.0  # of draft + verify time, in the grammar's masks and matcher (structured output)
     time_to_first_token: float = 0.0
     total_time: float = 0.0
     flash_attn: str = ""  # the oracle's attention kernel: "on" or "off"
@@ -112,6 +113,7 @@ class Chunk:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None  # "stop" | "length"
     stats: Stats | None = None
+    structure: str | None = None  # on the last chunk under a schema or grammar: "complete" | "incomplete"
 
 
 @dataclass
@@ -122,7 +124,13 @@ class Result:
     stats: Stats
     logprobs: list[TokenLogprob] | None = None
     prompt_tokens: list[int] = field(default_factory=list)
+    # under a schema or grammar: "complete" (the text is a whole instance of it) or "incomplete"
+    # (it stopped first: max_tokens, a stop string); None without one
+    structure: str | None = None
 
     def to_dict(self) -> dict:
-        return {"text": self.text, "finish_reason": self.finish_reason, "tokens": self.tokens,
-                "stats": self.stats.to_dict()}
+        d = {"text": self.text, "finish_reason": self.finish_reason, "tokens": self.tokens,
+             "stats": self.stats.to_dict()}
+        if self.structure is not None:
+            d["structure"] = self.structure
+        return d

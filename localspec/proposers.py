@@ -1,8 +1,14 @@
 """Proposers: where draft tokens come from. Each is a small class behind one `propose` call.
 
-`propose(history, max_len, sampling, rng)` returns a `Draft` of at most `max_len` tokens that would
-follow `history` (every token so far, the not-yet-verified last one included). `start(catch_up=...)`
-says a new request begins; nothing is evaluated then, so the oracle's first token comes first.
+`propose(history, max_len, sampling, rng, constraint=None)` returns a `Draft` of at most `max_len`
+tokens that would follow `history` (every token so far, the not-yet-verified last one included).
+`start(catch_up=...)` says a new request begins; nothing is evaluated then, so the oracle's first
+token comes first.
+
+Under a grammar (`constraint`, a `constraints.ConstraintWalk` holding `history`'s generated tokens)
+a proposer proposes only tokens the grammar allows and pushes each one onto the walk: the draft
+model picks from its logits with the grammar's mask applied (its distribution, handed to the
+verifier, is the constrained one); a model-free draft is cut at the first token the grammar refuses.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from .llama import ContextFullError, LlamaContext
-from .sampling import SamplingParams, coupled_choice, greedy_argmax, logits_to_probs, sample
+from .sampling import SamplingParams, coupled_choice, greedy_argmax, logits_to_probs, mask_logits, sample
 
 
 @dataclass(frozen=True)
@@ -36,7 +42,7 @@ EMPTY_DRAFT = Draft(np.zeros(0, dtype=np.int32), None)
 
 class Proposer(Protocol):
     def propose(self, history: Sequence[int], max_len: int, sampling: SamplingParams,
-                rng: np.random.Generator) -> Draft: ...
+                rng: np.random.Generator, constraint=None) -> Draft: ...
 
     def start(self, *, catch_up: bool) -> None:
         """A new request begins. `catch_up`: the first proposal conditions on the whole prompt
@@ -44,6 +50,15 @@ class Proposer(Protocol):
 
     def resync(self) -> None:
         """Drafting resumes after a pause: the next proposal conditions on all of the text again."""
+
+
+def propose(proposer: Proposer, history: Sequence[int], max_len: int, sampling: SamplingParams,
+            rng: np.random.Generator, constraint=None) -> Draft:
+    """`proposer.propose`, passing `constraint` only when there is one (a proposer written before
+    constraints existed still serves unconstrained requests)."""
+    if constraint is None:
+        return proposer.propose(history, max_len, sampling, rng)
+    return proposer.propose(history, max_len, sampling, rng, constraint=constraint)
 
 
 class DraftModelProposer:
@@ -110,7 +125,7 @@ class DraftModelProposer:
         return tokens if n_draft >= self.n_vocab else [t for t in tokens if t < n_draft]
 
     def propose(self, history: Sequence[int], max_len: int, sampling: SamplingParams,
-                rng: np.random.Generator) -> Draft:
+                rng: np.random.Generator, constraint=None) -> Draft:
         prompt, self.prompt_pending = self.prompt_pending, False
         view = self._view(history)
         max_len = min(max_len, self.ctx.n_ctx - len(view) + 1)
@@ -126,15 +141,38 @@ class DraftModelProposer:
         evaluated = n_eval
         tokens: list[int] = []
         probs: list[np.ndarray] = []
+        keeps_probs = not sampling.greedy and not sampling.coupled  # _pick hands its distributions on
         while True:
             position = len(history) + len(tokens)
-            token, confident = self._pick(self._in_oracle_vocab(logits[0]), sampling, rng, probs, position)
+            row = self._in_oracle_vocab(logits[0])  # [oracle vocab]
+            if constraint is not None:
+                row = mask_logits(row, constraint.allowed())
+            token, confident = self._pick(row, sampling, rng, probs, position)
+            if constraint is not None:
+                constraint.push(token)
             tokens.append(token)
-            if len(tokens) == max_len or not confident or self.ctx.model.is_eog(token):
+            batch = [token]
+            # a run of tokens the grammar forces (keys, punctuation) is drafted without the model: its
+            # masked distribution there is a point mass whatever its logits; the model reads the run
+            # in one batch with the token before it
+            while (constraint is not None and confident and len(tokens) < max_len
+                   and not self.ctx.model.is_eog(tokens[-1])):
+                forced = constraint.forced()
+                if forced is None:
+                    break
+                constraint.push(forced)
+                tokens.append(forced)
+                batch.append(forced)
+                if keeps_probs:
+                    probs.append(np.eye(1, self.n_vocab, forced, dtype=np.float64)[0])  # [oracle vocab] one-hot
+            if len(tokens) >= max_len or not confident or self.ctx.model.is_eog(tokens[-1]):
                 break  # nothing worth drafting past the end of the generation
-            logits = self.ctx.decode([token])
-            self.tokens_evaluated += 1
-            evaluated += 1
+            readable = self._readable(batch)
+            if not readable:
+                break
+            logits = self.ctx.decode(readable)
+            self.tokens_evaluated += len(readable)
+            evaluated += len(readable)
         return Draft(np.asarray(tokens, dtype=np.int32), np.stack(probs) if probs else None, evaluated, prompt_time)
 
     def _in_oracle_vocab(self, row: np.ndarray) -> np.ndarray:
@@ -179,7 +217,7 @@ class PromptLookupProposer:
         self.min_ngram = min_ngram
 
     def propose(self, history: Sequence[int], max_len: int, sampling: SamplingParams | None = None,
-                rng: np.random.Generator | None = None) -> Draft:
+                rng: np.random.Generator | None = None, constraint=None) -> Draft:
         if max_len <= 0:
             return EMPTY_DRAFT
         tokens = np.asarray(history, dtype=np.int32)  # [n]
@@ -189,7 +227,10 @@ class PromptLookupProposer:
             starts = np.flatnonzero((windows == suffix).all(axis=1))
             if starts.size:
                 follow = starts[-1] + n  # the most recent match
-                return Draft(tokens[follow:follow + max_len].copy(), None)
+                guess = tokens[follow:follow + max_len].copy()
+                if constraint is not None:  # only what the grammar allows, checked before it is proposed
+                    guess = guess[:constraint.extend(guess.tolist())]
+                return Draft(guess, None) if len(guess) else EMPTY_DRAFT
         return EMPTY_DRAFT
 
     def start(self, *, catch_up: bool) -> None:
@@ -207,9 +248,9 @@ class HybridProposer:
         self.model = model
 
     def propose(self, history: Sequence[int], max_len: int, sampling: SamplingParams,
-                rng: np.random.Generator) -> Draft:
-        draft = self.lookup.propose(history, max_len, sampling, rng)
-        return draft if len(draft) else self.model.propose(history, max_len, sampling, rng)
+                rng: np.random.Generator, constraint=None) -> Draft:
+        draft = self.lookup.propose(history, max_len, sampling, rng, constraint)
+        return draft if len(draft) else propose(self.model, history, max_len, sampling, rng, constraint)
 
     def start(self, *, catch_up: bool) -> None:
         self.model.start(catch_up=catch_up)
@@ -249,7 +290,9 @@ class CrossTokenizerProposer:
         return b"".join(self._pieces).decode("utf-8", errors="ignore")
 
     def propose(self, history: Sequence[int], max_len: int, sampling: SamplingParams,
-                rng: np.random.Generator) -> Draft:
+                rng: np.random.Generator, constraint=None) -> Draft:
+        """Under a grammar the draft model drafts freely (its ids are not the oracle's) and the
+        re-tokenized draft is cut at the first token the grammar refuses."""
         if max_len <= 0:
             return EMPTY_DRAFT
         draft_history = self.draft.tokenize(self._text(history), add_special=True, parse_special=True)
@@ -258,6 +301,8 @@ class CrossTokenizerProposer:
             return EMPTY_DRAFT
         text = self.draft.detokenize(proposal.tokens.tolist())
         tokens = self.oracle.tokenize(text, add_special=False, parse_special=False)[:max_len]
+        if constraint is not None:
+            tokens = tokens[:constraint.extend(tokens)]
         return Draft(np.asarray(tokens, dtype=np.int32), None, proposal.evaluated, proposal.prompt_time)
 
     def start(self, *, catch_up: bool) -> None:

@@ -379,3 +379,16 @@ def coupled_choice(probs: np.ndarray, seed: int, position: int) -> int:
     """The token at `position` for this seed: argmax(log probs + noise), never a 0-probability token."""
     with np.errstate(divide="ignore"):
         return int(np.argmax(np.log(probs) + gumbel_noise(seed, position, probs.shape[-1])))
+
+
+# ---------------------------------------------------------------- constrained decoding
+
+
+def mask_logits(logits: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+    """logits [n, vocab] or [vocab] with every token `allowed` [same shape, bool] forbids set to
+    -inf (a new array; the logits are not written): a grammar's constraint, applied before
+    temperature and the filters, so that they work on the constrained distribution."""
+    x = np.asarray(logits)
+    if np.shape(allowed) != x.shape:
+        raise ValueError(f"the mask's shape {np.shape(allowed)} is not the logits' {x.shape}")
+    return np.where(allowed, x, np.float32(-np.inf)).astype(x.dtype, copy=False)

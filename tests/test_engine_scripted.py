@@ -185,16 +185,18 @@ def chi_square(counts: dict, expected: dict[tuple, float], n: int) -> tuple[floa
     return stat, df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-def sample_first_tokens(engine: Engine, prompt: list[int], sampling: SamplingParams, n: int) -> tuple[dict, int, int]:
+def sample_first_tokens(engine: Engine, prompt: list[int], sampling: SamplingParams, n: int,
+                        constraint=None) -> tuple[dict, int, int]:
     """Outcome counts over n requests, and the draft tokens drafted and accepted in them."""
     counts: dict[tuple[int, ...], int] = {}
-    request = Request(max_tokens=M, sampling=sampling)
+    request = Request(max_tokens=M, sampling=sampling, constraint=constraint)
     drafted = accepted = 0
     for _ in range(n):
         tokens, chunk = [], None
         for chunk in engine.stream_tokens(prompt, request):
             tokens += chunk.tokens
-        outcome = tuple(tokens) + ((EOS,) if chunk.finish_reason == "stop" else ())
+        # M tokens, or fewer and then EOS (a grammar complete at M tokens reports "stop" too: only EOS could follow)
+        outcome = tuple(tokens) + ((EOS,) if chunk.finish_reason == "stop" and len(tokens) < M else ())
         counts[outcome] = counts.get(outcome, 0) + 1
         drafted += chunk.stats.drafted
         accepted += chunk.stats.accepted

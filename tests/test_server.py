@@ -340,8 +340,16 @@ BAD_CHAT = [
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"stop": ["a"] * 17}, "stop"),
     ({"logit_bias": {"50256": -100}}, "logit_bias"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function",
+                                                                                   "function": {"name": "g"}}},
+     "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),  # no tools
+    ({"tool_choice": "sometimes", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"grammar": "start: foo"}, "grammar"),
+    ({"functions": [{"name": "f"}]}, "functions"),
     ({"speculative": {"draft_max": -1}}, "speculative"),
     ({"frobnicate": True}, "frobnicate"),
     ({"messages": []}, "messages"),
@@ -444,7 +452,8 @@ PARAM_PATHS = [
     ({"messages": [None]}, "messages[0]", "invalid_type"),
     ({"stream_options": {"include_usage": 1}}, "stream_options.include_usage", "invalid_type"),
     ({"top_logprobs": 2}, "top_logprobs", "invalid_value"),
-    ({"tools": [{"type": "function"}]}, "tools", "unsupported_parameter"),
+    ({"tools": [{"type": "function"}]}, "tools[0]", "invalid_value"),
+    ({"functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),
     ({"n": 2}, "n", "unsupported_value"),
 ]
 

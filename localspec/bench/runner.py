@@ -289,7 +289,7 @@ def run_bench(config: BenchConfig) -> dict:
                 say(f"warming up {spec.name} ...")
                 try:
                     w.call(op="run", tokens=by_id[(first.workload, first.id)]["tokens"],
-                           max_tokens=min(WARMUP_TOKENS, first.max_tokens))
+                           max_tokens=min(WARMUP_TOKENS, first.max_tokens), json_schema=_schema(first))
                 except Exception as e:
                     if spec.is_baseline:
                         raise BenchError(f"the baseline failed to warm up: {e}") from e
@@ -372,6 +372,11 @@ def run_bench(config: BenchConfig) -> dict:
     return report
 
 
+def _schema(prompt: BenchPrompt) -> dict | None:
+    """A structured workload's schema, for localspec's workers (the C++ anchor runs unconstrained)."""
+    return json.loads(prompt.json_schema) if prompt.json_schema is not None else None
+
+
 def _first_line(e: BaseException) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
@@ -399,13 +404,14 @@ def _run_one(spec: SystemSpec, prompt: BenchPrompt, prep: dict, rep: int, worker
     w = workers[spec.name]
 
     def drafting_off() -> dict:
-        return w.call(op="run", tokens=prep["tokens"], max_tokens=prompt.max_tokens, speculative=False)["result"]
+        return w.call(op="run", tokens=prep["tokens"], max_tokens=prompt.max_tokens, speculative=False,
+                      json_schema=_schema(prompt))["result"]
 
     off = None
     paired = paired and spec.kind == LOCALSPEC and not spec.is_baseline
     if paired and paired_first:
         off = drafting_off()
-    r = w.call(op="run", tokens=prep["tokens"], max_tokens=prompt.max_tokens)["result"]
+    r = w.call(op="run", tokens=prep["tokens"], max_tokens=prompt.max_tokens, json_schema=_schema(prompt))["result"]
     if paired and not paired_first:
         off = drafting_off()
     latencies: list[float] = []

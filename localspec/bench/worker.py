@@ -102,12 +102,14 @@ class LocalspecRunner:
                         "anchor_tokens_match": match, "echo": echo})
         return out
 
-    def run(self, tokens: list[int], max_tokens: int, speculative: bool = True) -> dict:
+    def run(self, tokens: list[int], max_tokens: int, speculative: bool = True, json_schema: dict | None = None) -> dict:
+        from localspec.constraints import Constraint
         from localspec.engine import Request
 
         for ctx in self._contexts():  # every run evaluates its whole prompt: no prefix reuse between runs
             ctx.reset()
-        request = Request(max_tokens=max_tokens, speculative=speculative)
+        request = Request(max_tokens=max_tokens, speculative=speculative,
+                          constraint=Constraint.json_schema(json_schema) if json_schema is not None else None)
         t_start = time.perf_counter()
         chunks: list[tuple[float, int]] = []
         out_tokens: list[int] = []
@@ -168,7 +170,7 @@ class LlamaCppPythonRunner:
         return {"load_time": self.load_time, "num_pred_tokens": self.num_pred_tokens,
                 "llama_cpp_python": self.llama_cpp.__version__}
 
-    def run(self, tokens: list[int], max_tokens: int, speculative: bool = True) -> dict:
+    def run(self, tokens: list[int], max_tokens: int, speculative: bool = True, json_schema: dict | None = None) -> dict:
         if not speculative:
             raise ValueError("llama-cpp-python's prompt lookup cannot be switched off per run")
         llm, lc = self.llm, self.llama_cpp
@@ -253,7 +255,8 @@ def main() -> int:
             elif op == "prepare":
                 reply({"ok": True, "prompts": runner.prepare(msg["prompts"])})
             elif op == "run":
-                reply({"ok": True, "result": runner.run(msg["tokens"], msg["max_tokens"], msg.get("speculative", True))})
+                reply({"ok": True, "result": runner.run(msg["tokens"], msg["max_tokens"], msg.get("speculative", True),
+                                                        msg.get("json_schema"))})
             elif op == "rss":
                 reply({"ok": True, "peak_rss": peak_rss_bytes()})
             elif op == "quit":

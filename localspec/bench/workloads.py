@@ -10,6 +10,8 @@
 - code:     edit a given function (the answer repeats most of it)
 - long:     400+ tokens of output
 - copy:     repeat a passage, a list or code given in the prompt (prompt lookup's best case)
+- structured: JSON answers under a JSON schema (a record's optional "json_schema"; localspec's systems
+            constrain the output to it, the C++ anchor and llama-cpp-python's lookup do not)
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class BenchPrompt:
     max_tokens: int
     messages: tuple[dict[str, str], ...] | None = None
     prompt: str | None = None
+    json_schema: str | None = None  # JSON text of the schema the output must follow (structured workloads)
 
     @property
     def request(self) -> Any:
@@ -43,6 +46,8 @@ class BenchPrompt:
             d["messages"] = [dict(m) for m in self.messages]
         else:
             d["prompt"] = self.prompt
+        if self.json_schema is not None:
+            d["json_schema"] = json.loads(self.json_schema)
         return d
 
 
@@ -56,6 +61,10 @@ def parse_record(workload: str, record: dict, where: str = "") -> BenchPrompt:
     max_tokens = record.get("max_tokens")
     if not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"{where}: {pid}: max_tokens must be a positive integer")
+    schema = record.get("json_schema")
+    if schema is not None and not isinstance(schema, dict):
+        raise ValueError(f"{where}: {pid}: json_schema must be a JSON object")
+    schema_text = json.dumps(schema) if schema is not None else None
     messages, prompt = record.get("messages"), record.get("prompt")
     if (messages is None) == (prompt is None):
         raise ValueError(f"{where}: {pid}: give exactly one of messages or prompt")
@@ -65,10 +74,10 @@ def parse_record(workload: str, record: dict, where: str = "") -> BenchPrompt:
                            for m in messages)):
             raise ValueError(f"{where}: {pid}: messages must be a list of {{role, content}} objects")
         return BenchPrompt(workload, pid, max_tokens, messages=tuple({"role": m["role"], "content": m["content"]}
-                                                                     for m in messages))
+                                                                     for m in messages), json_schema=schema_text)
     if not isinstance(prompt, str) or not prompt:
         raise ValueError(f"{where}: {pid}: prompt must be a non-empty string")
-    return BenchPrompt(workload, pid, max_tokens, prompt=prompt)
+    return BenchPrompt(workload, pid, max_tokens, prompt=prompt, json_schema=schema_text)
 
 
 def load_file(path: Path | str, workload: str | None = None) -> list[BenchPrompt]:

@@ -27,6 +27,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from ..outputs import Chunk, Stats, TokenLogprob
 from . import schemas as S
+from . import tools as T
 from .errors import (SERVER_ERROR, APIError, on_api_error, on_http_error, on_internal_error, on_validation_error,
                      shutting_down)
 from .gate import DEFAULT_BODY_TIMEOUT, Gate, Guard, HostRule, OriginRule
@@ -364,16 +365,39 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
 
     errors = {code: {"model": S.ErrorResponse} for code in (400, 401, 404, 413, 429, 500)}
 
+    def structured(body: S.ChatCompletionRequest, messages: list, options: dict) -> tuple[list, T.ToolPlan | None]:
+        """response_format and tools: the constraint in `options`, the messages to render (tools in
+        the template that takes them, else in a generic system message)."""
+        text = T.response_format_constraint(body.response_format)
+        grammar = T.grammar_constraint(body.grammar)
+        if grammar is not None:
+            if text is not None:
+                raise S.InvalidParam("grammar: give grammar or response_format, not both", "grammar")
+            text = grammar
+        plan = T.plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, text)
+        if plan is not None and grammar is not None:
+            raise S.InvalidParam("grammar: not supported together with tools (response_format is)", "grammar")
+        if plan is not None:
+            options["grammar"] = T.tool_grammar(plan)
+        elif text is not None:
+            options["grammar"] = text
+        template = getattr(worker.engine.oracle_model, "chat_template", None)
+        if T.template_takes_tools(template):
+            if plan is not None:
+                options["tools"] = [t.spec for t in plan.tools]
+            return T.template_messages(messages), plan
+        return T.generic_messages(messages, plan), plan
+
     @app.post("/v1/chat/completions", response_model=S.ChatCompletion, tags=["openai"], responses=errors)
     async def chat_completions(body: S.ChatCompletionRequest, request: Request):
         """Chat completion; `stream: true` answers with server-sent `chat.completion.chunk`s."""
         check_model(body.model)
+        options = body.engine_options(max_tokens_limit)
         try:
             body.check_supported()
-            prompt = body.engine_messages()
+            prompt, plan = structured(body, body.engine_messages(), options)
         except S.InvalidParam as e:
             raise APIError(400, str(e), param=e.param, code=e.code) from None
-        options = body.engine_options(max_tokens_limit)
         rid = f"chatcmpl-{secrets.token_hex(12)}"
         created = int(time.time())
         job, events = await start(request, prompt, options, rid)
@@ -388,18 +412,27 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
 
             async def sse() -> AsyncIterator[str]:
                 text = [] if log_prompts else None
+                calls = T.ToolCallStream() if plan is not None else None
                 yield _sse(chunk(S.Delta(role="assistant", content="")).model_dump_json(exclude=exclude))
                 async for event in chunks(job, events, None):
                     if isinstance(event, Failed):
                         yield _sse(_stream_error(event))
                         break
                     lp = _chat_logprobs(event.logprobs) if event.logprobs else None
-                    if event.text or lp:
-                        if text is not None:
-                            text.append(event.text)
-                        yield _sse(chunk(S.Delta(content=event.text), logprobs=lp).model_dump_json(exclude=exclude))
+                    content, deltas = calls.feed(event.text) if calls is not None else (event.text, [])
+                    if calls is not None and calls.mode != "text":
+                        lp = None  # a call's tokens are not content
+                    if text is not None:
+                        text.append(event.text)
+                    if content or lp:
+                        yield _sse(chunk(S.Delta(content=content), logprobs=lp).model_dump_json(exclude=exclude))
+                    if deltas:
+                        yield _sse(chunk(S.Delta(tool_calls=deltas)).model_dump_json(exclude=exclude))
                     if event.finish_reason is not None:
-                        yield _sse(chunk(S.Delta(), finish=event.finish_reason).model_dump_json(exclude=exclude))
+                        finish = event.finish_reason
+                        if calls is not None and calls.sent and event.structure == "complete":
+                            finish = "tool_calls"
+                        yield _sse(chunk(S.Delta(), finish=finish).model_dump_json(exclude=exclude))
                         if include_usage:
                             yield _sse(S.ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[],
                                                              usage=_usage(event.stats)).model_dump_json())
@@ -413,21 +446,26 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
             return Response(status_code=499)
         text, logprobs, final = collected
         log_done(rid, "chat", job, text)
+        calls = T.parse_tool_calls(text) if plan is not None and final.structure == "complete" else None
+        message = S.AssistantMessage(content=text) if not calls else S.AssistantMessage(tool_calls=calls)
         resp = S.ChatCompletion(id=rid, created=created, model=model_name, usage=_usage(final.stats), choices=[
-            S.ChatChoice(message=S.AssistantMessage(content=text), finish_reason=final.finish_reason,
-                         logprobs=_chat_logprobs(logprobs) if body.logprobs else None)])
+            S.ChatChoice(message=message, finish_reason="tool_calls" if calls else final.finish_reason,
+                         logprobs=_chat_logprobs(logprobs) if body.logprobs and not calls else None)])
         return JSONResponse(resp.model_dump(mode="json"))
 
     @app.post("/v1/completions", response_model=S.Completion, tags=["openai"], responses=errors)
     async def completions(body: S.CompletionRequest, request: Request):
         """Text completion of a raw prompt (no chat template); `stream: true` for server-sent events."""
         check_model(body.model)
+        options = body.engine_options(max_tokens_limit)
         try:
             body.check_supported()
+            grammar = T.grammar_constraint(body.grammar)
         except S.InvalidParam as e:
             raise APIError(400, str(e), param=e.param, code=e.code) from None
+        if grammar is not None:
+            options["grammar"] = grammar
         prompt = body.prompt_text()
-        options = body.engine_options(max_tokens_limit)
         top_n = body.logprobs or 0
         rid = f"cmpl-{secrets.token_hex(12)}"
         created = int(time.time())

@@ -3,7 +3,8 @@
 Requests are strict, as with OpenAI: an unknown field is a 400 ("Unrecognized request argument
 supplied"), values must have their JSON type ("8" is not an integer, true is not a seed, 8.0 is
 not an integer either), and a parameter the engine cannot honour (n > 1, penalties, logit_bias,
-tools, ...) is a 400 rather than silently ignored. Responses follow OpenAI's schema; `usage` also carries
+the legacy `functions`, ...) is a 400 rather than silently ignored. `response_format`, `tools` and
+`tool_choice` are served by server/tools.py. Responses follow OpenAI's schema; `usage` also carries
 the speculative-decoding counters (drafted, accepted, acceptance_rate).
 """
 
@@ -72,6 +73,8 @@ class _Common(BaseModel):
     user: str | None = Field(None, description="Ignored.")
     speculative: Speculative | bool | None = Field(
         None, description="Extension: `{\"enabled\": false}` runs the oracle alone; `draft_max` caps the draft.")
+    grammar: str | None = Field(None, description="Extension: the output follows this grammar (llguidance's Lark "
+                                                   "syntax, or llama.cpp's GBNF when it has '::=' rules).")
 
     @field_validator("stop")
     @classmethod
@@ -139,10 +142,15 @@ class ChatCompletionRequest(_Common):
                                               "clamped to the server's --max-tokens-limit).")
     logprobs: bool = Field(False, description="Return the oracle's log-probability of each emitted token.")
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: dict[str, Any] | None = Field(None, description="Only {\"type\": \"text\"}.")
-    tools: list[dict[str, Any]] | None = Field(None, description="Not supported (only empty).")
-    tool_choice: str | dict[str, Any] | None = Field(None, description="Only \"none\" / \"auto\" without tools.")
-    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = Field(
+        None, description="{\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": \"json_schema\", "
+                          "\"json_schema\": {\"name\", \"schema\", \"strict\"}}: the output is constrained to it.")
+    tools: list[dict[str, Any]] | None = Field(None, description="Functions the model may call ({\"type\": \"function\", "
+                                                                 "\"function\": {\"name\", \"description\", \"parameters\"}}).")
+    tool_choice: str | dict[str, Any] | None = Field(
+        None, description="\"auto\" (default with tools), \"none\", \"required\" or {\"type\": \"function\", "
+                          "\"function\": {\"name\"}}.")
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call per reply.")
     functions: list[dict[str, Any]] | None = Field(None, description="Not supported (only empty).")
     function_call: str | dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None  # ignored
@@ -154,22 +162,48 @@ class ChatCompletionRequest(_Common):
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidParam("top_logprobs requires logprobs: true", "top_logprobs", "invalid_value")
-        if self.tools or self.functions:
-            raise InvalidParam("tools: function calling is not supported", "tools" if self.tools else "functions",
+        if self.functions or self.function_call:
+            raise InvalidParam("functions: the legacy function calling is not supported (use tools)", "functions",
                                "unsupported_parameter")
-        if isinstance(self.tool_choice, dict) or self.tool_choice not in (None, "none", "auto"):
-            raise InvalidParam("tool_choice: function calling is not supported", "tool_choice", "unsupported_parameter")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise InvalidParam("response_format: only {\"type\": \"text\"} is supported", "response_format")
 
-    def engine_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
+    def engine_messages(self) -> list[dict[str, Any]]:
+        """The messages as the engine renders them: role and text, and a tool call's fields."""
+        out = []
+        for i, m in enumerate(self.messages):
+            message: dict[str, Any] = {"role": m.role, "content": m.text(i)}
+            extra = m.model_extra or {}
+            if m.role == "assistant" and extra.get("tool_calls"):
+                message["tool_calls"] = _tool_calls(extra["tool_calls"], i)
+            if m.role == "tool":
+                if extra.get("tool_call_id") is not None and not isinstance(extra["tool_call_id"], str):
+                    raise InvalidParam(f"messages[{i}].tool_call_id: must be a string", f"messages[{i}].tool_call_id")
+                message["tool_call_id"] = extra.get("tool_call_id")
+            if isinstance(extra.get("name"), str):
+                message["name"] = extra["name"]
+            out.append(message)
+        return out
 
     def engine_options(self, max_tokens_limit: int) -> dict[str, Any]:
         """Engine options; max_tokens is clamped to the server's limit, which is also the default."""
         limit = min(self.max_completion_tokens or self.max_tokens or max_tokens_limit, max_tokens_limit)
         return dict(max_tokens=limit, logprobs=(self.top_logprobs or 0) if self.logprobs else None,
                     **self.sampling_options())
+
+
+def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise InvalidParam(f"{where}: must be a list", where)
+    out = []
+    for j, c in enumerate(calls):
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) \
+                or not isinstance(f.get("arguments", ""), (str, dict)):
+            raise InvalidParam(f"{where}[{j}]: expected {{\"id\", \"type\": \"function\", \"function\": "
+                               f"{{\"name\", \"arguments\"}}}}", where)
+        out.append({"id": c.get("id"), "type": "function",
+                    "function": {"name": f["name"], "arguments": f.get("arguments", "{}")}})
+    return out
 
 
 class CompletionRequest(_Common):
@@ -234,17 +268,36 @@ class ChoiceLogprobs(BaseModel):
     refusal: list[LogprobEntry] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="The arguments, as JSON text.")
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler):
+        d = handler(self)
+        if d.get("tool_calls") is None:
+            d.pop("tool_calls", None)
+        return d
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
 
 
 class ChatCompletion(BaseModel):
@@ -262,6 +315,7 @@ class Delta(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # [{"index", "id", "type", "function": {"name", "arguments"}}]
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler):
@@ -272,7 +326,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 
 class ChatCompletionChunk(BaseModel):
