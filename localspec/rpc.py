@@ -10,7 +10,8 @@ over the listed devices in order, in proportion to `tensor_split` (default: each
 memory); the rest, and the token embeddings, stay on this machine's CPU, which cannot itself be in
 the list. localspec lists the RPC servers first (as llama.cpp does: fewer transfers), then the local
 GPUs, and when this machine has no GPU and the layer count is left to it, keeps a share of the layers
-on its CPU in proportion to its free memory against the servers'.
+on its CPU in proportion to its memory against the servers' (as ggml reports it: on Linux a CPU
+device's "free" memory is the machine's whole RAM).
 
 Each step's oracle pass then crosses the network once per device boundary, whatever the number of
 tokens in it: speculation (k+1 tokens per pass) pays more the more a pass costs.
