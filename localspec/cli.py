@@ -67,6 +67,25 @@ FLASH_ATTN_OPTION = click.option(
          "CPU (a multi-token pass then stays flat as the context grows) and on with GPU offload.")
 
 
+def _rpc_servers(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[str, ...]:
+    from .rpc import parse_servers
+
+    try:
+        return parse_servers(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+RPC_OPTIONS = (
+    click.option("--rpc", metavar="HOST:PORT[,HOST:PORT...]", callback=_rpc_servers, default=None,
+                 help="Split the oracle's layers over llama.cpp rpc-servers and this machine (needs llama.cpp built "
+                      "with RPC: scripts/build_rpc.sh). rpc-server has no authentication and runs what it is sent: "
+                      "run it on loopback or a trusted network only."),
+    click.option("--draft-rpc", metavar="HOST:PORT[,HOST:PORT...]", callback=_rpc_servers, default=None,
+                 help="The same for the draft (default: it stays local, where its per-token cost is lowest)."),
+)
+
+
 def model_options(fn: Callable) -> Callable:
     """Which models to run and how: shared by generate, chat, serve, check and bench."""
     options = [
@@ -85,13 +104,16 @@ def model_options(fn: Callable) -> Callable:
         click.option("--cross-tokenizer", is_flag=True,
                      help="Allow a draft with a different vocabulary (text is re-tokenized between them)."),
         click.option("--gpu-layers", type=int, default=-1, show_default=True,
-                     help="Oracle layers offloaded to the GPU (-1: all; ignored by CPU builds)."),
+                     help="Oracle layers offloaded to the GPU or the --rpc servers, the last ones (-1: all, but "
+                          "with --rpc and no GPU a share in proportion to free memory stays here; CPU builds "
+                          "ignore it without --rpc)."),
         click.option("--draft-gpu-layers", type=int, default=-1, show_default=True,
                      help="Draft layers offloaded to the GPU (-1: all)."),
         click.option("--ctx", "n_ctx", type=click.IntRange(64, 1 << 20), default=4096, show_default=True,
                      help="Context size in tokens."),
         click.option("--threads", type=click.IntRange(1, 1024), default=None, help="CPU threads (default: all cores)."),
         FLASH_ATTN_OPTION,
+        *RPC_OPTIONS,
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -147,7 +169,8 @@ def structure_kwargs(json_schema: str | None, grammar: str | None) -> dict[str, 
 
 
 def open_engine(*, pair, oracle, draft, no_draft, draft_max, draft_length, p_min, lookup, cross_tokenizer,
-                gpu_layers, draft_gpu_layers, n_ctx, threads, flash_attn="auto", **_):
+                gpu_layers, draft_gpu_layers, n_ctx, threads, flash_attn="auto",
+                rpc=(), draft_rpc=(), **_):
     """Resolve the models (fetching them on first use) and load them."""
     from .engine import DEFAULT_P_MIN, Engine
     from .models import Registry
@@ -166,7 +189,7 @@ def open_engine(*, pair, oracle, draft, no_draft, draft_max, draft_length, p_min
                   draft_gpu_layers=draft_gpu_layers, flash_attn=flash_attn, draft_length=draft_length,
                   draft_max=draft_max,
                   p_min=DEFAULT_P_MIN if p_min is None else p_min, lookup=lookup,
-                  cross_tokenizer=cross_tokenizer, progress=progress)
+                  cross_tokenizer=cross_tokenizer, progress=progress, rpc=rpc, draft_rpc=draft_rpc)
 
 
 # ---------------------------------------------------------------- commands

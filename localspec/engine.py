@@ -52,6 +52,12 @@ DEFAULT_P_MIN = 0.3  # measured on the default pair: acceptance 0.80 -> 0.91 at 
 NGRAM = "ngram"  # draft=NGRAM: prompt lookup instead of a draft model
 
 
+def rpc_servers(value: str | Sequence[str] | None) -> tuple[str, ...]:
+    from .rpc import parse_servers  # keeps the RPC module out of runs that do not use it
+
+    return parse_servers(value) if value else ()
+
+
 class PromptTooLongError(ValueError):
     """The prompt does not fit in the context."""
 
@@ -90,7 +96,8 @@ class Engine:
                  draft_length: int | None = None, draft_max: int | None = None,
                  p_min: float = DEFAULT_P_MIN, lookup: bool = False, cross_tokenizer: bool = False,
                  policy: LengthPolicy | None = None, cost_cache: bool = True,
-                 progress: Callable[[str], None] | None = None) -> None:
+                 progress: Callable[[str], None] | None = None,
+                 rpc: str | Sequence[str] | None = None, draft_rpc: str | Sequence[str] | None = None) -> None:
         """`draft`: a model (name or path), "ngram" (prompt lookup, no model) or None (oracle alone).
         `draft_length`: a fixed k; None chooses k per step from measured costs and acceptance
         (capped by `draft_max`: default 16 for a draft model, 64 for prompt lookup, whose drafts cost
@@ -100,7 +107,10 @@ class Engine:
         `flash_attn`: "auto" (see `llama.resolve_flash_attn`: off on a CPU, on with GPU offload,
         unless `localspec check` measured otherwise here), "on" or "off"; for both models.
         `cost_cache`: keep the adaptive policy's fitted costs and acceptance in the cache, so the
-        next process starts from them."""
+        next process starts from them.
+        `rpc`: llama.cpp rpc-servers ("HOST:PORT,..." or a list) the oracle's layers are split over,
+        with this machine (see `localspec.rpc`); `draft_rpc`: the same for the draft (default: local).
+        Each server is checked before anything loads."""
         from .models import Registry  # models pulls in the registry file; keep it lazy
 
         self._closers: list[Callable[[], None]] = []
@@ -109,7 +119,13 @@ class Engine:
         self.gpu_layers = gpu_layers
         self._cost_keys: dict[str, dict] = {}
         self.cost_store = CostStore() if cost_cache else None
+        self.rpc, self.draft_rpc = rpc_servers(rpc), rpc_servers(draft_rpc)
+        self._progress = progress
         try:
+            if self.rpc or self.draft_rpc:
+                from .rpc import check_servers
+
+                check_servers(self.rpc + tuple(s for s in self.draft_rpc if s not in self.rpc))
             registry = Registry.load()
             oracle_path = registry.resolve(str(oracle), progress=progress)
             draft_path = registry.resolve(str(draft), progress=progress) if draft not in (None, NGRAM) else None
@@ -120,7 +136,7 @@ class Engine:
                 loading = pool.submit(self._load_draft, draft_path, gpu_layers=draft_gpu_layers, flash_attn=flash_attn,
                                       n_ctx=n_ctx, n_batch=n_batch) if draft_path is not None else None
                 try:
-                    self.oracle_model = self._own(LlamaModel(oracle_path, n_gpu_layers=gpu_layers))
+                    self.oracle_model = self._own(self._load_model(oracle_path, gpu_layers, self.rpc, "oracle"))
                     oracle_fa = resolve_flash_attn(flash_attn, n_gpu_layers=gpu_layers,
                                                    measured=self._measured_kernel(oracle_path, gpu_layers))
                     self.oracle = self._own(LlamaContext(self.oracle_model, n_ctx=n_ctx, n_batch=n_batch,
@@ -169,6 +185,7 @@ class Engine:
         engine.gpu_layers = 0
         engine.cost_store = None
         engine._cost_keys = {}
+        engine.rpc = engine.draft_rpc = ()
         engine.oracle = oracle
         engine.oracle_model = oracle.model
         engine.draft_ctx = draft
@@ -180,10 +197,23 @@ class Engine:
 
     def _load_draft(self, path, *, gpu_layers: int, flash_attn: str, n_ctx: int,
                     n_batch: int) -> tuple[LlamaModel, LlamaContext]:
-        model = self._own(LlamaModel(path, n_gpu_layers=gpu_layers))
+        model = self._own(self._load_model(path, gpu_layers, self.draft_rpc, "draft"))
         ctx = self._own(LlamaContext(model, n_ctx=n_ctx, n_batch=n_batch, n_threads=self.n_threads,
                                      flash_attn=resolve_flash_attn(flash_attn, n_gpu_layers=gpu_layers)))
         return model, ctx
+
+    def _load_model(self, path, gpu_layers: int, rpc: tuple[str, ...], role: str) -> LlamaModel:
+        if not rpc:
+            return LlamaModel(path, n_gpu_layers=gpu_layers)
+        from .rpc import place
+
+        placement = place(path, rpc, n_gpu_layers=gpu_layers)
+        if self._progress is not None:
+            self._progress(f"{role} layers: {placement.summary}")
+        model = LlamaModel(path, n_gpu_layers=placement.n_gpu_layers, devices=placement.devices,
+                           tensor_split=placement.tensor_split)
+        model.placement = placement
+        return model
 
     def _draft_model_proposer(self, *, p_min: float, cross_tokenizer: bool) -> Proposer:
         assert self.draft_model is not None and self.draft_ctx is not None
@@ -234,7 +264,7 @@ class Engine:
 
     def kernel_identity(self, oracle_path, gpu_layers: int) -> dict:
         return {"model": file_fingerprint(oracle_path), "threads": self.n_threads, "gpu_layers": gpu_layers,
-                **machine_identity()}
+                **machine_identity(), **({"rpc": list(self.rpc)} if self.rpc else {})}
 
     def _cost_identities(self, *, gpu_layers: int, draft_gpu_layers: int, p_min: float) -> dict[str, dict]:
         machine = machine_identity()
@@ -243,10 +273,12 @@ class Engine:
         kind = self._proposer_kind()
         return {
             "verify": {"model": oracle, "threads": self.n_threads, "gpu_layers": gpu_layers, "n_ctx": self.n_ctx,
-                       "flash_attn": self.oracle.flash_attn, **machine},
+                       "flash_attn": self.oracle.flash_attn, **machine,
+                       **({"rpc": list(self.rpc)} if self.rpc else {})},
             "draft": {"proposer": kind, "model": draft, "oracle": oracle if kind != "model" else None,
                       "threads": self.n_threads, "gpu_layers": draft_gpu_layers, "p_min": p_min,
-                      "flash_attn": self.draft_ctx.flash_attn if self.draft_ctx is not None else None, **machine},
+                      "flash_attn": self.draft_ctx.flash_attn if self.draft_ctx is not None else None, **machine,
+                      **({"rpc": list(self.draft_rpc)} if self.draft_rpc else {})},
             "acceptance": {"proposer": kind, "oracle": oracle, "draft": draft, "p_min": p_min},
         }
 

@@ -203,13 +203,28 @@ def _gguf_header_problem(path: Path) -> str | None:
 class LlamaModel:
     """One loaded GGUF: weights (optionally offloaded to the GPU) and its vocabulary."""
 
-    def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0, use_mmap: bool = True) -> None:
+    placement = None  # for a model split over RPC servers: where its layers went (localspec.rpc.Placement)
+
+    def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0, use_mmap: bool = True,
+                 devices: Sequence["Device"] | None = None, tensor_split: Sequence[float] | None = None) -> None:
+        """`devices`: the devices the offloaded layers are split over, in order (None: llama.cpp's
+        choice, every local GPU; the CPU is never in the list: it holds what is not offloaded).
+        `tensor_split`: each device's share of them (None: by free memory)."""
         _ensure_backend()
         self.path = Path(path)
         check_gguf(self.path)
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers if n_gpu_layers >= 0 else 0x7FFFFFFF  # -1: offload all
         params.use_mmap = use_mmap
+        if devices is not None:  # a NULL-terminated ggml_backend_dev_t list, alive while the model loads
+            self._devices = (ctypes.c_void_p * (len(devices) + 1))(*(d.handle for d in devices), None)
+            params.devices = ctypes.cast(self._devices, ctypes.c_void_p)
+        if tensor_split is not None:
+            if len(tensor_split) > llama_cpp.llama_max_devices():
+                raise ModelLoadError(f"{len(tensor_split)} devices: this llama.cpp handles at most "
+                                     f"{llama_cpp.llama_max_devices()}")
+            self._tensor_split = (ctypes.c_float * llama_cpp.llama_max_devices())(*tensor_split)
+            params.tensor_split = self._tensor_split
         # The CPU "extra buffer types" (AMX / repacked weights) crash llama_decode on Q4_1 on some
         # x86 machines; plain CPU buffers are always correct, and GPU offload is unaffected.
         params.use_extra_bufts = False
@@ -370,7 +385,7 @@ def resolve_flash_attn(setting: str, *, n_gpu_layers: int, measured: str | None 
         return setting
     if measured in ("on", "off"):
         return measured
-    offloaded = n_gpu_layers != 0 and bool(llama_cpp.llama_supports_gpu_offload())
+    offloaded = n_gpu_layers != 0 and has_local_gpu()  # RPC devices count as a CPU: their kind is unknown here
     return "on" if offloaded else "off"
 
 
@@ -531,3 +546,156 @@ class LlamaContext:
         self.rollback(n_keep)
         todo = tokens[len(self.tokens):]  # rollback may have cleared more (recurrent caches)
         return self.decode(todo, n_logits=n_logits), len(todo)
+
+
+# ---------------------------------------------------------------------------------------------
+# ggml's devices (local GPUs, RPC servers): llama-cpp-python binds none of ggml's backend registry,
+# so the few functions needed are bound here against the ggml libraries llama_cpp has loaded
+
+
+GGML_DEVICE_KINDS = {0: "CPU", 1: "GPU", 2: "IGPU", 3: "ACCEL", 4: "META"}  # enum ggml_backend_dev_type
+
+
+class _DevCaps(ctypes.Structure):
+    _fields_ = [("async_", ctypes.c_bool), ("host_buffer", ctypes.c_bool), ("buffer_from_host_ptr", ctypes.c_bool),
+                ("events", ctypes.c_bool), ("mmap_support", ctypes.c_bool)]
+
+
+class _DevProps(ctypes.Structure):  # struct ggml_backend_dev_props
+    _fields_ = [("name", ctypes.c_char_p), ("description", ctypes.c_char_p), ("memory_free", ctypes.c_size_t),
+                ("memory_total", ctypes.c_size_t), ("type", ctypes.c_int), ("device_id", ctypes.c_char_p),
+                ("caps", _DevCaps)]
+
+
+class Ggml:
+    """ctypes bindings of ggml's backend and device registry (ggml-backend.h), from the same
+    libraries the loaded llama_cpp uses. Get the process's one instance with `ggml()`."""
+
+    def __init__(self) -> None:
+        from llama_cpp import llama_cpp as bindings
+        from llama_cpp._ctypes_extensions import load_shared_library
+
+        base = Path(getattr(bindings, "_base_path", Path(llama_cpp.__file__).parent / "lib"))
+        self._libs = []
+        for name in ("ggml", "ggml-base"):  # already loaded by libllama: the same instances
+            try:
+                self._libs.append(load_shared_library(name, base))
+            except (OSError, RuntimeError) as e:
+                log.debug("lib%s not loadable from %s: %s", name, base, e)
+        vp, size, text = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p
+        self.dev_count = self._bind("ggml_backend_dev_count", size)
+        self.dev_get = self._bind("ggml_backend_dev_get", vp, size)
+        self.dev_name = self._bind("ggml_backend_dev_name", text, vp)
+        self.dev_description = self._bind("ggml_backend_dev_description", text, vp)
+        self.dev_memory = self._bind("ggml_backend_dev_memory", None, vp, ctypes.POINTER(size), ctypes.POINTER(size))
+        self.dev_type = self._bind("ggml_backend_dev_type", ctypes.c_int, vp)
+        self.dev_get_props = self._bind("ggml_backend_dev_get_props", None, vp, ctypes.POINTER(_DevProps))
+        self.dev_backend_reg = self._bind("ggml_backend_dev_backend_reg", vp, vp)
+        self.dev_by_type = self._bind("ggml_backend_dev_by_type", vp, ctypes.c_int)
+        self.reg_by_name = self._bind("ggml_backend_reg_by_name", vp, text)
+        self.reg_name = self._bind("ggml_backend_reg_name", text, vp)
+        self.reg_dev_count = self._bind("ggml_backend_reg_dev_count", size, vp)
+        self.reg_dev_get = self._bind("ggml_backend_reg_dev_get", vp, vp, size)
+        self.reg_get_proc_address = self._bind("ggml_backend_reg_get_proc_address", vp, vp, text)
+
+    def _bind(self, name: str, restype, *argtypes):
+        for lib in self._libs:
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                fn.restype, fn.argtypes = restype, list(argtypes)
+                return fn
+        raise LlamaError(f"llama.cpp's ggml library has no {name} (llama-cpp-python {llama_cpp.__version__})")
+
+    def device(self, handle: int) -> "Device":
+        reg = self.dev_backend_reg(handle)
+        props = _DevProps()
+        self.dev_get_props(handle, ctypes.byref(props))
+        return Device(handle=handle, name=(self.dev_name(handle) or b"").decode(errors="replace"),
+                      description=(self.dev_description(handle) or b"").decode(errors="replace"),
+                      kind=GGML_DEVICE_KINDS.get(self.dev_type(handle), "?"),
+                      backend=(self.reg_name(reg) or b"").decode(errors="replace") if reg else "",
+                      device_id=props.device_id.decode(errors="replace") if props.device_id else None)
+
+    def memory(self, handle: int) -> tuple[int, int]:
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        self.dev_memory(handle, ctypes.byref(free), ctypes.byref(total))
+        return free.value, total.value
+
+
+@dataclass(frozen=True)
+class Device:
+    """One ggml device (a `ggml_backend_dev_t`)."""
+
+    handle: int
+    name: str  # CPU, CUDA0, RPC0, ...
+    description: str  # for an RPC device: its server's HOST:PORT
+    kind: str  # CPU, GPU, IGPU, ACCEL (an RPC device says GPU whatever the server runs)
+    backend: str  # the backend registry's name: CPU, CUDA, RPC, ...
+    device_id: str | None = None
+
+    def memory(self) -> tuple[int, int]:
+        """(free, total) bytes; an RPC device asks its server."""
+        return ggml().memory(self.handle)
+
+
+_ggml: Ggml | None = None
+
+
+def ggml() -> Ggml:
+    global _ggml
+    _ensure_backend()
+    with _init_lock:
+        if _ggml is None:
+            _ggml = Ggml()
+    return _ggml
+
+
+def local_devices() -> list[Device]:
+    """The devices of this machine llama.cpp knows (RPC servers are added per model, never here)."""
+    g = ggml()
+    return [g.device(g.dev_get(i)) for i in range(g.dev_count())]
+
+
+def local_gpus() -> list[Device]:
+    """The local GPUs llama.cpp offloads to by default: discrete GPUs (one per device id), integrated
+    ones only when there is none (llama_prepare_model_devices)."""
+    gpus: list[Device] = []
+    igpus: list[Device] = []
+    for dev in local_devices():
+        if dev.backend == "RPC":
+            continue
+        if dev.kind == "GPU" and not any(dev.device_id and g.device_id == dev.device_id for g in gpus):
+            gpus.append(dev)
+        elif dev.kind == "IGPU" and (not igpus or igpus[-1].backend == dev.backend):
+            igpus.append(dev)
+    return gpus or igpus
+
+
+def has_local_gpu() -> bool:
+    """Whether this machine has a GPU llama.cpp offloads to (llama_supports_gpu_offload() also says
+    yes for a CPU-only build with RPC support)."""
+    try:
+        return bool(local_gpus())
+    except LlamaError:
+        return bool(llama_cpp.llama_supports_gpu_offload()) and not llama_cpp.llama_supports_rpc()
+
+
+def model_n_layer(path: str | os.PathLike) -> int:
+    """The number of repeating layers (blocks) of a GGUF model, from its metadata alone."""
+    _ensure_backend()
+    check_gguf(Path(path))
+    params = llama_cpp.llama_model_default_params()
+    params.vocab_only = True
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+    if not model:
+        raise ModelLoadError(f"llama.cpp could not read the metadata of {path}")
+    try:
+        buf = ctypes.create_string_buffer(256)  # hparams are not read with vocab_only: the metadata is
+        n = llama_cpp.llama_model_meta_val_str(model, b"general.architecture", buf, len(buf))
+        arch = buf.value if n > 0 else b""
+        n = llama_cpp.llama_model_meta_val_str(model, arch + b".block_count", buf, len(buf))
+        if n <= 0 or not buf.value.isdigit():
+            raise ModelLoadError(f"{path} does not say how many layers it has ({arch.decode()}.block_count)")
+        return int(buf.value)
+    finally:
+        llama_cpp.llama_model_free(model)
