@@ -60,7 +60,7 @@ DRAFT_SHAPE = (0.2, 0.0, 1.0, 0.2, 0.3)
 # measured step (a shared VM's steps vary by 10-20%): together they say how much evidence moves it
 PRIOR_SPREAD = (1.0, 0.5, 0.5, 0.1, 0.03)
 NOISE = 0.15
-STATE_VERSION = 4
+STATE_VERSION = 5
 
 
 def features(ns: np.ndarray, context: float) -> np.ndarray:

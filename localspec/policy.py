@@ -276,20 +276,22 @@ class AdaptiveLength:
             self._observe_continuation(n_drafted, n_accepted, allowance=max(self.last_k, n_drafted))
 
     def _observe_draft_cost(self, step: StepRecord) -> None:
-        """Every proposal is a sample of the draft's cost at the tokens it evaluated, but a catch-up
-        on a whole prompt (a batch of hundreds of tokens runs at another rate than a step's one or
-        two): those are left out. A normal step's catch-up updates `catch_up`."""
+        """A step's proposal is a sample of the draft's cost at the tokens it evaluated: its catch-up
+        of one or two tokens (which updates `catch_up`), then a decode per drafted token but the
+        last. A proposal that first evaluated more (a probe's window of recent text, a re-try's or a
+        new prompt's catch-up) is left out: those tokens go through as one batch, at another rate
+        per token than decoding, and a few such samples priced every draft token at 2-4x its cost
+        on the default pair, which kept the policy idle (so it probed, and learned more of them)."""
         if not step.drafted:
             return
         if not self.model_draft:
             self.draft_cost.observe(1, step.context, step.draft_time)
             return
-        if step.draft_evaluated > 2 * self.k_max + 2:
+        caught_up = step.draft_evaluated - step.drafted + 1
+        if not 1 <= caught_up <= 4:  # a probe's window, a re-try's or a prompt's: a batch, another rate
             return
         self.draft_cost.observe(max(1, step.draft_evaluated), step.context, step.draft_time)
-        caught_up = step.draft_evaluated - step.drafted + 1
-        if 1 <= caught_up <= 4:  # a probe's window or a re-try's is not a step's usual catch-up
-            self.catch_up += 0.1 * (caught_up - self.catch_up)
+        self.catch_up += 0.1 * (caught_up - self.catch_up)
 
     def _observe_continuation(self, n_drafted: int, n_accepted: int, *, allowance: int) -> None:
         """After each drafted token the draft went on (it is not the last) or stopped (the last, short
