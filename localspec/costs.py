@@ -61,6 +61,7 @@ DRAFT_SHAPE = (0.2, 0.0, 1.0, 0.2, 0.3)
 PRIOR_SPREAD = (1.0, 0.5, 0.5, 0.1, 0.03)
 NOISE = 0.15
 STATE_VERSION = 5
+START = 3  # passes whose median sets the prior's scale
 
 
 def features(ns: np.ndarray, context: float) -> np.ndarray:
@@ -75,12 +76,15 @@ class PassCost:
 
     `decay`: each new observation multiplies the weight of the older ones by this (0.99: the last
     ~100 steps count). `spread` [5] / `noise`: the prior's uncertainty per weight and a step's, both
-    relative to the one-token time. Observations more than `outlier` times off the prediction are
-    clipped (a VM's hiccup must not teach a new cost).
+    relative to the one-token time. Observations more than `outlier` times the prediction are
+    clipped to it (a stall, from the VM or another program, must not teach a new cost); quicker ones
+    are not (nothing makes a pass quicker than it is, and a fit that started on a stall must be able
+    to come down: with a two-sided clip, a first draft proposal caught in a 300 ms stall held the
+    draft's cost at 264 ms a token and the policy idle for a whole bench run).
     """
 
     def __init__(self, shape: Sequence[float] = VERIFY_SHAPE, *, decay: float = 0.99,
-                 spread: Sequence[float] = PRIOR_SPREAD, noise: float = NOISE, outlier: float = 3.0) -> None:
+                 spread: Sequence[float] = PRIOR_SPREAD, noise: float = NOISE, outlier: float = 2.0) -> None:
         self.shape = np.asarray(shape, dtype=np.float64)  # [5]
         self.decay = decay
         self.ridge = np.diag((noise / np.asarray(spread, dtype=np.float64)) ** 2)  # [5, 5]
@@ -92,6 +96,7 @@ class PassCost:
         self.observations = 0  # ever, including those loaded
         self._w: np.ndarray | None = None  # the fit, None when observations came since
         self._last: np.ndarray | None = None  # the latest fit made (for clipping outliers)
+        self._start: list[tuple[np.ndarray, float]] = []  # the first START passes, until they set the scale
 
     @property
     def ready(self) -> bool:
@@ -103,19 +108,39 @@ class PassCost:
             return
         c = context / CONTEXT_UNIT
         phi = np.array((1.0, float(n > 1), float(n), c, n * c))  # [5]
-        if self.scale is None:
-            self.scale = seconds / float(phi @ self.shape)
-        elif self.observations >= 5:
+        if self.observations < START:
+            self._start.append((phi, seconds))
+            self.observations += 1
+            self._w = None
+            if self.observations == START:
+                self._settle_start()
+            else:  # until then, the lowest guess (a stall only ever slows a pass down)
+                self.scale = min(t / float(f @ self.shape) for f, t in self._start)
+            return
+        if self.observations >= START + 2:
             # against the last fit (a few steps stale at most): no solve on every step
             expected = self._scalar(self._last if self._last is not None else self.weights(), n, c)
-            seconds = min(max(seconds, expected / self.outlier), expected * self.outlier)
+            seconds = min(seconds, expected * self.outlier)  # a stall only ever slows a pass down
+        self._add(phi, seconds)
+        self.observations += 1
+        self._w = None
+
+    def _settle_start(self) -> None:
+        """The prior's scale from the median of the first START passes (one of them caught in a
+        stall must not set it), and those passes into the fit, each clipped to `outlier` times
+        what that scale predicts for it."""
+        scales = sorted(t / float(f @ self.shape) for f, t in self._start)
+        self.scale = scales[(len(scales) - 1) // 2]  # the lower median
+        for phi, seconds in self._start:
+            self._add(phi, min(seconds, self.outlier * self.scale * float(phi @ self.shape)))
+        self._start = []
+
+    def _add(self, phi: np.ndarray, seconds: float) -> None:
         self.gram *= self.decay
         self.gram += np.outer(phi, phi)
         self.moment *= self.decay
         self.moment += phi * seconds
         self.weight = self.decay * self.weight + 1.0
-        self.observations += 1
-        self._w = None
 
     def weights(self) -> np.ndarray:
         """w [5]: the ridge (maximum a posteriori) solution of
@@ -159,6 +184,8 @@ class PassCost:
     def state(self, *, max_weight: float = 64.0) -> dict[str, Any]:
         """What another process needs to go on from here; the history counts as at most
         `max_weight` observations there, so its own steps soon outweigh it."""
+        if self._start:
+            self._settle_start()
         shrink = min(1.0, max_weight / self.weight) if self.weight > 0 else 1.0
         return {"shape": self.shape.tolist(), "scale": self.scale, "gram": (self.gram * shrink).tolist(),
                 "moment": (self.moment * shrink).tolist(), "weight": self.weight * shrink,
@@ -175,6 +202,9 @@ class PassCost:
         self.gram, self.moment = gram, moment
         self.weight = float(state.get("weight", 0.0))
         self.observations = int(state.get("observations", 0))
+        if self.scale is not None:  # its first passes are in the fit already
+            self.observations = max(self.observations, START)
+        self._start = []
         self._w = self._last = None
 
 

@@ -55,12 +55,25 @@ def test_it_follows_a_machine_that_slows_down_and_shrugs_off_a_hiccup():
     for _ in range(50):
         for n in (1, 9):
             cost.observe(n, 100, cpu_like(n, 100))
-    cost.observe(9, 100, 1.0)  # one step stalled by the VM: clipped to three times the prediction
+    cost.observe(9, 100, 1.0)  # one step stalled by the VM: clipped to twice the prediction
     assert cost(9, 100) == pytest.approx(cpu_like(9, 100), rel=0.1)
     for _ in range(300):  # the machine is 30% slower from now on
         for n in (1, 9):
             cost.observe(n, 100, 1.3 * cpu_like(n, 100))
     assert cost(9, 100) == pytest.approx(1.3 * cpu_like(9, 100), rel=0.02)
+
+
+def test_a_fit_that_started_on_a_stall_comes_down_and_stalls_among_steps_barely_move_it():
+    cost = PassCost(DRAFT_SHAPE)
+    cost.observe(2, 50, 0.300)  # the first proposal ever, caught in a 300 ms stall (12 ms is its cost)
+    for i in range(40):
+        n = 2 + i % 8
+        cost.observe(n, 50, 0.006 * n)
+    assert cost.predict(np.array([2, 9]), 50) == pytest.approx([0.012, 0.054], rel=0.15)
+    for i in range(60):  # one step in ten stalls for 300 ms
+        n = 2 + i % 8
+        cost.observe(n, 50, 0.300 if i % 10 == 5 else 0.006 * n)
+    assert cost.predict(np.array([2, 9]), 50) == pytest.approx([0.012, 0.054], rel=0.3)
 
 
 def test_predictions_never_fall_with_more_tokens():
