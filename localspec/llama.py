@@ -11,13 +11,14 @@ Nothing here knows about speculation; the engine composes two contexts.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import ctypes
 import logging
 import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -52,15 +53,20 @@ _initialised = False
 # ggml_log_level: 1 DEBUG, 2 INFO, 3 WARN, 4 ERROR, 5 CONT (continues the previous line)
 _LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
 # llama.cpp logs from the thread that called it, in pieces: each thread assembles its own lines, and
-# a thread loading a model collects its error lines (two models may load at once)
+# a thread may capture its own lines for a while (a model load its errors, the quantizer everything)
 _log_state = threading.local()
+
+
+def _thread_log_state():
+    state = _log_state
+    if not hasattr(state, "buffer"):
+        state.buffer, state.level, state.capture = [], logging.DEBUG, None
+    return state
 
 
 @llama_cpp.llama_log_callback
 def _log_callback(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
-    state = _log_state
-    if not hasattr(state, "buffer"):
-        state.buffer, state.level, state.load_errors = [], logging.DEBUG, None
+    state = _thread_log_state()
     if level != 5:  # 5 (CONT) continues the previous line
         state.level = _LEVELS.get(level, logging.DEBUG)
     state.buffer.append(text.decode("utf-8", errors="replace"))
@@ -68,8 +74,8 @@ def _log_callback(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
         line = "".join(state.buffer).rstrip()
         state.buffer.clear()
         if line:
-            if state.load_errors is not None and state.level >= logging.ERROR:
-                state.load_errors.append(line)  # a model load is under way: its error goes into the exception
+            if state.capture is not None and state.level >= state.capture[1]:
+                state.capture[0].append(line)  # captured (see captured_log): the log has it at DEBUG only
                 log.debug("%s", line)
             else:
                 log.log(state.level, "%s", line)
@@ -82,6 +88,22 @@ def _ensure_backend() -> None:
             llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
             llama_cpp.llama_backend_init()
             _initialised = True
+
+
+@contextlib.contextmanager
+def captured_log(level: int = logging.DEBUG) -> Iterator[list[str]]:
+    """Collect the lines llama.cpp logs from this thread at `level` or above while the block runs
+    (into the list it yields) rather than logging them at their own level: a failed model load
+    puts its errors in the exception, the quantizer's line per tensor stays off the terminal.
+    Other threads' lines are not affected."""
+    _ensure_backend()
+    state = _thread_log_state()
+    outer, lines = state.capture, []
+    state.capture = (lines, level)
+    try:
+        yield lines
+    finally:
+        state.capture = outer
 
 
 def check_gguf(path: Path) -> None:
@@ -131,13 +153,8 @@ class LlamaModel:
         # The CPU "extra buffer types" (AMX / repacked weights) crash llama_decode on Q4_1 on some
         # x86 machines; plain CPU buffers are always correct, and GPU offload is unaffected.
         params.use_extra_bufts = False
-        if not hasattr(_log_state, "buffer"):
-            _log_state.buffer, _log_state.level = [], logging.DEBUG
-        _log_state.load_errors = errors = []
-        try:
+        with captured_log(logging.ERROR) as errors:  # a failed load's errors go into the exception
             self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), params)
-        finally:
-            _log_state.load_errors = None
         if not self._model:
             reason = next((e for e in errors if "error loading model" in e), errors[0] if errors else "")
             reason = reason.split("error loading model:", 1)[-1].strip()

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import logging
 import os
 import re
 from pathlib import Path
-from typing import Iterator
 
 from .cache import ModelError, Progress, say, sha256_file, temp_beside
 
@@ -27,37 +24,6 @@ FTYPES: dict[str, str] = {
 }
 
 
-@contextlib.contextmanager
-def _capture_llama_log(llama_cpp, lines: list[str]) -> Iterator[None]:
-    """Collect llama.cpp's log lines (the quantizer logs every tensor) instead of printing them,
-    then put back whatever log callback was installed before."""
-    if not hasattr(llama_cpp, "llama_log_get"):  # older bindings: just turn llama-cpp-python's printing down
-        logger = logging.getLogger("llama-cpp-python")
-        old_level = logger.level
-        logger.setLevel(logging.CRITICAL)
-        try:
-            yield
-        finally:
-            logger.setLevel(old_level)
-        return
-    old_cb, old_data = llama_cpp.llama_log_callback(), ctypes.c_void_p()
-    llama_cpp.llama_log_get(ctypes.byref(old_cb), ctypes.byref(old_data))
-    pieces: list[str] = []
-
-    @llama_cpp.llama_log_callback
-    def collect(level, text, user_data):  # lines arrive in pieces
-        pieces.append(text.decode("utf-8", "replace"))
-        if pieces[-1].endswith("\n"):
-            lines.append("".join(pieces).rstrip())
-            pieces.clear()
-
-    llama_cpp.llama_log_set(collect, ctypes.c_void_p(0))
-    try:
-        yield
-    finally:
-        llama_cpp.llama_log_set(old_cb, old_data)
-
-
 def derive_gguf(src: Path, dest: Path, ftype: str, *, label: str | None = None, progress: Progress | None = None) -> str:
     """Quantize (or dequantize) ``src`` to ``ftype`` with llama.cpp into ``dest`` (atomically).
 
@@ -69,6 +35,8 @@ def derive_gguf(src: Path, dest: Path, ftype: str, *, label: str | None = None, 
         raise ModelError(f"{label}: unknown ftype {ftype!r} (known: {', '.join(FTYPES)})")
     try:
         import llama_cpp
+
+        from ..llama import captured_log, default_threads
     except ImportError as e:
         raise ModelError(f"deriving {label} needs llama-cpp-python: {e}") from None
     value = getattr(llama_cpp, FTYPES[ftype], None)
@@ -77,11 +45,10 @@ def derive_gguf(src: Path, dest: Path, ftype: str, *, label: str | None = None, 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = value
     params.allow_requantize = True
-    params.nthread = os.cpu_count() or 1
+    params.nthread = default_threads()
     tmp = temp_beside(dest)
-    log: list[str] = []
     try:
-        with _capture_llama_log(llama_cpp, log):
+        with captured_log() as log:  # the quantizer logs every tensor: keep it from the user's terminal
             rc = llama_cpp.llama_model_quantize(os.fsencode(src), os.fsencode(tmp), ctypes.byref(params))
         if rc != 0:
             errors = [l for l in log if re.search(r"error|failed|exception", l, re.I)] or log or ["no log"]
