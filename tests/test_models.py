@@ -190,6 +190,23 @@ def test_invalid_toml_is_a_model_error(tmp_path):
         Registry.load(f)
 
 
+def test_choose_resolves_pair_oracle_and_draft_once_for_every_command():
+    reg = _registry({n: {"file": f"{n}.gguf", "source": HF if n == "a" else {"from": "a", "ftype": "F32"}}
+                     for n in ("a", "b", "c")},
+                    {"ab": {"oracle": "a", "draft": "b"}, "cb": {"oracle": "c", "draft": "b", "cross_tokenizer": True}})
+    ab, cb = reg.pairs["ab"], reg.pairs["cb"]
+    assert reg.choose() == M.PairChoice(ab, "a", "b")  # the default pair
+    assert reg.choose("cb").cross_tokenizer  # the pair's own models: its cross_tokenizer holds
+    assert reg.choose("cb", oracle="c", draft="b").cross_tokenizer
+    assert reg.choose(oracle="a") == M.PairChoice(ab, "a", "b")  # the pair's oracle keeps the pair's draft
+    assert reg.choose("cb", oracle="x.gguf") == M.PairChoice(cb, "x.gguf", None)  # another oracle: no draft
+    assert not reg.choose("cb", oracle="x.gguf").cross_tokenizer
+    other = reg.choose("cb", draft="ngram")
+    assert other == M.PairChoice(cb, "c", "ngram") and not other.cross_tokenizer
+    with pytest.raises(ModelError, match="unknown pair 'zz'"):
+        reg.choose("zz")
+
+
 # ----------------------------------------------------------------------------- names and paths
 
 

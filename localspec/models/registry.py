@@ -1,7 +1,8 @@
 """models.toml: the registry of models and oracle/draft pairs, and resolving a name to a usable file.
 
 ``localspec/models.toml`` (override with ``$LOCALSPEC_MODELS``) lists models and pairs.  ``Registry.resolve`` turns a model name into a verified file in the cache,
-fetching (``fetch``) or deriving (``derive``) it first when it is absent.
+fetching (``fetch``) or deriving (``derive``) it first when it is absent; ``Registry.choose``
+turns the --pair/--oracle/--draft a user gave into the models to run.
 """
 
 from __future__ import annotations
@@ -95,6 +96,20 @@ class PairSpec:
     draft: str  # model name: the cheap model that proposes tokens
     description: str
     cross_tokenizer: bool = False
+
+
+@dataclass(frozen=True)
+class PairChoice:
+    """The models a command runs: what its --pair, --oracle and --draft come to (Registry.choose)."""
+
+    pair: PairSpec  # the pair named, or the default one
+    oracle: str  # a model name or a GGUF path
+    draft: str | None  # None: the oracle is not the pair's and no draft was given
+
+    @property
+    def cross_tokenizer(self) -> bool:
+        """The pair's cross_tokenizer, if these are the pair's two models."""
+        return self.pair.cross_tokenizer and (self.oracle, self.draft) == (self.pair.oracle, self.pair.draft)
 
 
 # ----------------------------------------------------------------------------- registry
@@ -321,6 +336,15 @@ class Registry:
             return self.pairs[name]
         except KeyError:
             raise _unknown("pair", name, list(self.pairs)) from None
+
+    def choose(self, pair: str | None = None, oracle: str | None = None, draft: str | None = None) -> PairChoice:
+        """The models to run from what a user gave: the pair's models, with ``oracle`` and ``draft``
+        (names or paths) replacing them; the pair's draft is kept only for the pair's oracle."""
+        chosen = self.pair(pair)
+        oracle = oracle or chosen.oracle
+        if draft is None and oracle == chosen.oracle:
+            draft = chosen.draft
+        return PairChoice(chosen, oracle, draft)
 
     def path_of(self, name: str) -> Path:
         """Where the model lives (or will live) in the cache."""
