@@ -167,7 +167,6 @@ class LlamaModel:
         self.eos: int = llama_cpp.llama_vocab_eos(self._vocab)
         self.add_bos: bool = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
         self.add_eos: bool = bool(llama_cpp.llama_vocab_get_add_eos(self._vocab))
-        self.n_ctx_train: int = llama_cpp.llama_model_n_ctx_train(self._model)
         self.n_params: int = llama_cpp.llama_model_n_params(self._model)
         self.size_bytes: int = llama_cpp.llama_model_size(self._model)
         self.name: str = self.metadata("general.name") or self.path.stem
@@ -279,13 +278,6 @@ class Detokenizer:
 # context
 
 
-@dataclass(frozen=True)
-class ContextParams:
-    n_ctx: int = 4096
-    n_batch: int = 512
-    n_threads: int | None = None  # None: all cores
-
-
 FLASH_ATTN_TYPES = {"auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
                     "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED}
 
@@ -386,10 +378,6 @@ class LlamaContext:
     @property
     def n_past(self) -> int:
         return len(self.tokens)
-
-    @property
-    def n_free(self) -> int:
-        return self.n_ctx - len(self.tokens)
 
     def rollback(self, n_past: int) -> None:
         """Drop every cached token at position >= n_past."""
