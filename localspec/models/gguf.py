@@ -1,5 +1,9 @@
 """The GGUF header check every model load starts with: llama.cpp's own checks are not all there in
-every version, and its messages go to the log rather than to the user."""
+every version, and its messages go to the log rather than to the user.
+
+Not llama.cpp's ``gguf`` package: its GGUFReader turns a broken file into an exception too, but it
+builds numpy views of every key and tensor, which takes 3-8 s for a SmolLM2 file where this walk
+takes 15-60 ms, and its errors ("cannot reshape array ...") do not say what is wrong."""
 
 from __future__ import annotations
 
