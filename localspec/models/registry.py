@@ -210,6 +210,15 @@ def _parse_source(where: str, raw: object) -> Source:
     return DerivedSource(base, ftype)
 
 
+def _check_table(where: str, table: object, keys: set[str]) -> None:
+    """A [models.NAME] or [pairs.NAME] entry: a table of known keys."""
+    if not isinstance(table, dict):
+        raise ModelError(f"{where}: must be a table")
+    extra = set(table) - keys
+    if extra:
+        raise ModelError(f"{where}: unexpected key(s): {', '.join(sorted(extra))}")
+
+
 def _opt_str(where: str, table: dict, key: str) -> str:
     value = table.get(key, "")
     if not isinstance(value, str):
@@ -257,11 +266,7 @@ class Registry:
         files: dict[str, str] = {}
         for name, m in raw_models.items():
             where = f"{origin}: model {name!r}"
-            if not isinstance(m, dict):
-                raise ModelError(f"{where}: must be a table")
-            extra = set(m) - _MODEL_KEYS
-            if extra:
-                raise ModelError(f"{where}: unexpected key(s): {', '.join(sorted(extra))}")
+            _check_table(where, m, _MODEL_KEYS)
             if not name or _looks_like_path(name) or name != name.strip():
                 raise ModelError(f"{where}: not a usable model name")
             file = m.get("file")
@@ -302,11 +307,7 @@ class Registry:
         pairs: dict[str, PairSpec] = {}
         for name, p in raw_pairs.items():
             where = f"{origin}: pair {name!r}"
-            if not isinstance(p, dict):
-                raise ModelError(f"{where}: must be a table")
-            extra = set(p) - _PAIR_KEYS
-            if extra:
-                raise ModelError(f"{where}: unexpected key(s): {', '.join(sorted(extra))}")
+            _check_table(where, p, _PAIR_KEYS)
             for role in ("oracle", "draft"):
                 if p.get(role) not in models:
                     raise ModelError(f"{where}: {role} {p.get(role)!r} is not a model in the registry")
