@@ -125,7 +125,27 @@ def check_gguf(path: Path) -> None:
 # model
 
 
-class LlamaModel:
+class _Owner:
+    """Owns a llama.cpp handle: `close()` frees it (the contract), a `with` block closes it, and
+    garbage collection is the last resort."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class LlamaModel(_Owner):
     """One loaded GGUF: weights (optionally offloaded to the GPU) and its vocabulary."""
 
     placement = None  # for a model split over RPC servers: where its layers went (localspec.rpc.Placement)
@@ -178,18 +198,6 @@ class LlamaModel:
         if getattr(self, "_model", None):
             llama_cpp.llama_model_free(self._model)
             self._model = None
-
-    def __enter__(self) -> "LlamaModel":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:  # last resort; close() is the contract
-        try:
-            self.close()
-        except Exception:
-            pass
 
     @property
     def handle(self):
@@ -308,7 +316,7 @@ def default_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-class LlamaContext:
+class LlamaContext(_Owner):
     """One llama.cpp context over a model, with one sequence and one reusable batch.
 
     Invariant: `self.tokens` is exactly the token sequence held in the KV cache, at positions
@@ -361,18 +369,6 @@ class LlamaContext:
         if getattr(self, "_ctx", None):
             llama_cpp.llama_free(self._ctx)
             self._ctx = None
-
-    def __enter__(self) -> "LlamaContext":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
     # -- position
     @property
