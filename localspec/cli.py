@@ -175,21 +175,16 @@ def open_engine(*, pair, oracle, draft, no_draft, draft_max, draft_length, p_min
     from .engine import DEFAULT_P_MIN, Engine
     from .models import Registry
 
-    registry = Registry.load()
-    chosen = registry.pair(pair)
-    oracle = oracle or chosen.oracle
-    if no_draft:
-        draft = None
-    elif draft is None:
-        draft = chosen.draft if (oracle == chosen.oracle) else None
-        if draft is None:
-            progress("no --draft given for this oracle: running it alone")
-        cross_tokenizer = cross_tokenizer or chosen.cross_tokenizer
-    return Engine(oracle, draft, n_ctx=n_ctx, n_threads=threads, gpu_layers=gpu_layers,
+    choice = Registry.load().choose(pair, oracle, draft)
+    draft = None if no_draft else choice.draft
+    if draft is None and not no_draft:
+        progress("no --draft given for this oracle: running it alone")
+    return Engine(choice.oracle, draft, n_ctx=n_ctx, n_threads=threads, gpu_layers=gpu_layers,
                   draft_gpu_layers=draft_gpu_layers, flash_attn=flash_attn, draft_length=draft_length,
                   draft_max=draft_max,
                   p_min=DEFAULT_P_MIN if p_min is None else p_min, lookup=lookup,
-                  cross_tokenizer=cross_tokenizer, progress=progress, rpc=rpc, draft_rpc=draft_rpc)
+                  cross_tokenizer=cross_tokenizer or choice.cross_tokenizer, progress=progress, rpc=rpc,
+                  draft_rpc=draft_rpc)
 
 
 # ---------------------------------------------------------------- commands
@@ -303,8 +298,8 @@ def check(prompts_file: str | None, max_prompts: int, max_tokens: int, as_json: 
     if kw["no_draft"] or kw["draft"] == "ngram":
         raise UserError("check needs a draft model (--draft NAME or --pair NAME)")
     prompts = load_prompts(prompts_file, max_prompts, max_tokens)
-    pair = Registry.load().pair(kw["pair"])
-    oracle, draft = kw["oracle"] or pair.oracle, kw["draft"] or pair.draft
+    choice = Registry.load().choose(kw["pair"], kw["oracle"], kw["draft"])
+    oracle, draft = choice.oracle, choice.draft or choice.pair.draft  # another oracle: still the pair's draft
     with open_engine(**{**kw, "oracle": oracle, "draft": draft, "cross_tokenizer": True}) as engine:
         report = run_check(engine, prompts, oracle=oracle, draft=draft, progress=progress)
     click.echo(json.dumps(report.to_dict(), indent=2) if as_json else format_report(report))

@@ -11,21 +11,23 @@ Nothing here knows about speculation; the engine composes two contexts.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import ctypes
 import logging
 import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
 import llama_cpp
 
+from .models.gguf import GGUF_MAGIC, gguf_header_problem
+
 log = logging.getLogger("localspec.llama")
 
-GGUF_MAGIC = b"GGUF"
 _SEQ = 0  # one sequence per context
 
 
@@ -51,15 +53,20 @@ _initialised = False
 # ggml_log_level: 1 DEBUG, 2 INFO, 3 WARN, 4 ERROR, 5 CONT (continues the previous line)
 _LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
 # llama.cpp logs from the thread that called it, in pieces: each thread assembles its own lines, and
-# a thread loading a model collects its error lines (two models may load at once)
+# a thread may capture its own lines for a while (a model load its errors, the quantizer everything)
 _log_state = threading.local()
+
+
+def _thread_log_state():
+    state = _log_state
+    if not hasattr(state, "buffer"):
+        state.buffer, state.level, state.capture = [], logging.DEBUG, None
+    return state
 
 
 @llama_cpp.llama_log_callback
 def _log_callback(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
-    state = _log_state
-    if not hasattr(state, "buffer"):
-        state.buffer, state.level, state.load_errors = [], logging.DEBUG, None
+    state = _thread_log_state()
     if level != 5:  # 5 (CONT) continues the previous line
         state.level = _LEVELS.get(level, logging.DEBUG)
     state.buffer.append(text.decode("utf-8", errors="replace"))
@@ -67,8 +74,8 @@ def _log_callback(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
         line = "".join(state.buffer).rstrip()
         state.buffer.clear()
         if line:
-            if state.load_errors is not None and state.level >= logging.ERROR:
-                state.load_errors.append(line)  # a model load is under way: its error goes into the exception
+            if state.capture is not None and state.level >= state.capture[1]:
+                state.capture[0].append(line)  # captured (see captured_log): the log has it at DEBUG only
                 log.debug("%s", line)
             else:
                 log.log(state.level, "%s", line)
@@ -83,6 +90,22 @@ def _ensure_backend() -> None:
             _initialised = True
 
 
+@contextlib.contextmanager
+def captured_log(level: int = logging.DEBUG) -> Iterator[list[str]]:
+    """Collect the lines llama.cpp logs from this thread at `level` or above while the block runs
+    (into the list it yields) rather than logging them at their own level: a failed model load
+    puts its errors in the exception, the quantizer's line per tensor stays off the terminal.
+    Other threads' lines are not affected."""
+    _ensure_backend()
+    state = _thread_log_state()
+    outer, lines = state.capture, []
+    state.capture = (lines, level)
+    try:
+        yield lines
+    finally:
+        state.capture = outer
+
+
 def check_gguf(path: Path) -> None:
     """Fail early and clearly on what llama.cpp would reject with a vague message (or worse)."""
     if not path.exists():
@@ -93,114 +116,36 @@ def check_gguf(path: Path) -> None:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise ModelLoadError(f"not a GGUF file (bad magic {magic!r}): {path}")
-    problem = _gguf_header_problem(path)
+    problem = gguf_header_problem(path)
     if problem:
         raise ModelLoadError(f"corrupt or truncated GGUF file ({problem}): {path}")
-
-
-# ggml type -> (elements per block, bytes per block), for the tensor data bounds check
-_GGML_BLOCKS = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 9: (32, 36),
-                10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210), 15: (256, 292),
-                24: (1, 1), 25: (1, 2), 26: (1, 4), 27: (1, 8), 28: (1, 8), 30: (1, 2)}
-_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-
-
-def _gguf_header_problem(path: Path) -> str | None:
-    """Walk the GGUF header (version, key-value pairs, tensor infos) and check that every tensor's
-    data lies inside the file: llama.cpp's own checks are not all there in every version, and its
-    messages go to the log rather than to the user. None when the header is sound."""
-    import mmap
-    import struct
-
-    size = path.stat().st_size
-    if size < 24:
-        return "shorter than a GGUF header"
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        pos = 4
-
-        def take(fmt: str):
-            nonlocal pos
-            value = struct.unpack_from("<" + fmt, m, pos)
-            pos += struct.calcsize("<" + fmt)
-            return value[0]
-
-        def skip_string() -> bytes:
-            nonlocal pos
-            n = take("Q")
-            if n > size - pos:
-                raise ValueError("a string runs past the end of the file")
-            pos += n
-            return m[pos - n:pos]
-
-        def skip_value(kind: int, depth: int = 0):
-            nonlocal pos
-            if kind in _GGUF_SCALARS:
-                return take(_GGUF_SCALARS[kind])
-            if kind == 8:
-                return skip_string()
-            if kind == 9 and depth == 0:
-                item, n = take("I"), take("Q")
-                if item in _GGUF_SCALARS:
-                    width = struct.calcsize(_GGUF_SCALARS[item])
-                    if n * width > size - pos:
-                        raise ValueError("an array runs past the end of the file")
-                    pos += n * width
-                elif item == 8:  # strings (a vocabulary: ~50-250k of them): a tight loop, ~10 ms
-                    if n > size - pos:
-                        raise ValueError("an array runs past the end of the file")
-                    length_at = struct.Struct("<Q").unpack_from
-                    for _ in range(n):
-                        if pos + 8 > size:
-                            raise ValueError("an array runs past the end of the file")
-                        pos += 8 + length_at(m, pos)[0]
-                    if pos > size:
-                        raise ValueError("a string runs past the end of the file")
-                else:
-                    if n > size - pos:
-                        raise ValueError("an array runs past the end of the file")
-                    for _ in range(n):
-                        skip_value(item, depth + 1)
-                return None
-            raise ValueError(f"unknown value type {kind}")
-
-        try:
-            version = take("I")
-            if version not in (2, 3):
-                return f"unsupported version {version}"
-            n_tensors, n_kv = take("Q"), take("Q")
-            if n_tensors > size // 16 or n_kv > size // 16:
-                return f"implausible counts: {n_tensors} tensors, {n_kv} keys"
-            alignment = 32
-            for _ in range(n_kv):
-                key = skip_string()
-                value = skip_value(take("I"))
-                if key == b"general.alignment" and isinstance(value, int) and value > 0:
-                    alignment = value
-            tensors = []
-            for _ in range(n_tensors):
-                skip_string()
-                n_dims = take("I")
-                if n_dims > 8:
-                    return f"a tensor with {n_dims} dimensions"
-                n_elements = 1
-                for _ in range(n_dims):
-                    n_elements *= take("Q")
-                tensors.append((n_elements, take("I"), take("Q")))
-        except (struct.error, ValueError) as e:
-            return "the header is cut short" if isinstance(e, struct.error) else str(e)
-        data_start = -(-pos // alignment) * alignment
-        for n_elements, kind, offset in tensors:
-            block, nbytes = _GGML_BLOCKS.get(kind, (1, 0))
-            if data_start + offset + n_elements // block * nbytes > size:
-                return f"tensor data ends past the end of the file ({size} bytes)"
-    return None
 
 
 # ---------------------------------------------------------------------------------------------
 # model
 
 
-class LlamaModel:
+class _Owner:
+    """Owns a llama.cpp handle: `close()` frees it (the contract), a `with` block closes it, and
+    garbage collection is the last resort."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class LlamaModel(_Owner):
     """One loaded GGUF: weights (optionally offloaded to the GPU) and its vocabulary."""
 
     placement = None  # for a model split over RPC servers: where its layers went (localspec.rpc.Placement)
@@ -228,13 +173,8 @@ class LlamaModel:
         # The CPU "extra buffer types" (AMX / repacked weights) crash llama_decode on Q4_1 on some
         # x86 machines; plain CPU buffers are always correct, and GPU offload is unaffected.
         params.use_extra_bufts = False
-        if not hasattr(_log_state, "buffer"):
-            _log_state.buffer, _log_state.level = [], logging.DEBUG
-        _log_state.load_errors = errors = []
-        try:
+        with captured_log(logging.ERROR) as errors:  # a failed load's errors go into the exception
             self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), params)
-        finally:
-            _log_state.load_errors = None
         if not self._model:
             reason = next((e for e in errors if "error loading model" in e), errors[0] if errors else "")
             reason = reason.split("error loading model:", 1)[-1].strip()
@@ -247,7 +187,6 @@ class LlamaModel:
         self.eos: int = llama_cpp.llama_vocab_eos(self._vocab)
         self.add_bos: bool = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
         self.add_eos: bool = bool(llama_cpp.llama_vocab_get_add_eos(self._vocab))
-        self.n_ctx_train: int = llama_cpp.llama_model_n_ctx_train(self._model)
         self.n_params: int = llama_cpp.llama_model_n_params(self._model)
         self.size_bytes: int = llama_cpp.llama_model_size(self._model)
         self.name: str = self.metadata("general.name") or self.path.stem
@@ -259,18 +198,6 @@ class LlamaModel:
         if getattr(self, "_model", None):
             llama_cpp.llama_model_free(self._model)
             self._model = None
-
-    def __enter__(self) -> "LlamaModel":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:  # last resort; close() is the contract
-        try:
-            self.close()
-        except Exception:
-            pass
 
     @property
     def handle(self):
@@ -359,13 +286,6 @@ class Detokenizer:
 # context
 
 
-@dataclass(frozen=True)
-class ContextParams:
-    n_ctx: int = 4096
-    n_batch: int = 512
-    n_threads: int | None = None  # None: all cores
-
-
 FLASH_ATTN_TYPES = {"auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
                     "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED}
 
@@ -396,7 +316,7 @@ def default_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-class LlamaContext:
+class LlamaContext(_Owner):
     """One llama.cpp context over a model, with one sequence and one reusable batch.
 
     Invariant: `self.tokens` is exactly the token sequence held in the KV cache, at positions
@@ -450,26 +370,10 @@ class LlamaContext:
             llama_cpp.llama_free(self._ctx)
             self._ctx = None
 
-    def __enter__(self) -> "LlamaContext":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
-
     # -- position
     @property
     def n_past(self) -> int:
         return len(self.tokens)
-
-    @property
-    def n_free(self) -> int:
-        return self.n_ctx - len(self.tokens)
 
     def rollback(self, n_past: int) -> None:
         """Drop every cached token at position >= n_past."""

@@ -123,7 +123,6 @@ class Result:
     finish_reason: str
     stats: Stats
     logprobs: list[TokenLogprob] | None = None
-    prompt_tokens: list[int] = field(default_factory=list)
     # under a schema or grammar: "complete" (the text is a whole instance of it) or "incomplete"
     # (it stopped first: max_tokens, a stop string); None without one
     structure: str | None = None

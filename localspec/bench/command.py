@@ -20,13 +20,8 @@ def run(*, pair: str | None, oracle: str | None, draft: str | None, workload: st
         cross_tokenizer: bool, paired: bool, one_shot: bool, progress: Callable[[str], None], echo: Callable[[str], None]) -> dict:
     from localspec.models import Registry
 
-    registry = Registry.load()
-    chosen = registry.pair(pair)
-    if oracle is None:
-        oracle = chosen.oracle
-        draft = draft or chosen.draft
-    elif draft is None and oracle == chosen.oracle:
-        draft = chosen.draft
+    choice = Registry.load().choose(pair, oracle, draft)
+    oracle, draft, chosen = choice.oracle, choice.draft, choice.pair
     if draft is None:
         progress("no --draft for this oracle: systems that need a draft model are skipped")
     names = [w.strip() for w in workload.split(",") if w.strip()] if workload else None
@@ -34,8 +29,7 @@ def run(*, pair: str | None, oracle: str | None, draft: str | None, workload: st
     config = BenchConfig(oracle=oracle, draft=draft, prompts=prompts, systems=parse_systems(systems), reps=reps,
                          threads=threads, n_ctx=n_ctx, pair=chosen.name if oracle == chosen.oracle else None,
                          anchor_bin=anchor_bin, progress=progress, paired=paired, one_shot=one_shot,
-                         cross_tokenizer=cross_tokenizer or (chosen.cross_tokenizer
-                                                             and (oracle, draft) == (chosen.oracle, chosen.draft)))
+                         cross_tokenizer=cross_tokenizer or choice.cross_tokenizer)
     report = run_bench(config)
 
     charts: dict[str, str] = {}

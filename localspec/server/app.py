@@ -521,11 +521,11 @@ def served_names(pair: str | None, oracle: str | None, model_name: str | None) -
     its aliases (the oracle's registry name, or its file name without .gguf)."""
     from ..models import Registry
 
-    chosen = Registry.load().pair(pair)
-    oracle_name = oracle or chosen.oracle
+    choice = Registry.load().choose(pair, oracle)
+    oracle_name = choice.oracle
     if oracle_name.endswith(".gguf") or "/" in oracle_name or os.sep in oracle_name:
         oracle_name = Path(oracle_name).stem
-    name = model_name or (oracle_name if oracle else chosen.name)
+    name = model_name or (oracle_name if oracle else choice.pair.name)
     return name, [oracle_name]
 
 

@@ -10,7 +10,7 @@ the speculative-decoding counters (drafted, accepted, acceptance_rate).
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
@@ -386,5 +386,3 @@ class ErrorDetail(BaseModel):
 class ErrorResponse(BaseModel):
     error: ErrorDetail
 
-
-AnyCompletionRequest = Union[ChatCompletionRequest, CompletionRequest]
