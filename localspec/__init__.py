@@ -1,8 +1,9 @@
 """localspec: speculative decoding for local GGUF models on llama.cpp."""
 
+from .options import GenerationOptions
 from .outputs import Chunk, Result, Stats
 
-__all__ = ["Engine", "Result", "Stats", "Chunk"]
+__all__ = ["Engine", "GenerationOptions", "Result", "Stats", "Chunk"]
 
 
 def __getattr__(name: str):

@@ -32,9 +32,11 @@ from typing import Any, Callable, Iterator
 
 import click
 
+from .options import OPTIONS, GenerationOptions
+
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop")
-STRUCTURE_FIELDS = ("json_schema", "grammar")
-FIELDS = frozenset(("id", "prompt", "messages", "raw") + SAMPLING_FIELDS + STRUCTURE_FIELDS)
+STRUCTURE_FIELDS = {"json_schema": "schema", "grammar": "grammar"}  # a line's field -> the option
+FIELDS = frozenset(("id", "prompt", "messages", "raw") + SAMPLING_FIELDS + tuple(STRUCTURE_FIELDS))
 
 
 class BadRequest(ValueError):
@@ -63,29 +65,9 @@ def id_key(record_id: Any) -> str:
     return json.dumps(record_id, sort_keys=True, ensure_ascii=False)
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "max_tokens": (_is_int, "an integer"),
-    "temperature": (_is_number, "a number"),
-    "top_p": (_is_number, "a number"),
-    "top_k": (_is_int, "an integer"),
-    "min_p": (_is_number, "a number"),
-    "seed": (lambda x: x is None or _is_int(x), "an integer or null"),
-    "stop": (lambda x: x is None or isinstance(x, str) or (isinstance(x, list) and all(isinstance(s, str) for s in x)),
-             "a string or a list of strings"),
-}
-
-
 def parse_line(line: str, lineno: int, *, defaults: dict[str, Any], system: str | None, raw: bool) -> Item:
-    """One input line -> an Item (with `error` set when the line is malformed). Value ranges are
-    left to the engine, which rejects them with a clear message."""
+    """One input line -> an Item (with `error` set when the line is malformed, or when a value is
+    out of its option's range: the rules of localspec.options, as on the command line)."""
     fallback_id = f"line-{lineno}"
     if isinstance(line, NotUTF8):
         return Item(lineno, fallback_id, error=str(line))
@@ -134,28 +116,25 @@ def _request(obj: dict[str, Any], *, defaults: dict[str, Any], system: str | Non
             raise BadRequest(rid, "\"messages\" must be a non-empty list of objects")
         request = messages
     options = dict(defaults)
-    if any(name in obj for name in STRUCTURE_FIELDS):
-        from .constraints import Constraint
-
+    given = [name for name in STRUCTURE_FIELDS if name in obj]
+    if len(given) > 1:
+        raise BadRequest(rid, "give \"json_schema\" or \"grammar\", not both")
+    if given:  # the line's schema or grammar replaces the command line's
         options.pop("schema", None)
         options.pop("grammar", None)
-        try:
-            if "json_schema" in obj and "grammar" in obj:
-                raise ValueError("give \"json_schema\" or \"grammar\", not both")
-            if "json_schema" in obj:
-                options["schema"] = Constraint.json_schema(obj["json_schema"])
-            elif not isinstance(obj["grammar"], str):
-                raise ValueError("\"grammar\" must be a string")
-            else:
-                options["grammar"] = Constraint.from_grammar(obj["grammar"])
-        except ValueError as e:
-            raise BadRequest(rid, str(e)) from None
-    for name in SAMPLING_FIELDS:
+    for name in SAMPLING_FIELDS + tuple(given):
         if name in obj:
-            check, expected = _CHECKS[name]
-            if not check(obj[name]):
-                raise BadRequest(rid, f"\"{name}\" must be {expected}, got {json.dumps(obj[name])}")
-            options[name] = obj[name]
+            option = OPTIONS[STRUCTURE_FIELDS.get(name, name)]
+            error = option.json_type_error(obj[name], name)
+            if error is not None:
+                raise BadRequest(rid, error)
+            options[option.name] = obj[name]
+    try:
+        checked = GenerationOptions(**options)  # the bounds; a schema or grammar compiles
+    except ValueError as e:
+        raise BadRequest(rid, str(e)) from None
+    for name in given:
+        options[STRUCTURE_FIELDS[name]] = getattr(checked, STRUCTURE_FIELDS[name])  # compiled once
     return request, options
 
 

@@ -12,6 +12,8 @@ from typing import Any, Callable
 
 import click
 
+from .options import OPTIONS, GenerationOptions, OptionError
+
 EXIT_USAGE = 2
 EXIT_RECORDS_FAILED = 1  # a batch run ended with error records in its output
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), as shells report it
@@ -94,8 +96,8 @@ def model_options(fn: Callable) -> Callable:
         click.option("--draft", default=None,
                      help="Draft model: a name or a GGUF path, or 'ngram' for prompt lookup (no model)."),
         click.option("--no-draft", is_flag=True, help="Run the oracle alone (the baseline)."),
-        click.option("--draft-max", type=click.IntRange(0, 64), default=None,
-                     help="Most tokens drafted per step (default 16; 64 for --draft ngram, whose drafts are free)."),
+        OPTIONS["draft_max"].click_option(
+            help="Most tokens drafted per step (default 16; 64 for --draft ngram, whose drafts are free)."),
         click.option("--draft-length", type=click.IntRange(0, 64), default=None,
                      help="Draft exactly this many tokens per step (default: adaptive, from measured costs)."),
         click.option("--p-min", type=click.FloatRange(0, 1), default=None,
@@ -120,52 +122,36 @@ def model_options(fn: Callable) -> Callable:
     return fn
 
 
+SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop")  # flags of generate and chat
+
+
 def sampling_options(fn: Callable) -> Callable:
-    options = [
-        click.option("--max-tokens", type=click.IntRange(1), default=256, show_default=True),
-        click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True,
-                     help="0 is greedy."),
-        click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True),
-        click.option("--top-k", type=click.IntRange(0), default=0, show_default=True, help="0 disables."),
-        click.option("--min-p", type=click.FloatRange(0, 1), default=0.0, show_default=True),
-        click.option("--seed", type=int, default=None, help="Makes sampled output reproducible."),
-        click.option("--stop", multiple=True, help="Stop string (repeatable)."),
-    ]
-    for option in reversed(options):
-        fn = option(fn)
+    """--max-tokens, --temperature, ...: each from its rule in localspec.options."""
+    for name in reversed(SAMPLING):
+        fn = OPTIONS[name].click_option()(fn)
     return fn
 
 
-def sampling_kwargs(kw: dict[str, Any]) -> dict[str, Any]:
-    return {k: kw[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop")}
+def structure_options(fn: Callable) -> Callable:
+    """--json-schema / --grammar: files holding the option's schema or grammar."""
+    return OPTIONS["schema"].click_option()(OPTIONS["grammar"].click_option()(fn))
 
 
-STRUCTURE_OPTIONS = [
-    click.option("--json-schema", "json_schema", type=click.Path(exists=True, dir_okay=False, allow_dash=True),
-                 default=None, help="The output must be JSON following this JSON schema (a file)."),
-    click.option("--grammar", type=click.Path(exists=True, dir_okay=False, allow_dash=True), default=None,
-                 help="The output must follow this grammar (a file: llguidance's Lark syntax, or llama.cpp's GBNF "
-                      "when it has '::=' rules)."),
-]
-
-
-def structure_kwargs(json_schema: str | None, grammar: str | None) -> dict[str, Any]:
-    """--json-schema / --grammar, read and checked before any model loads (exit 2 naming the problem)."""
-    from .constraints import Constraint
-
+def request_options(kw: dict[str, Any], json_schema: str | None = None,
+                    grammar: str | None = None) -> GenerationOptions:
+    """The command line's generation options, checked before any model loads (exit 2 naming the
+    problem); --json-schema / --grammar are read and compiled here."""
     if json_schema is not None and grammar is not None:
         raise UserError("give --json-schema or --grammar, not both")
+    structure: dict[str, Any] = {}
     path = json_schema or grammar
-    if path is None:
-        return {}
-    with click.open_file(path, encoding="utf-8") as f:
-        text = f.read()
+    if path is not None:
+        with click.open_file(path, encoding="utf-8") as f:
+            structure["schema" if json_schema is not None else "grammar"] = f.read()
     try:
-        if json_schema is not None:
-            return {"schema": Constraint.json_schema(text)}
-        return {"grammar": Constraint.from_grammar(text)}
+        return GenerationOptions(**{name: kw[name] for name in SAMPLING}, **structure)
     except ValueError as e:
-        raise UserError(f"{path}: {e}") from None
+        raise UserError(f"{path}: {e}" if path is not None and not isinstance(e, OptionError) else str(e)) from None
 
 
 def open_engine(*, pair, oracle, draft, no_draft, draft_max, draft_length, p_min, lookup, cross_tokenizer,
@@ -210,8 +196,7 @@ def main(debug: bool) -> None:
               help="Batch: a JSONL file of requests ({\"id\", \"prompt\" | \"messages\", sampling fields}).")
 @click.option("--output", "output_path", type=click.Path(dir_okay=False, allow_dash=True), default=None,
               help="Batch: the JSONL results file (appended; ids already in it are skipped). Default: stdout.")
-@STRUCTURE_OPTIONS[0]
-@STRUCTURE_OPTIONS[1]
+@structure_options
 @friendly_errors
 def generate(prompt: str | None, system: str | None, raw: bool, as_json: bool, input_path: str | None,
              output_path: str | None, json_schema: str | None, grammar: str | None, **kw) -> None:
@@ -221,7 +206,7 @@ def generate(prompt: str | None, system: str | None, raw: bool, as_json: bool, i
 
     A batch exits 0 when every record of the input succeeded, 1 when any has an error record in
     the output (written now or by an earlier run), 2 on a usage or model error, 130 on Ctrl-C."""
-    structure = structure_kwargs(json_schema, grammar)
+    options = request_options(kw, json_schema, grammar)
     if input_path is not None or output_path is not None:
         if input_path is None:
             raise UserError("--output needs --input")
@@ -229,7 +214,7 @@ def generate(prompt: str | None, system: str | None, raw: bool, as_json: bool, i
             raise UserError("give either PROMPT or --input, not both")
         from .batch import run_batch
 
-        defaults = sampling_kwargs(kw) | {"stop": list(kw["stop"]) or None} | structure
+        defaults = options.as_kwargs()
         try:
             summary = run_batch(input_path, output_path, open_engine=lambda: open_engine(**kw), defaults=defaults,
                                 system=system, raw=raw, progress=progress)
@@ -248,11 +233,11 @@ def generate(prompt: str | None, system: str | None, raw: bool, as_json: bool, i
         request = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     with open_engine(**kw) as engine:
         if as_json:
-            result = engine.generate(request, **sampling_kwargs(kw), **structure)
+            result = engine.generate(request, options)
             click.echo(json.dumps(result.to_dict(), ensure_ascii=False))
             return
         final = None
-        for final in engine.stream(request, **sampling_kwargs(kw), **structure):
+        for final in engine.stream(request, options):
             click.echo(final.text, nl=False)
             sys.stdout.flush()
         click.echo()
@@ -273,9 +258,9 @@ def generate(prompt: str | None, system: str | None, raw: bool, as_json: bool, i
 def chat(system: str | None, **kw) -> None:
     """Chat in the terminal; replies stream as drafts are accepted (/help inside for commands).
     With piped input: one message per line, replies on stdout."""
-    from .repl import Settings, run_chat
+    from .repl import run_chat
 
-    settings = Settings(**{k: v for k, v in sampling_kwargs(kw).items() if k != "stop"}, stop=tuple(kw["stop"]))
+    settings = request_options(kw)
     with open_engine(**kw) as engine:
         code = run_chat(engine, settings=settings, system=system)
     sys.exit(code)
@@ -286,7 +271,7 @@ def chat(system: str | None, **kw) -> None:
 @click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="A text file, one prompt per line (default: a few bundled chat, grounded and code prompts).")
 @click.option("--max-prompts", type=click.IntRange(1), default=2, show_default=True, help="Per workload.")
-@click.option("--max-tokens", type=click.IntRange(1), default=64, show_default=True)
+@OPTIONS["max_tokens"].click_option(default=64)
 @click.option("--json", "as_json", is_flag=True)
 @friendly_errors
 def check(prompts_file: str | None, max_prompts: int, max_tokens: int, as_json: bool, **kw) -> None:
@@ -467,7 +452,7 @@ def serve(ctx: click.Context, host: str, port: int, model_name: str | None, api_
               "takes -fa-auto|-fa-on|-fa-off; llama.cpp-grid is llama.cpp-k4/k8/k16, each with -fa auto and off).")
 @click.option("--reps", type=click.IntRange(1), default=3, show_default=True, help="Interleaved repetitions.")
 @click.option("--max-prompts", type=click.IntRange(1), default=None, help="At most N prompts per workload.")
-@click.option("--max-tokens", type=click.IntRange(1), default=None, help="Cap every prompt's max_tokens.")
+@OPTIONS["max_tokens"].click_option(default=None, help="Cap every prompt's max_tokens.")
 @click.option("--threads", type=click.IntRange(1, 1024), default=None,
               help="CPU threads, the same for every system (default: all cores).")
 @click.option("--ctx", "n_ctx", type=click.IntRange(64, 1 << 20), default=4096, show_default=True)

@@ -101,20 +101,6 @@ class Constraint:
         return cls(grammar, kind)
 
 
-def build(schema: Any = None, grammar: Any = None) -> Constraint | None:
-    """The constraint of `schema=` / `grammar=` (at most one), as the Python API takes them; either
-    may already be a Constraint."""
-    if schema is not None and grammar is not None:
-        raise ConstraintError("give a schema or a grammar, not both")
-    if isinstance(schema, Constraint) or isinstance(grammar, Constraint):
-        return schema or grammar
-    if schema is not None:
-        return Constraint.json_schema(schema)
-    if grammar is not None:
-        return Constraint.from_grammar(grammar)
-    return None
-
-
 # ---------------------------------------------------------------- the vocabulary
 
 _tokenizers: "weakref.WeakKeyDictionary[Any, LLTokenizer]" = weakref.WeakKeyDictionary()

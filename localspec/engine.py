@@ -34,6 +34,7 @@ from .compat import check_compatible, first_difference
 from .constraints import Constraint, ConstraintWalk
 from .costs import CostStore, file_fingerprint, machine_identity
 from .llama import Detokenizer, LlamaContext, LlamaModel, default_threads, resolve_flash_attn
+from .options import OPTIONS, GenerationOptions
 from .outputs import Chunk, Result, Stats, StepRecord, TokenLogprob, TopLogprob
 from .policy import AdaptiveLength, FixedLength, LengthPolicy
 from .proposers import (EMPTY_DRAFT, CrossTokenizerProposer, Draft, DraftModelProposer, HybridProposer,
@@ -64,9 +65,10 @@ class PromptTooLongError(ValueError):
 
 @dataclass(frozen=True)
 class Request:
-    """One generation request, validated."""
+    """One generation request as the loop runs it: the options of a `GenerationOptions`, with the
+    sampling ones gathered and the schema or grammar compiled (`Request.of`)."""
 
-    max_tokens: int = 256
+    max_tokens: int = OPTIONS["max_tokens"].default
     sampling: SamplingParams = SamplingParams()
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # None: off; n >= 0: the emitted token's logprob and the top n
@@ -75,12 +77,16 @@ class Request:
     constraint: Constraint | None = None  # a JSON schema or grammar the output must follow
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError("logprobs must be between 0 and 20")
-        if self.draft_max is not None and self.draft_max < 0:
-            raise ValueError("draft_max must be >= 0")
+        for name in ("max_tokens", "logprobs", "draft_max"):  # the rules of options.py
+            OPTIONS[name].check(getattr(self, name))
+
+    @classmethod
+    def of(cls, options: GenerationOptions) -> "Request":
+        return cls(max_tokens=options.max_tokens,
+                   sampling=SamplingParams(temperature=options.temperature, top_k=options.top_k,
+                                           top_p=options.top_p, min_p=options.min_p, seed=options.seed),
+                   stop=options.stop, logprobs=options.logprobs, speculative=options.speculative,
+                   draft_max=options.draft_max, constraint=options.constraint)
 
 
 class Engine:
@@ -361,38 +367,36 @@ class Engine:
 
     # -- generation
 
-    def generate(self, prompt: Prompt, **options) -> Result:
-        """Generate a completion; options as for `stream`."""
+    def generate(self, prompt: Prompt, options: GenerationOptions | None = None, *, tools: list | None = None,
+                 **changes) -> Result:
+        """Generate a completion; arguments as for `stream`."""
+        options = GenerationOptions.build(options, **changes)
         text, tokens, logprobs = [], [], []
         final = None
-        for final in self.stream(prompt, **options):
+        for final in self.stream(prompt, options, tools=tools):
             text.append(final.text)
             tokens.extend(final.tokens)
             if final.logprobs is not None:
                 logprobs.extend(final.logprobs)
         assert final is not None and final.finish_reason is not None and final.stats is not None
         return Result(text="".join(text), tokens=tokens, finish_reason=final.finish_reason,
-                      stats=final.stats, logprobs=logprobs if options.get("logprobs") is not None else None,
+                      stats=final.stats, logprobs=logprobs if options.logprobs is not None else None,
                       structure=final.structure)
 
-    def stream(self, prompt: Prompt, *, max_tokens: int = 256, temperature: float = 0.0,
-               top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
-               stop: str | Sequence[str] | None = None, logprobs: int | None = None,
-               speculative: bool = True, draft_max: int | None = None, schema: Any = None,
-               grammar: Any = None, tools: list | None = None) -> Iterator[Chunk]:
+    def stream(self, prompt: Prompt, options: GenerationOptions | None = None, *, tools: list | None = None,
+               **changes) -> Iterator[Chunk]:
         """Yield text chunks as speculative steps are accepted; the last chunk carries
         finish_reason ("stop" or "length") and the stats.
 
+        `options`: a `GenerationOptions` (max_tokens, temperature, top_p, top_k, min_p, seed, stop,
+        logprobs, speculative, draft_max, schema, grammar); keyword arguments of those names build
+        one, or change the given one: `stream(prompt, max_tokens=64, temperature=0.8)`.
         `schema`: a JSON schema (dict, JSON text or a pydantic model class) the output must follow;
         `grammar`: a Lark or GBNF grammar (text) it must follow; or a `constraints.Constraint`.
-        Invalid ones raise `constraints.ConstraintError` (a ValueError) before anything is generated.
+        Invalid options raise a ValueError (an invalid schema or grammar a `constraints.ConstraintError`)
+        before anything is generated.
         `tools`: OpenAI function specs handed to a chat template that takes them (the server's tool calls)."""
-        request = Request(
-            max_tokens=max_tokens,
-            sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed),
-            stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
-            logprobs=logprobs, speculative=speculative, draft_max=draft_max,
-            constraint=constraints.build(schema, grammar))
+        request = Request.of(GenerationOptions.build(options, **changes))
         tokens = self.tokenize_prompt(prompt, tools)
         return self.stream_tokens(tokens, request)
 

@@ -11,18 +11,18 @@ step finishes leaves the chat. Ctrl-C at the prompt clears the line; Ctrl-D or /
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, TextIO
+from typing import Any, Iterable, TextIO
 
 import click
 
 from .costs import fit_steps, oracle_alone_time
+from .options import GenerationOptions
 from .outputs import Stats, StepRecord
 
 PROMPT = ">>> "
@@ -46,80 +46,24 @@ class SettingError(ValueError):
 
 # ---------------------------------------------------------------- settings
 
-
-def _parse_float(lo: float, hi: float, lo_open: bool = False) -> Callable[[str], float]:
-    def parse(s: str) -> float:
-        try:
-            v = float(s)
-        except ValueError:
-            v = math.nan
-        ok = math.isfinite(v) and (v > lo if lo_open else v >= lo) and v <= hi
-        if not ok:
-            interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]" if math.isfinite(hi) else f">= {lo:g}"
-            raise SettingError(f"expected a number {'in ' if math.isfinite(hi) else ''}{interval}, got {s!r}")
-        return v
-    return parse
+Settings = GenerationOptions  # the chat's per-reply options; `/set NAME VALUE` replaces one
+SETTABLE = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "draft_max")
 
 
-def _parse_int(lo: int, hi: int | None = None, none_ok: bool = False) -> Callable[[str], int | None]:
-    def parse(s: str) -> int | None:
-        if none_ok and s.lower() in ("none", "off", "default"):
-            return None
-        try:
-            v = int(s)
-        except ValueError:
-            v = None
-        if v is None or v < lo or (hi is not None and v > hi):
-            rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-            raise SettingError(f"expected an integer {rng}{' or none' if none_ok else ''}, got {s!r}")
-        return v
-    return parse
-
-
-def _parse_seed(s: str) -> int | None:
-    if s.lower() in ("none", "off", "random"):
-        return None
+def set_option(settings: Settings, name: str, value: str) -> tuple[str, Settings]:
+    """`/set NAME VALUE`: the option's name and the settings with it changed (parsed and checked
+    by the option's rule). SettingError says what is wrong."""
+    key = name.lower().replace("-", "_")
+    if key not in SETTABLE:
+        raise SettingError(f"unknown setting {name!r} (one of {', '.join(SETTABLE)})")
     try:
-        return int(s)
-    except ValueError:
-        raise SettingError(f"expected an integer or none, got {s!r}") from None
+        return key, settings.with_text(key, value)
+    except ValueError as e:
+        raise SettingError(str(e)) from None
 
 
-@dataclass
-class Settings:
-    """Per-reply generation options; `/set NAME VALUE` changes one."""
-
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    draft_max: int | None = None  # None: the engine's policy decides
-    stop: tuple[str, ...] = ()
-
-    PARSERS = {
-        "temperature": _parse_float(0, math.inf),
-        "top_p": _parse_float(0, 1, lo_open=True),
-        "top_k": _parse_int(0),
-        "min_p": _parse_float(0, 1),
-        "seed": _parse_seed,
-        "max_tokens": _parse_int(1),
-        "draft_max": _parse_int(0, 64, none_ok=True),
-    }
-
-    def set(self, name: str, value: str) -> None:
-        key = name.lower().replace("-", "_")
-        parser = self.PARSERS.get(key)
-        if parser is None:
-            raise SettingError(f"unknown setting {name!r} (one of {', '.join(self.PARSERS)})")
-        setattr(self, key, parser(value))
-
-    def describe(self) -> str:
-        return "  ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self) if f.name != "stop")
-
-    def stream_kwargs(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)} | {"stop": list(self.stop) or None}
+def describe(settings: Settings) -> str:
+    return "  ".join(f"{name}={getattr(settings, name)}" for name in SETTABLE)
 
 
 # ---------------------------------------------------------------- conversation
@@ -357,16 +301,15 @@ class Chat:
         elif name == "/set":
             parts = arg.split(None, 1)
             if not parts:
-                c.line(self.settings.describe())
+                c.line(describe(self.settings))
             elif len(parts) != 2:
                 c.error(f"/set {parts[0]}: missing value (usage: /set NAME VALUE)")
             else:
                 try:
-                    self.settings.set(parts[0], parts[1].strip())
+                    key, self.settings = set_option(self.settings, parts[0], parts[1].strip())
                 except SettingError as e:
                     c.error(f"/set {parts[0]}: {e}")
                 else:
-                    key = parts[0].lower().replace("-", "_")
                     c.info(f"{key} = {getattr(self.settings, key)}")
         elif name == "/stats":
             for text in self.stats_lines():
@@ -404,7 +347,7 @@ class Chat:
     def reply(self, text: str) -> None:
         c = self.console
         self.conversation.add("user", text)
-        kwargs = self.settings.stream_kwargs()
+        kwargs = self.settings.as_kwargs()
         try:
             fitted = self._fit(kwargs["max_tokens"])
             if fitted is None:

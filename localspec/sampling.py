@@ -28,12 +28,13 @@ in float64. top-k is np.partition plus one compare; top-p sorts only a candidate
 from __future__ import annotations
 
 import math
-import numbers
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
+
+from .options import OPTIONS
 
 # top-p mass is compared with ``top_p - _TOP_P_TOL`` so that rounding in the sums (a prefix
 # whose exact mass is top_p) cannot pull in one more token.
@@ -46,34 +47,20 @@ _TOP_P_DIRECT = 1024
 _SAMPLE_BLOCK = 1024
 
 
-def _is_real(v: object) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, bool)
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # <= 0 means greedy (negative values are rejected)
-    top_k: int = 0  # 0 = disabled
-    top_p: float = 1.0  # 1.0 = disabled
-    min_p: float = 0.0  # 0 = disabled
-    seed: int | None = None
+    """The sampling options (rules and defaults from options.py): 0 temperature is greedy; top_k
+    0, top_p 1 and min_p 0 disable their filter; a seed makes sampling reproducible."""
+
+    temperature: float = OPTIONS["temperature"].default
+    top_k: int = OPTIONS["top_k"].default
+    top_p: float = OPTIONS["top_p"].default
+    min_p: float = OPTIONS["min_p"].default
+    seed: int | None = OPTIONS["seed"].default
 
     def __post_init__(self) -> None:
-        # comparisons are written as `not (ok)` so that NaN fails them
-        if not (_is_real(self.temperature) and 0 <= self.temperature < math.inf):
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
-        if not (_is_int(self.top_k) and self.top_k >= 0):
-            raise ValueError(f"top_k must be an integer >= 0 (0 = disabled), got {self.top_k!r}")
-        if not (_is_real(self.top_p) and 0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1] (1 = disabled), got {self.top_p!r}")
-        if not (_is_real(self.min_p) and 0 <= self.min_p <= 1):
-            raise ValueError(f"min_p must be in [0, 1] (0 = disabled), got {self.min_p!r}")
-        if not (self.seed is None or _is_int(self.seed)):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        for name in ("temperature", "top_k", "top_p", "min_p", "seed"):  # the rules of options.py
+            OPTIONS[name].check(getattr(self, name))
 
     @property
     def greedy(self) -> bool:

@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
+from ..options import OPTIONS, GenerationOptions
+
 MAX_STOP = 16  # OpenAI allows 4; more costs nothing here
 
 
@@ -46,8 +48,8 @@ class Speculative(BaseModel):
 
     model_config = _STRICT
 
-    enabled: bool = Field(True, description="false: the oracle alone for this request (same output, no draft).")
-    draft_max: int | None = Field(None, ge=0, le=64, description="Most tokens drafted per step for this request.")
+    enabled: bool = OPTIONS["speculative"].wire_field(True)
+    draft_max: int | None = OPTIONS["draft_max"].wire_field()
 
 
 class _Common(BaseModel):
@@ -56,14 +58,16 @@ class _Common(BaseModel):
     model_config = _STRICT
 
     model: str | None = Field(None, description="The served model name (or the oracle's registry name).")
-    max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate (clamped to the server's "
-                                   "--max-tokens-limit; default: that limit).")
-    temperature: float | None = Field(None, ge=0, le=2, description="0 is greedy; omitted means 1, as with OpenAI.")
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0, description="Extension: keep the k most likely tokens (0 disables).")
-    min_p: float | None = Field(None, ge=0, le=1, description="Extension: min-p filtering (0 disables).")
-    seed: int | None = Field(None, description="Makes sampled output reproducible.")
-    stop: str | list[str] | None = None
+    max_tokens: int | None = OPTIONS["max_tokens"].wire_field(
+        description="Most tokens to generate (clamped to the server's --max-tokens-limit; default: that limit).")
+    temperature: float | None = OPTIONS["temperature"].wire_field(
+        le=2, description="0 is greedy; omitted means 1, as with OpenAI (which allows up to 2).")
+    top_p: float | None = OPTIONS["top_p"].wire_field()
+    top_k: int | None = OPTIONS["top_k"].wire_field(extension=True)
+    min_p: float | None = OPTIONS["min_p"].wire_field(extension=True)
+    seed: int | None = OPTIONS["seed"].wire_field()
+    stop: str | list[str] | None = OPTIONS["stop"].wire_field(
+        description=f"A stop string, or a list of at most {MAX_STOP}: the output ends before the first found.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, description="Only 1 is supported.")
@@ -73,8 +77,7 @@ class _Common(BaseModel):
     user: str | None = Field(None, description="Ignored.")
     speculative: Speculative | bool | None = Field(
         None, description="Extension: `{\"enabled\": false}` runs the oracle alone; `draft_max` caps the draft.")
-    grammar: str | None = Field(None, description="Extension: the output follows this grammar (llguidance's Lark "
-                                                   "syntax, or llama.cpp's GBNF when it has '::=' rules).")
+    grammar: str | None = OPTIONS["grammar"].wire_field(extension=True)
 
     @field_validator("stop")
     @classmethod
@@ -96,19 +99,17 @@ class _Common(BaseModel):
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
         return [s for s in stops if s]
 
-    def speculative_options(self) -> dict[str, Any]:
+    def generation_options(self, max_tokens: int, logprobs: int | None) -> GenerationOptions:
+        """The request on localspec's options: an omitted field takes their default, except the
+        temperature (1, as with OpenAI); `speculative` may be a bool or {"enabled", "draft_max"}.
+        A schema or grammar is added by the route (it may come from response_format or tools)."""
         spec = self.speculative
-        if spec is None:
-            return {}
-        if isinstance(spec, bool):
-            return {"speculative": spec}
-        return {"speculative": spec.enabled, "draft_max": spec.draft_max}
-
-    def sampling_options(self) -> dict[str, Any]:
-        return dict(temperature=1.0 if self.temperature is None else self.temperature,
-                    top_p=1.0 if self.top_p is None else self.top_p,
-                    top_k=self.top_k or 0, min_p=self.min_p or 0.0, seed=self.seed,
-                    stop=self.stop_list() or None, **self.speculative_options())
+        given = {"top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p, "seed": self.seed,
+                 "speculative": spec.enabled if isinstance(spec, Speculative) else spec,
+                 "draft_max": spec.draft_max if isinstance(spec, Speculative) else None}
+        return GenerationOptions(max_tokens=max_tokens, logprobs=logprobs, stop=self.stop_list(),
+                                 temperature=1.0 if self.temperature is None else self.temperature,
+                                 **{name: value for name, value in given.items() if value is not None})
 
 
 class ContentPart(BaseModel):
@@ -138,10 +139,11 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, description="Most tokens to generate (wins over max_tokens; "
-                                              "clamped to the server's --max-tokens-limit).")
+    max_completion_tokens: int | None = OPTIONS["max_tokens"].wire_field(
+        description="Most tokens to generate (wins over max_tokens; clamped to the server's --max-tokens-limit).")
     logprobs: bool = Field(False, description="Return the oracle's log-probability of each emitted token.")
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = OPTIONS["logprobs"].wire_field(
+        description="With logprobs: also return this many most likely tokens at each position.")
     response_format: dict[str, Any] | None = Field(
         None, description="{\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": \"json_schema\", "
                           "\"json_schema\": {\"name\", \"schema\", \"strict\"}}: the output is constrained to it.")
@@ -184,10 +186,10 @@ class ChatCompletionRequest(_Common):
         return out
 
     def engine_options(self, max_tokens_limit: int) -> dict[str, Any]:
-        """Engine options; max_tokens is clamped to the server's limit, which is also the default."""
+        """`Engine.stream`'s keyword arguments; max_tokens is clamped to the server's limit, which
+        is also the default."""
         limit = min(self.max_completion_tokens or self.max_tokens or max_tokens_limit, max_tokens_limit)
-        return dict(max_tokens=limit, logprobs=(self.top_logprobs or 0) if self.logprobs else None,
-                    **self.sampling_options())
+        return self.generation_options(limit, (self.top_logprobs or 0) if self.logprobs else None).as_kwargs()
 
 
 def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
@@ -208,9 +210,10 @@ def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
 
 class CompletionRequest(_Common):
     prompt: str | list[str] = Field(..., description="A string (a list holding one string is accepted too).")
-    max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate (default 16, as with OpenAI; "
-                                   "clamped to the server's --max-tokens-limit).")
-    logprobs: int | None = Field(None, ge=0, le=20, description="Return the oracle's logprobs and this many top tokens.")
+    max_tokens: int | None = OPTIONS["max_tokens"].wire_field(
+        description="Most tokens to generate (default 16, as with OpenAI; clamped to the server's --max-tokens-limit).")
+    logprobs: int | None = OPTIONS["logprobs"].wire_field(
+        description="Return the oracle's logprobs and this many top tokens.")
     echo: bool = Field(False, description="Only false.")
     best_of: int | None = Field(None, description="Only 1.")
     suffix: str | None = Field(None, description="Not supported.")
@@ -230,9 +233,8 @@ class CompletionRequest(_Common):
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
 
     def engine_options(self, max_tokens_limit: int) -> dict[str, Any]:
-        """Engine options; max_tokens is clamped to the server's limit."""
-        return dict(max_tokens=min(self.max_tokens or 16, max_tokens_limit), logprobs=self.logprobs,
-                    **self.sampling_options())
+        """`Engine.stream`'s keyword arguments; max_tokens is clamped to the server's limit."""
+        return self.generation_options(min(self.max_tokens or 16, max_tokens_limit), self.logprobs).as_kwargs()
 
 
 # ---------------------------------------------------------------- responses

@@ -1,0 +1,260 @@
+"""Generation options: every per-request option defined once (name, type, default, bounds, help).
+
+`GenerationOptions` is what `Engine.stream` / `Engine.generate` take: a frozen dataclass whose
+fields each carry an `Option` (their rule). Everything else derives from those rules:
+
+* the engine's own checks (`sampling.SamplingParams`, `engine.Request`) call `Option.check`;
+* `localspec generate` / `chat` build their click options with `click_option` (type, bounds,
+  default, help);
+* a batch line's fields are checked with `Option.json_type_error` (its JSON type) and then by
+  building a `GenerationOptions` (the bounds);
+* the chat's `/set NAME VALUE` parses with `GenerationOptions.with_text`;
+* the server's request fields take their bounds and descriptions from `wire_field`, and map onto
+  a `GenerationOptions` (keeping OpenAI's wire names and defaults).
+
+So one rule rejects the same value everywhere; only the wording follows each interface (a CLI
+flag, a JSON field, a /set command). Nothing here imports click, pydantic or llguidance until a
+derivation or a schema/grammar needs it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Callable
+
+NONE_WORDS = ("none", "off", "default", "random")  # what /set takes for "no value" (seed: random)
+
+
+class OptionError(ValueError):
+    """A generation option with a value its rule does not allow; `name` is the option's."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_real(v: object) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def _is_stops(v: object) -> bool:
+    return v is None or isinstance(v, str) or (isinstance(v, (list, tuple)) and all(isinstance(s, str) for s in v))
+
+
+def _is_grammar(v: object) -> bool:
+    from .constraints import Constraint
+
+    return isinstance(v, (str, Constraint))
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option's rule. `kind`: "int", "number" (finite), "bool", "stops" (a string or a list of
+    strings), "schema" (a JSON schema: a dict, its text or a pydantic model class) or "grammar"
+    (Lark or GBNF text). Bounds: `ge`/`gt` below, `le` above. `nullable`: None is a value (seed:
+    random, draft_max: the engine's). `note`: what a special value means, in messages."""
+
+    kind: str
+    default: Any
+    help: str
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    nullable: bool = False
+    note: str = ""
+    flag: str = ""  # the CLI flag and the batch field, when not the option's own name (schema: json_schema)
+    name: str = ""  # set from the field it belongs to
+
+    # -- the rule
+
+    def type_ok(self, value: Any) -> bool:
+        if value is None:
+            return self.nullable or self.kind in ("stops", "schema", "grammar")
+        return {"int": _is_int, "number": _is_real, "bool": lambda v: v in (True, False), "stops": _is_stops,
+                "schema": lambda v: True, "grammar": _is_grammar}[self.kind](value)
+
+    def in_bounds(self, value: Any) -> bool:
+        if value is None or self.kind not in ("int", "number"):
+            return True
+        # written as `not (ok)` so that NaN fails every comparison
+        if self.kind == "number" and not (-math.inf < value < math.inf):
+            return False
+        return not ((self.ge is not None and not value >= self.ge) or (self.gt is not None and not value > self.gt)
+                    or (self.le is not None and not value <= self.le))
+
+    def check(self, value: Any) -> Any:
+        """The value as the engine keeps it (stop: a tuple; speculative: a bool); OptionError when
+        the rule rejects it. A schema or grammar is checked by compiling it (GenerationOptions)."""
+        if not (self.type_ok(value) and self.in_bounds(value)):
+            note = f" ({self.note})" if self.note else ""
+            raise OptionError(self.name, f"{self.name} must be {self.expected(finite=True)}{note}, got {value!r}")
+        if self.kind == "stops":
+            return (value,) if isinstance(value, str) else tuple(value or ())
+        if self.kind == "bool":
+            return bool(value)
+        return value
+
+    # -- words
+
+    def expected(self, *, none: str = "None", finite: bool = False, bounds: bool = True) -> str:
+        """What the rule allows, in words: "an integer in [0, 64] or None". `none`: how the
+        interface spells no value (null in JSON, none in /set)."""
+        words = {"int": "an integer", "number": "a finite number" if finite and self.le is None else "a number",
+                 "bool": "true or false", "stops": "a string or a list of strings", "schema": "a JSON schema",
+                 "grammar": "a string"}[self.kind]
+        low = self.ge if self.gt is None else self.gt
+        if bounds and low is not None and self.le is not None:
+            words += f" in {'(' if self.gt is not None else '['}{low:g}, {self.le:g}]"
+        elif bounds and low is not None:
+            words += f" {'>' if self.gt is not None else '>='} {low:g}"
+        elif bounds and self.le is not None:
+            words += f" <= {self.le:g}"
+        return words + (f" or {none}" if self.nullable else "")
+
+    @property
+    def bounds(self) -> dict[str, float]:
+        """The bounds, as pydantic's Field and the JSON schema spell them."""
+        return {k: v for k, v in (("ge", self.ge), ("gt", self.gt), ("le", self.le)) if v is not None}
+
+    # -- the interfaces
+
+    def json_type_error(self, value: Any, name: str | None = None) -> str | None:
+        """A JSON field of the wrong type (a batch line): the message, else None. The bounds are
+        checked by building a GenerationOptions."""
+        if self.type_ok(value) and (value is not None or self.nullable or self.kind == "stops"):
+            return None  # a schema or grammar field, when given, is not null
+        return f"\"{name or self.name}\" must be {self.expected(none='null', bounds=False)}, got {json.dumps(value)}"
+
+    def parse_text(self, text: str) -> Any:
+        """A value typed as text (`/set NAME VALUE`); ValueError saying what is expected."""
+        value: Any = None
+        if not (self.nullable and text.strip().lower() in NONE_WORDS):
+            try:
+                value = {"int": int, "number": float}[self.kind](text)
+            except (KeyError, ValueError):
+                value = math.nan
+        if not (self.type_ok(value) and self.in_bounds(value)):
+            raise ValueError(f"expected {self.expected(none='none')}, got {text!r}")
+        return value
+
+    def click_option(self, *decls: str, **overrides: Any) -> Callable:
+        """The click option of this rule: its type with the bounds, its default and its help
+        (a list option is repeatable; a schema or grammar is read from a file). `overrides`
+        replace any of click's arguments (another command's default, a more specific help)."""
+        import click
+
+        flag = f"--{(self.flag or self.name).replace('_', '-')}"
+        low = self.ge if self.gt is None else self.gt
+        kw: dict[str, Any] = {"default": self.default, "help": self.help}
+        if self.kind in ("int", "number") and (low is not None or self.le is not None):
+            range_type = click.IntRange if self.kind == "int" else click.FloatRange
+            kw["type"] = range_type(low, self.le, min_open=self.gt is not None)
+        elif self.kind in ("int", "number"):
+            kw["type"] = int if self.kind == "int" else float
+        elif self.kind == "stops":
+            kw.update(multiple=True, default=(), help=f"{self.help} Repeatable.")
+        elif self.kind in ("schema", "grammar"):
+            kw.update(type=click.Path(exists=True, dir_okay=False, allow_dash=True),
+                      help=f"{self.help} Give a file ('-': stdin).")
+        kw.update(overrides)
+        if kw.get("default") is not None and kw["default"] != () and "show_default" not in kw:
+            kw["show_default"] = True
+        return click.option(*(decls or (flag, self.flag or self.name)), **kw)
+
+    def wire_field(self, default: Any = None, *, description: str | None = None, extension: bool = False,
+                   **tighter: float) -> Any:
+        """A pydantic Field of a wire format (the server's requests) for this option: its bounds,
+        or `tighter` ones (OpenAI's temperature stops at 2), and its help as the description
+        (`extension`: a field OpenAI does not have says so)."""
+        from pydantic import Field
+
+        bounds = self.bounds | tighter
+        for key, value in tighter.items():
+            own = self.bounds.get(key)
+            if own is not None and (value < own if key in ("ge", "gt") else value > own):
+                raise ValueError(f"{self.name}: a wire bound {key}={value} is looser than the option's {own}")
+        text = description or self.help
+        if extension:
+            text = f"Extension: {text[0].lower()}{text[1:]}"
+        return Field(default, description=text, **bounds)
+
+
+def option(kind: str, default: Any, help: str, **rule: Any) -> Any:
+    """A GenerationOptions field with its rule."""
+    return field(default=default, metadata={"option": Option(kind, default, help, **rule)})
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """One generation request's options, checked on construction (OptionError, a ValueError,
+    naming the option; an invalid schema or grammar is a constraints.ConstraintError). `stop`
+    becomes a tuple; `schema` / `grammar` are compiled to a `constraints.Constraint`."""
+
+    max_tokens: int = option("int", 256, "Most tokens to generate.", ge=1)
+    temperature: float = option("number", 0.0, "0 is greedy.", ge=0, note="0 = greedy")
+    top_p: float = option("number", 1.0, "Keep the most likely tokens whose probabilities add up to top_p "
+                                         "(1 disables).", gt=0, le=1, note="1 = disabled")
+    top_k: int = option("int", 0, "Keep the k most likely tokens (0 disables).", ge=0, note="0 = disabled")
+    min_p: float = option("number", 0.0, "Keep the tokens at least min_p times as likely as the most likely "
+                                         "one (0 disables).", ge=0, le=1, note="0 = disabled")
+    seed: int | None = option("int", None, "Makes sampled output reproducible.", nullable=True)
+    stop: tuple[str, ...] = option("stops", (), "Stop string: the output ends before it.")
+    logprobs: int | None = option("int", None, "Return the oracle's log-probability of each emitted token, and "
+                                               "of this many most likely tokens.", ge=0, le=20, nullable=True)
+    speculative: bool = option("bool", True, "false: the oracle alone (same output, no draft).")
+    draft_max: int | None = option("int", None, "Most tokens drafted per step for this request.", ge=0, le=64,
+                                   nullable=True)
+    schema: Any = option("schema", None, "The output must be JSON following this JSON schema.", flag="json_schema")
+    grammar: Any = option("grammar", None, "The output must follow this grammar (llguidance's Lark syntax, or "
+                                           "llama.cpp's GBNF when it has '::=' rules).")
+
+    def __post_init__(self) -> None:
+        for name, rule in OPTIONS.items():
+            value = rule.check(getattr(self, name))
+            if value is not getattr(self, name):
+                object.__setattr__(self, name, value)
+        if self.schema is not None or self.grammar is not None:
+            from .constraints import Constraint, ConstraintError
+
+            if self.schema is not None and self.grammar is not None:
+                raise ConstraintError("give a schema or a grammar, not both")
+            if self.schema is not None and not isinstance(self.schema, Constraint):
+                object.__setattr__(self, "schema", Constraint.json_schema(self.schema))
+            if self.grammar is not None and not isinstance(self.grammar, Constraint):
+                object.__setattr__(self, "grammar", Constraint.from_grammar(self.grammar))
+
+    @classmethod
+    def build(cls, options: "GenerationOptions | None" = None, **changes: Any) -> "GenerationOptions":
+        """`options` (default: the defaults) with `changes` (field names) applied."""
+        if options is None:
+            return cls(**changes)
+        if not isinstance(options, cls):
+            raise TypeError(f"expected GenerationOptions, got {type(options).__name__}")
+        return replace(options, **changes) if changes else options
+
+    @property
+    def constraint(self):
+        """The compiled schema or grammar (a constraints.Constraint), or None."""
+        return self.schema if self.schema is not None else self.grammar
+
+    def with_text(self, name: str, text: str) -> "GenerationOptions":
+        """A copy with option `name` set from text (`/set temperature 0.7`); ValueError saying what
+        is expected."""
+        return replace(self, **{name: OPTIONS[name].parse_text(text)})
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """The options as `Engine.stream`'s keyword arguments."""
+        return {name: getattr(self, name) for name in OPTIONS}
+
+
+OPTIONS: dict[str, Option] = {}
+for _f in fields(GenerationOptions):
+    OPTIONS[_f.name] = replace(_f.metadata["option"], name=_f.name)
+del _f
