@@ -51,6 +51,10 @@ class Proposer(Protocol):
     def resync(self) -> None:
         """Drafting resumes after a pause: the next proposal conditions on all of the text again."""
 
+    def describe(self) -> str:
+        """What kind of proposer this is ("model", "lookup", "hybrid", "cross-tokenizer"): the key
+        its learned costs are kept under, and what reports call it."""
+
 
 def propose(proposer: Proposer, history: Sequence[int], max_len: int, sampling: SamplingParams,
             rng: np.random.Generator, constraint=None) -> Draft:
@@ -105,6 +109,9 @@ class DraftModelProposer:
     def resync(self) -> None:
         self.keep = self.gap_start = 0
         self.catch_up, self.prompt_pending = True, False
+
+    def describe(self) -> str:
+        return "model"
 
     def _view(self, history: Sequence[int]) -> list[int]:
         """The tokens the draft conditions on. After many steps without drafting, catching up on all
@@ -239,6 +246,9 @@ class PromptLookupProposer:
     def resync(self) -> None:
         pass
 
+    def describe(self) -> str:
+        return "lookup"
+
 
 class HybridProposer:
     """Prompt lookup when the history's tail matches earlier text (free), the draft model otherwise."""
@@ -257,6 +267,9 @@ class HybridProposer:
 
     def resync(self) -> None:
         self.model.resync()
+
+    def describe(self) -> str:
+        return "hybrid"
 
 
 class CrossTokenizerProposer:
@@ -310,3 +323,6 @@ class CrossTokenizerProposer:
 
     def resync(self) -> None:
         self.inner.resync()
+
+    def describe(self) -> str:
+        return "cross-tokenizer"
