@@ -363,13 +363,7 @@ class Engine:
                           context=context, draft_evaluated=draft.evaluated, draft_prompt_time=draft.prompt_time)
         if request.speculative:  # a request that does not draft teaches the policy nothing
             policy.update(step)
-        stats.records.append(step)
-        stats.steps += 1
-        stats.drafted += step.drafted
-        stats.accepted += step.accepted
-        stats.draft_time += step.draft_time
-        stats.draft_prompt_time += step.draft_prompt_time
-        stats.verify_time += step.verify_time
+        stats.add_step(step)
         return out.tolist(), logprobs
 
     @staticmethod

@@ -14,9 +14,9 @@ import os
 import secrets
 import signal
 import time
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterable
+from typing import Any, AsyncIterator, Iterable, Iterator
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
@@ -449,6 +449,24 @@ def _service(request: Request) -> _Service:
     return request.app.state.service
 
 
+@contextmanager
+def _invalid_params() -> Iterator[None]:
+    """A request's unsupported or invalid field is a 400 naming it."""
+    try:
+        yield
+    except S.InvalidParam as e:
+        raise APIError(400, str(e), param=e.param, code=e.code) from None
+
+
+def _options(svc: _Service, body: S.ChatCompletionRequest | S.CompletionRequest) -> dict[str, Any]:
+    """The engine options of a request for a model this server serves, with nothing unsupported in it."""
+    svc.check_model(body.model)
+    options = body.engine_options(svc.max_tokens_limit)
+    with _invalid_params():
+        body.check_supported()
+    return options
+
+
 # ---------------------------------------------------------------- routes
 
 router = APIRouter()
@@ -489,13 +507,9 @@ async def get_model(model_id: str, request: Request) -> S.Model:
 async def chat_completions(body: S.ChatCompletionRequest, request: Request):
     """Chat completion; `stream: true` answers with server-sent `chat.completion.chunk`s."""
     svc = _service(request)
-    svc.check_model(body.model)
-    options = body.engine_options(svc.max_tokens_limit)
-    try:
-        body.check_supported()
+    options = _options(svc, body)
+    with _invalid_params():
         prompt, plan = svc.structured(body, body.engine_messages(), options)
-    except S.InvalidParam as e:
-        raise APIError(400, str(e), param=e.param, code=e.code) from None
     return await svc.respond(request, _ChatReply(svc.model_name, body, plan), prompt, options, body.stream)
 
 
@@ -503,13 +517,9 @@ async def chat_completions(body: S.ChatCompletionRequest, request: Request):
 async def completions(body: S.CompletionRequest, request: Request):
     """Text completion of a raw prompt (no chat template); `stream: true` for server-sent events."""
     svc = _service(request)
-    svc.check_model(body.model)
-    options = body.engine_options(svc.max_tokens_limit)
-    try:
-        body.check_supported()
+    options = _options(svc, body)
+    with _invalid_params():
         grammar = T.grammar_constraint(body.grammar)
-    except S.InvalidParam as e:
-        raise APIError(400, str(e), param=e.param, code=e.code) from None
     if grammar is not None:
         options["grammar"] = grammar
     prompt = body.prompt_text()
