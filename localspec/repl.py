@@ -169,17 +169,13 @@ class Totals:
     interrupted: int = 0
     records: list[StepRecord] = field(default_factory=list, repr=False)  # every step of every reply
 
+    SUMMED = ("prompt_tokens", "prompt_tokens_evaluated", "completion_tokens", "steps", "drafted", "accepted",
+              "draft_time", "draft_prompt_time", "verify_time")  # the Stats counters kept as session sums
+
     def add(self, s: Stats) -> None:
         self.replies += 1
-        self.prompt_tokens += s.prompt_tokens
-        self.prompt_tokens_evaluated += s.prompt_tokens_evaluated
-        self.completion_tokens += s.completion_tokens
-        self.steps += s.steps
-        self.drafted += s.drafted
-        self.accepted += s.accepted
-        self.draft_time += s.draft_time
-        self.draft_prompt_time += s.draft_prompt_time
-        self.verify_time += s.verify_time
+        for name in self.SUMMED:
+            setattr(self, name, getattr(self, name) + getattr(s, name))
         self.generation_time += max(0.0, s.generation_time)
         self.records += s.records
 
