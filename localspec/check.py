@@ -73,7 +73,6 @@ def run_check(engine: Engine, prompts: list, *, oracle: str, draft: str,
     difference = first_difference(engine.oracle_model, engine.draft_model) if engine.draft_model else None
     report = CheckReport(oracle=oracle, draft=draft, compatible=difference is None, difference=difference,
                          prompts=len(prompts))
-    adaptive = engine.policy
     engine.generate(prompts[0].request, max_tokens=8)  # warm-up
     records: list = []
 
@@ -83,8 +82,8 @@ def run_check(engine: Engine, prompts: list, *, oracle: str, draft: str,
     report.baseline_tokens_per_second = base_tps
     for k in (4, PROBE_K):
         progress(f"measuring draft length {k} ...")
-        engine.policy = FixedLength(k)
-        tps, results = _throughput(engine, prompts)
+        with engine.using_policy(FixedLength(k)):
+            tps, results = _throughput(engine, prompts)
         records += [r for result in results for r in result.stats.records]
         report.measured[f"k={k}"] = tps / base_tps if base_tps else 0.0
         if k == PROBE_K:
@@ -96,8 +95,7 @@ def run_check(engine: Engine, prompts: list, *, oracle: str, draft: str,
             report.per_token_acceptance = acceptance_from_tokens_per_step(tokens / steps if steps else 0.0, k)
             report.context = int(statistics.median(
                 r.stats.prompt_tokens + r.stats.completion_tokens / 2 for r in results))
-    engine.policy = adaptive
-    if isinstance(adaptive, AdaptiveLength):
+    if isinstance(engine.policy, AdaptiveLength):
         progress("measuring adaptive drafting ...")
         tps, results = _throughput(engine, prompts)
         records += [r for result in results for r in result.stats.records]

@@ -232,6 +232,44 @@ def fit_steps(steps: Sequence["StepRecord"], *, max_draft_size: int = 64) -> tup
     return verify, draft
 
 
+# ------------------------------------------------------------------------------------ speedup
+#
+# The algebra every estimate of speculation's worth shares (the length policy, `localspec check`,
+# the bench's ceiling, the chat's /stats): tokens a step is expected to yield, and the oracle
+# alone's time for the same tokens over the time spent.
+
+
+def expected_tokens(a: float, k, continuation: float = 1.0):
+    """Tokens a step drafting up to k is expected to yield (the accepted draft tokens and the
+    oracle's own): E = 1 + sum_{i=1..k} a^i c^(i-1), with a the acceptance of a draft token given
+    the ones before it were accepted and c the chance the draft goes on after an accepted token;
+    = 1 + a (1 - r^k) / (1 - r), r = a c (the standard model, c = 1: (1 - a^(k+1)) / (1 - a)).
+    `k`: a number, fractional too (a mean draft length), or an array of them (then an array)."""
+    if not 0.0 <= a <= 1.0:
+        raise ValueError("the acceptance a must be in [0, 1]")
+    ks = np.asarray(k, dtype=np.float64)
+    if np.any(ks < 0):
+        raise ValueError("the draft length k must be >= 0")
+    d = (1.0 - a) + a * (1.0 - continuation)  # 1 - r, without the rounding of forming r near 1
+    if d <= 0.0:
+        series = ks  # every token accepted
+    elif d >= 1.0:
+        series = (ks > 0).astype(np.float64)  # r = 0: at most the first token
+    else:
+        series = -np.expm1(ks * np.log1p(-d)) / d  # (1 - r^k) / (1 - r), accurate for r near 1
+    e = 1.0 + a * series
+    return float(e) if e.ndim == 0 else e
+
+
+def speedup(oracle_alone: float | None, *spent: float) -> float | None:
+    """The oracle alone's time for some tokens over the time speculation spent on them (the sum of
+    `spent`); None when either is unknown or nothing was spent."""
+    total = sum(spent)
+    if oracle_alone is None or total <= 0 or oracle_alone <= 0:
+        return None
+    return oracle_alone / total
+
+
 def oracle_alone_time(steps: Sequence["StepRecord"], verify: PassCost) -> float:
     """What the oracle alone would take for the tokens `steps` produced: one one-token pass per
     token (accepted + a recovered or bonus one), each at its step's context."""
@@ -245,7 +283,7 @@ def predicted_speedup(steps: Sequence["StepRecord"], verify: PassCost, draft: Pa
     spent = sum(verify(s.drafted + 1, s.context)
                 + (draft(draft_size(s), s.context) if s.drafted and draft is not None and draft.ready else 0.0)
                 for s in steps)
-    return oracle_alone_time(steps, verify) / spent if spent > 0 else None
+    return speedup(oracle_alone_time(steps, verify), spent)
 
 
 # ------------------------------------------------------------------------------------ the store
@@ -328,3 +366,29 @@ class CostStore:
             os.replace(tmp, path)
         except OSError as e:
             log.debug("could not save %s: %s", path, e)
+
+
+class CostBook:
+    """Where a length policy's learned state is kept between processes: the store, and the identity
+    each kind of state is kept under there (what it depends on: model files, threads, attention
+    kernel, machine, ...). See `LengthPolicy.cost_state`."""
+
+    def __init__(self, store: CostStore, keys: Mapping[str, Mapping[str, Any]]) -> None:
+        self.store = store
+        self.keys = {kind: dict(identity) for kind, identity in keys.items()}
+
+    def load(self, policy) -> None:
+        """Hand `policy` what earlier processes kept for it; a malformed state is ignored."""
+        for kind, identity in self.keys.items():
+            state = self.store.load(kind, identity)
+            try:
+                if state:
+                    policy.load_cost_state(kind, state)
+            except (KeyError, TypeError, ValueError) as e:
+                log.debug("ignoring the saved %s state: %s", kind, e)
+
+    def save(self, policy) -> None:
+        """Keep what `policy` learned (after each request)."""
+        for kind, state in policy.cost_state().items():
+            if kind in self.keys:
+                self.store.save(kind, self.keys[kind], state)

@@ -46,6 +46,16 @@ class Stats:
     draft_flash_attn: str | None = None  # the draft model's, if there is one
     records: list[StepRecord] = field(default_factory=list, repr=False)
 
+    def add_step(self, step: StepRecord) -> None:
+        """Count one speculative step in the totals, and keep its record."""
+        self.records.append(step)
+        self.steps += 1
+        self.drafted += step.drafted
+        self.accepted += step.accepted
+        self.draft_time += step.draft_time
+        self.draft_prompt_time += step.draft_prompt_time
+        self.verify_time += step.verify_time
+
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0

@@ -60,7 +60,7 @@ from typing import Any, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from .costs import DRAFT_SHAPE, VERIFY_SHAPE, PassCost
+from .costs import DRAFT_SHAPE, VERIFY_SHAPE, PassCost, expected_tokens
 from .outputs import StepRecord
 
 
@@ -81,6 +81,21 @@ class LengthPolicy(Protocol):
     @property
     def idle(self) -> bool:
         """Whether the policy expects to draft nothing in the coming steps (a probe aside)."""
+
+    def describe(self) -> str:
+        """How the draft length is chosen, for people (the chat's /stats)."""
+
+    def cost_state(self) -> dict[str, dict[str, Any]]:
+        """What the policy learned that is worth keeping between processes, by kind ("verify",
+        "draft", "acceptance"; the engine keys each by what it depends on); empty: nothing."""
+
+    def load_cost_state(self, kind: str, state: Mapping[str, Any]) -> None:
+        """Go on from an earlier process's `cost_state()[kind]` (a malformed one raises KeyError,
+        TypeError or ValueError)."""
+
+    @property
+    def learns(self) -> bool:
+        """Whether the policy learns from the steps (then the engine loads and saves its cost state)."""
 
 
 class FixedLength:
@@ -106,6 +121,17 @@ class FixedLength:
 
     def consume_catch_up(self) -> bool:
         return False
+
+    def describe(self) -> str:
+        return f"{self.k} (FixedLength)"
+
+    learns = False
+
+    def cost_state(self) -> dict[str, dict[str, Any]]:
+        return {}  # learns nothing
+
+    def load_cost_state(self, kind: str, state: Mapping[str, Any]) -> None:
+        pass
 
 
 def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
@@ -171,9 +197,7 @@ class AdaptiveLength:
 
     def _expected_tokens(self, k_top: int, acceptance: float) -> np.ndarray:
         """E(k) for k = 0..k_top [k_top+1]."""
-        i = np.arange(1, k_top + 1)  # [K] draft positions
-        reached = acceptance ** i * self.continuation_accepted ** (i - 1)  # [K] P(1..i proposed and accepted)
-        return 1.0 + np.concatenate(([0.0], np.cumsum(reached)))
+        return expected_tokens(acceptance, np.arange(k_top + 1), self.continuation_accepted)
 
     def evaluated(self, lengths: np.ndarray) -> np.ndarray:
         """Tokens the draft evaluates to propose each of `lengths` [m] (the draft cost's size)."""
@@ -313,7 +337,31 @@ class AdaptiveLength:
         weight = max(1.0 - self.decay, 1.0 / (self.prior_weight + n))
         return estimate + weight * (outcome - estimate)
 
+    learns = True
+
+    def describe(self) -> str:
+        return f"AdaptiveLength (chosen per step{f', up to {self.k_max}' if self.k_max else ''})"
+
     # -- persistence (the engine keeps these between processes)
+
+    def cost_state(self) -> dict[str, dict[str, Any]]:
+        """The fitted costs once measured, the acceptance once a draft token was judged."""
+        state = {}
+        if self.verify_cost.ready:
+            state["verify"] = self.verify_cost.state()
+        if self.draft_cost.ready:
+            state["draft"] = self.draft_cost.state()
+        if self.trials:
+            state["acceptance"] = self.acceptance_state()
+        return state
+
+    def load_cost_state(self, kind: str, state: Mapping[str, Any]) -> None:
+        if kind == "acceptance":
+            self.load_acceptance_state(state)
+        elif kind in ("verify", "draft"):
+            (self.verify_cost if kind == "verify" else self.draft_cost).load(state)
+        else:
+            raise ValueError(f"unknown cost state {kind!r}")
 
     def acceptance_state(self) -> dict[str, Any]:
         return {"acceptance": self.acceptance, "long_acceptance": self.long_acceptance,

@@ -51,6 +51,10 @@ class Proposer(Protocol):
     def resync(self) -> None:
         """Drafting resumes after a pause: the next proposal conditions on all of the text again."""
 
+    def describe(self) -> str:
+        """What kind of proposer this is ("model", "lookup", "hybrid", "cross-tokenizer"): the key
+        its learned costs are kept under, and what reports call it."""
+
 
 def propose(proposer: Proposer, history: Sequence[int], max_len: int, sampling: SamplingParams,
             rng: np.random.Generator, constraint=None) -> Draft:
@@ -105,6 +109,9 @@ class DraftModelProposer:
     def resync(self) -> None:
         self.keep = self.gap_start = 0
         self.catch_up, self.prompt_pending = True, False
+
+    def describe(self) -> str:
+        return "model"
 
     def _view(self, history: Sequence[int]) -> list[int]:
         """The tokens the draft conditions on. After many steps without drafting, catching up on all
@@ -239,27 +246,39 @@ class PromptLookupProposer:
     def resync(self) -> None:
         pass
 
+    def describe(self) -> str:
+        return "lookup"
 
-class HybridProposer:
+
+class _Wrapper:
+    """A proposer around a draft-model proposer (`drafter`): a new request and a resync are its business."""
+
+    drafter: Proposer
+
+    def start(self, *, catch_up: bool) -> None:
+        self.drafter.start(catch_up=catch_up)
+
+    def resync(self) -> None:
+        self.drafter.resync()
+
+
+class HybridProposer(_Wrapper):
     """Prompt lookup when the history's tail matches earlier text (free), the draft model otherwise."""
 
     def __init__(self, lookup: PromptLookupProposer, model: Proposer) -> None:
         self.lookup = lookup
-        self.model = model
+        self.model = self.drafter = model
 
     def propose(self, history: Sequence[int], max_len: int, sampling: SamplingParams,
                 rng: np.random.Generator, constraint=None) -> Draft:
         draft = self.lookup.propose(history, max_len, sampling, rng, constraint)
         return draft if len(draft) else propose(self.model, history, max_len, sampling, rng, constraint)
 
-    def start(self, *, catch_up: bool) -> None:
-        self.model.start(catch_up=catch_up)
-
-    def resync(self) -> None:
-        self.model.resync()
+    def describe(self) -> str:
+        return "hybrid"
 
 
-class CrossTokenizerProposer:
+class CrossTokenizerProposer(_Wrapper):
     """A draft model with a different vocabulary (HF transformers' "universal assisted generation").
 
     The oracle's history is turned into text and re-tokenized for the draft; the draft's tokens are
@@ -272,7 +291,7 @@ class CrossTokenizerProposer:
     """
 
     def __init__(self, inner: DraftModelProposer, *, oracle, draft) -> None:
-        self.inner = inner
+        self.inner = self.drafter = inner
         self.oracle = oracle  # LlamaModel
         self.draft = draft  # LlamaModel
         self._pieces: list[bytes] = []  # oracle-side bytes per history token, reused across steps
@@ -305,8 +324,5 @@ class CrossTokenizerProposer:
             tokens = tokens[:constraint.extend(tokens)]
         return Draft(np.asarray(tokens, dtype=np.int32), None, proposal.evaluated, proposal.prompt_time)
 
-    def start(self, *, catch_up: bool) -> None:
-        self.inner.start(catch_up=catch_up)
-
-    def resync(self) -> None:
-        self.inner.resync()
+    def describe(self) -> str:
+        return "cross-tokenizer"

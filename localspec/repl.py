@@ -21,7 +21,7 @@ from typing import Any, Iterable, TextIO
 
 import click
 
-from .costs import fit_steps, oracle_alone_time
+from .costs import fit_steps, oracle_alone_time, speedup
 from .options import GenerationOptions
 from .outputs import Stats, StepRecord
 
@@ -113,28 +113,15 @@ class Totals:
     interrupted: int = 0
     records: list[StepRecord] = field(default_factory=list, repr=False)  # every step of every reply
 
+    SUMMED = ("prompt_tokens", "prompt_tokens_evaluated", "completion_tokens", "steps", "drafted", "accepted",
+              "draft_time", "draft_prompt_time", "verify_time")  # the Stats counters kept as session sums
+
     def add(self, s: Stats) -> None:
         self.replies += 1
-        self.prompt_tokens += s.prompt_tokens
-        self.prompt_tokens_evaluated += s.prompt_tokens_evaluated
-        self.completion_tokens += s.completion_tokens
-        self.steps += s.steps
-        self.drafted += s.drafted
-        self.accepted += s.accepted
-        self.draft_time += s.draft_time
-        self.draft_prompt_time += s.draft_prompt_time
-        self.verify_time += s.verify_time
+        for name in self.SUMMED:
+            setattr(self, name, getattr(self, name) + getattr(s, name))
         self.generation_time += max(0.0, s.generation_time)
         self.records += s.records
-
-
-def speedup(oracle_alone: float | None, draft_time: float, verify_time: float) -> float | None:
-    """Estimated speedup over the oracle alone: the time the oracle alone would need for the same
-    tokens (`oracle_alone`), over the time the speculative steps took (prompt evaluation excluded)."""
-    spent = draft_time + verify_time
-    if oracle_alone is None or spent <= 0 or oracle_alone <= 0:
-        return None
-    return oracle_alone / spent
 
 
 # ---------------------------------------------------------------- terminal
@@ -261,7 +248,7 @@ class Chat:
         self.conversation = Conversation(system=system or None)
         self.totals = Totals()
         self.last: Stats | None = None
-        self.speculative = getattr(engine, "proposer", None) is not None
+        self.speculative = engine.proposer is not None
 
     # -- input
 
@@ -409,16 +396,10 @@ class Chat:
         s, t = self.last, self.totals
         if s is None:
             return ["no completed reply yet"]
-        policy = self.engine.policy
-        k = getattr(policy, "k", None)
         if not self.speculative:
             draft = "none (the oracle runs alone)"
         else:
-            if k is not None:
-                draft = f"{k} ({type(policy).__name__})"
-            else:
-                k_max = getattr(policy, "k_max", None)
-                draft = f"{type(policy).__name__} (chosen per step{f', up to {k_max}' if k_max else ''})"
+            draft = self.engine.policy.describe()
             if self.settings.draft_max is not None:
                 draft += f", capped at {self.settings.draft_max} by /set draft_max"
             draft += f"; drafted per step: {s.drafted / s.steps if s.steps else 0:.2f} last reply"
@@ -471,9 +452,9 @@ class Chat:
     def banner(self) -> str:
         e = self.engine
         oracle = e.oracle_model.path.name
-        if getattr(e, "draft_model", None) is not None:
+        if e.draft_model is not None:
             draft = f"draft {e.draft_model.path.name}"
-        elif getattr(e, "proposer", None) is not None:
+        elif e.proposer is not None:
             draft = f"draft: {type(e.proposer).__name__}"
         else:
             draft = "no draft (oracle alone)"

@@ -108,6 +108,7 @@ def worker(args: argparse.Namespace) -> None:
     import llama_cpp
 
     from localspec.engine import Engine
+    from localspec.factory import draft_cost_ratio
     from localspec.models import Registry
     from localspec.policy import AdaptiveLength, FixedLength
 
@@ -140,19 +141,21 @@ def worker(args: argparse.Namespace) -> None:
                 order = list(systems) if rep % 2 == 0 else list(reversed(systems))
                 for name in order:
                     if name == "adaptive" and systems[name] is None:  # fresh per setting, taught one prompt
-                        systems[name] = AdaptiveLength(k_max=16, draft_cost_ratio=engine._draft_cost_ratio())
-                        engine.policy = systems[name]
-                        engine.generate(prompts[-1], max_tokens=args.max_tokens)
-                    if systems[name] is not None:
-                        engine.policy = systems[name]
+                        systems[name] = AdaptiveLength(k_max=16, draft_cost_ratio=draft_cost_ratio(
+                            engine.oracle_model, engine.draft_model))
+                        with engine.using_policy(systems[name]):
+                            engine.generate(prompts[-1], max_tokens=args.max_tokens)
                     runs = setting["systems"].setdefault(name, [])
-                    for i, messages in enumerate(prompts):
-                        r = engine.generate(messages, max_tokens=args.max_tokens, speculative=name != "baseline")
-                        s = r.stats
-                        runs.append({"prompt": i, "rep": rep, "tokens": r.tokens,
-                                     "completion_tokens": s.completion_tokens, "time": s.total_time - s.prompt_time,
-                                     "drafted": s.drafted, "accepted": s.accepted,
-                                     "passes": [(rec.drafted + 1, rec.verify_time) for rec in s.records]})
+                    with engine.using_policy(systems[name] or engine.policy):
+                        for i, messages in enumerate(prompts):
+                            r = engine.generate(messages, max_tokens=args.max_tokens,
+                                                speculative=name != "baseline")
+                            s = r.stats
+                            runs.append({"prompt": i, "rep": rep, "tokens": r.tokens,
+                                         "completion_tokens": s.completion_tokens,
+                                         "time": s.total_time - s.prompt_time, "drafted": s.drafted,
+                                         "accepted": s.accepted,
+                                         "passes": [(rec.drafted + 1, rec.verify_time) for rec in s.records]})
             out["settings"].append(setting)
             print(f"bench_rpc: {args.mode} rtt {delay:g} ms done", file=sys.stderr, flush=True)
     finally:

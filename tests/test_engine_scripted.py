@@ -315,3 +315,103 @@ def test_top_logprobs_ties_come_in_token_id_order():
     for i, lp in enumerate(r.logprobs):
         row = rows[tuple(engine.oracle_model.tokenize("the") + r.tokens[:i])]
         assert [t.token for t in lp.top] == sorted(range(ORACLE_VOCAB), key=lambda t: (-row[t], t))[:7]
+
+
+# --- the engine's seams: what it asks of its parts ------------------------------------------------
+
+
+def test_each_proposer_says_what_kind_it_is():
+    assert {kind: proposer_engine(kind).proposer.describe() for kind in ["draft40", "lookup", "cross-tokenizer"]} \
+        == {"draft40": "model", "lookup": "lookup", "cross-tokenizer": "cross-tokenizer"}
+    from localspec.proposers import HybridProposer
+
+    hybrid = HybridProposer(PromptLookupProposer(), draft_engine().proposer)
+    assert hybrid.describe() == "hybrid"
+
+
+def test_using_policy_runs_the_requests_in_the_block_with_it_and_gives_the_engines_back():
+    engine = draft_engine(k=3)
+    own = engine.policy
+    with engine.using_policy(FixedLength(0)) as policy:
+        assert engine.policy is policy
+        alone = engine.generate("the", max_tokens=20)
+    assert engine.policy is own
+    assert alone.stats.drafted == 0 and alone.stats.steps == len(alone.tokens)
+    spec = engine.generate("the", max_tokens=20)
+    assert spec.stats.drafted > 0 and spec.tokens == alone.tokens  # greedy: the oracle's tokens either way
+
+
+def test_a_stream_keeps_the_policy_it_started_with():
+    """A request started inside `using_policy` drafts with that policy to its end, even when it is
+    read after the block (and one started after the block drafts with the engine's own)."""
+    engine = draft_engine(k=3)
+    with engine.using_policy(FixedLength(1)):
+        stream = engine.stream("the", max_tokens=30)
+    chunks = list(stream)
+    assert max(r.k for r in chunks[-1].stats.records) == 1
+    assert max(r.k for r in engine.generate("the", max_tokens=30).stats.records) == 3
+
+
+def test_the_policy_is_restored_when_the_block_raises():
+    engine = draft_engine(k=3)
+    own = engine.policy
+    with pytest.raises(RuntimeError), engine.using_policy(FixedLength(0)):
+        raise RuntimeError
+    assert engine.policy is own
+
+
+def test_an_adaptive_policys_learned_state_is_kept_between_engines(tmp_path):
+    """What the policy learns goes to the cost book after each request; an engine built later over
+    the same book starts from it. A fixed length learns nothing and saves nothing."""
+    from localspec.costs import CostBook, CostStore
+    from localspec.policy import AdaptiveLength
+
+    keys = {"verify": {"oracle": "o"}, "draft": {"draft": "d"}, "acceptance": {"pair": "o+d"}}
+    book = CostBook(CostStore(tmp_path), keys)
+    engine = draft_engine()
+    learner = AdaptiveLength(k_max=4)  # judges its first 8 draft tokens whatever the costs
+    taught = Engine.from_parts(oracle=engine.oracle, proposer=engine.proposer, policy=learner,
+                               draft=engine.draft_ctx, costs=book)
+    with taught.using_policy(FixedLength(2)):
+        taught.generate("the", max_tokens=20)
+    assert not list(tmp_path.iterdir())  # a fixed length saved nothing
+    taught.generate("the", max_tokens=20)
+    assert sorted(p.name.split("-")[0] for p in tmp_path.iterdir()) == ["acceptance", "draft", "verify"]
+
+    fresh = AdaptiveLength(k_max=4)
+    Engine.from_parts(oracle=engine.oracle, proposer=engine.proposer, policy=fresh, draft=engine.draft_ctx,
+                      costs=book)
+    assert fresh.trials == learner.trials > 0
+    assert fresh.acceptance == pytest.approx(learner.acceptance)
+    assert fresh.verify_cost(3, 10) == pytest.approx(learner.verify_cost(3, 10), rel=1e-6)
+
+
+def test_a_malformed_saved_state_is_ignored(tmp_path):
+    from localspec.costs import CostBook, CostStore
+    from localspec.policy import AdaptiveLength
+
+    keys = {"verify": {"oracle": "o"}, "acceptance": {"pair": "o+d"}}
+    store = CostStore(tmp_path)
+    store.save("verify", keys["verify"], {"gram": [[1.0]], "moment": [1.0]})
+    store.save("acceptance", keys["acceptance"], {"acceptance": 3.0, "long_acceptance": 0.5,
+                                                  "continuation": 0.5, "continuation_accepted": 0.5})
+    policy = AdaptiveLength()
+    engine = draft_engine()
+    Engine.from_parts(oracle=engine.oracle, proposer=engine.proposer, policy=policy, costs=CostBook(store, keys))
+    assert not policy.verify_cost.ready and policy.trials == 0 and policy.acceptance == 0.9
+
+
+def test_policies_describe_how_they_choose():
+    from localspec.policy import AdaptiveLength
+
+    assert FixedLength(4).describe() == "4 (FixedLength)"
+    assert AdaptiveLength(k_max=16).describe() == "AdaptiveLength (chosen per step, up to 16)"
+    assert not FixedLength(4).learns and AdaptiveLength().learns
+    assert FixedLength(4).cost_state() == {} and AdaptiveLength().cost_state() == {}
+
+
+def test_contexts_are_the_oracles_then_the_drafts():
+    engine = draft_engine()
+    assert engine.contexts == [engine.oracle, engine.draft_ctx]
+    lookup = proposer_engine("lookup")
+    assert lookup.contexts == [lookup.oracle]

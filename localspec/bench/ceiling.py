@@ -27,21 +27,10 @@ from __future__ import annotations
 import math
 from typing import Callable, Mapping, Sequence
 
-from localspec.costs import PassCost, fit_steps
+from localspec.costs import PassCost, expected_tokens, fit_steps
 from localspec.costs import predicted_speedup as predicted_steps_speedup
 from localspec.outputs import StepRecord
 from localspec.policy import fit_line
-
-
-def expected_tokens(a: float, k: float) -> float:
-    """Expected tokens per step, E = (1 - a^(k+1)) / (1 - a); k may be fractional (a mean draft length)."""
-    if not 0.0 <= a <= 1.0:
-        raise ValueError("the acceptance a must be in [0, 1]")
-    if k < 0:
-        raise ValueError("the draft length k must be >= 0")
-    if a == 1.0:
-        return k + 1.0
-    return (1.0 - a ** (k + 1.0)) / (1.0 - a)
 
 
 def acceptance_from_tokens_per_step(tokens_per_step: float, k: float) -> float:

@@ -65,18 +65,9 @@ class LocalspecRunner:
 
     def info(self) -> dict:
         e = self.engine
-        policy = type(getattr(e, "policy", None)).__name__
-        return {"load_time": self.load_time, "engine_kwargs": self.kwargs, "policy": policy,
+        return {"load_time": self.load_time, "engine_kwargs": self.kwargs, "policy": type(e.policy).__name__,
                 "proposer": type(e.proposer).__name__ if e.proposer is not None else None,
                 "n_ctx": e.n_ctx}
-
-    def _contexts(self) -> list:
-        e = self.engine
-        ctxs = [e.oracle]
-        draft_ctx = getattr(e, "draft_ctx", None) or getattr(e.proposer, "ctx", None)
-        if draft_ctx is not None and draft_ctx is not e.oracle:
-            ctxs.append(draft_ctx)
-        return ctxs
 
     def prepare(self, prompts: list[dict]) -> list[dict]:
         """Render and tokenize each prompt exactly as Engine.stream does; also the text to hand a
@@ -106,7 +97,7 @@ class LocalspecRunner:
         from localspec.constraints import Constraint
         from localspec.engine import Request
 
-        for ctx in self._contexts():  # every run evaluates its whole prompt: no prefix reuse between runs
+        for ctx in self.engine.contexts:  # every run evaluates its whole prompt: no prefix reuse between runs
             ctx.reset()
         request = Request(max_tokens=max_tokens, speculative=speculative,
                           constraint=Constraint.json_schema(json_schema) if json_schema is not None else None)

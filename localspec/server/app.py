@@ -14,12 +14,12 @@ import os
 import secrets
 import signal
 import time
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterable
+from typing import Any, AsyncIterator, Iterable, Iterator
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -143,7 +143,402 @@ SHUTDOWN_REASON = "the server is shutting down"
 _SHUTDOWN = object()  # put on a queued request's event queue when the server starts shutting down
 
 
+# ---------------------------------------------------------------- one request's reply
+
+
+class _Reply:
+    """How one endpoint answers one request: its id, the JSON payloads of a stream's server-sent
+    events (`head` before the first chunk, `events` per chunk, `tail` after the last) and the whole
+    (non-streamed) response."""
+
+    endpoint = ""  # what the log calls it
+    prefix = ""  # of the id
+
+    def __init__(self, model_name: str, stream_options: S.StreamOptions | None) -> None:
+        self.rid = f"{self.prefix}-{secrets.token_hex(12)}"
+        self.created = int(time.time())
+        self.model = model_name
+        self.include_usage = bool(stream_options and stream_options.include_usage)
+        self.exclude = None if self.include_usage else {"usage"}  # a chunk's usage is sent on its own
+
+    def chunk(self, choices: list, usage: S.Usage | None = None) -> Any:
+        """A streamed chunk (its envelope: id, created, model) holding `choices` or `usage`."""
+        raise NotImplementedError
+
+    def head(self) -> Iterable[str]:
+        return ()
+
+    def events(self, event: Chunk) -> Iterable[str]:
+        raise NotImplementedError
+
+    def tail(self, final: Chunk) -> Iterable[str]:
+        if self.include_usage:
+            yield self.chunk([], usage=_usage(final.stats)).model_dump_json()
+
+    def whole(self, text: str, logprobs: list[TokenLogprob], final: Chunk) -> Any:
+        raise NotImplementedError
+
+
+class _ChatReply(_Reply):
+    endpoint, prefix = "chat", "chatcmpl"
+
+    def __init__(self, model_name: str, body: S.ChatCompletionRequest, plan: T.ToolPlan | None) -> None:
+        super().__init__(model_name, body.stream_options)
+        self.body, self.plan = body, plan
+        self.calls = T.ToolCallStream() if plan is not None else None
+
+    def chunk(self, choices: list, usage: S.Usage | None = None) -> S.ChatCompletionChunk:
+        return S.ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=choices,
+                                     usage=usage)
+
+    def _delta(self, delta: S.Delta, finish=None, logprobs=None) -> str:
+        return self.chunk([S.ChatChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs)]).model_dump_json(
+            exclude=self.exclude)
+
+    def head(self) -> Iterable[str]:
+        yield self._delta(S.Delta(role="assistant", content=""))
+
+    def events(self, event: Chunk) -> Iterable[str]:
+        calls = self.calls
+        lp = _chat_logprobs(event.logprobs) if event.logprobs else None
+        content, deltas = calls.feed(event.text) if calls is not None else (event.text, [])
+        if calls is not None and calls.mode != "text":
+            lp = None  # a call's tokens are not content
+        if content or lp:
+            yield self._delta(S.Delta(content=content), logprobs=lp)
+        if deltas:
+            yield self._delta(S.Delta(tool_calls=deltas))
+        if event.finish_reason is not None:
+            finish = event.finish_reason
+            if calls is not None and calls.sent and event.structure == "complete":
+                finish = "tool_calls"
+            yield self._delta(S.Delta(), finish=finish)
+
+    def whole(self, text: str, logprobs: list[TokenLogprob], final: Chunk) -> S.ChatCompletion:
+        calls = T.parse_tool_calls(text) if self.plan is not None and final.structure == "complete" else None
+        message = S.AssistantMessage(content=text) if not calls else S.AssistantMessage(tool_calls=calls)
+        return S.ChatCompletion(id=self.rid, created=self.created, model=self.model, usage=_usage(final.stats),
+                                choices=[S.ChatChoice(
+                                    message=message, finish_reason="tool_calls" if calls else final.finish_reason,
+                                    logprobs=_chat_logprobs(logprobs) if self.body.logprobs and not calls else None)])
+
+
+class _CompletionReply(_Reply):
+    endpoint, prefix = "completion", "cmpl"
+
+    def __init__(self, model_name: str, body: S.CompletionRequest, prompt: str) -> None:
+        super().__init__(model_name, body.stream_options)
+        self.logprobs, self.top_n = body.logprobs, body.logprobs or 0
+        self.offsets = _TextOffsets(len(prompt))  # where each token starts in the text
+
+    def chunk(self, choices: list, usage: S.Usage | None = None) -> S.Completion:
+        return S.Completion(id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage)
+
+    def _choice(self, text: str, finish=None, logprobs=None) -> list[S.CompletionChoice]:
+        return [S.CompletionChoice(text=text, finish_reason=finish, logprobs=logprobs)]
+
+    def events(self, event: Chunk) -> Iterable[str]:
+        lp = None
+        if event.logprobs is not None and self.logprobs is not None:
+            lp = _completion_logprobs(event.logprobs, self.offsets, self.top_n)
+        if event.text or lp or event.finish_reason:
+            yield self.chunk(self._choice(event.text, event.finish_reason, lp)).model_dump_json(exclude=self.exclude)
+
+    def whole(self, text: str, logprobs: list[TokenLogprob], final: Chunk) -> S.Completion:
+        lp = _completion_logprobs(logprobs, self.offsets, self.top_n) if self.logprobs is not None else None
+        return self.chunk(self._choice(text, final.finish_reason, lp), usage=_usage(final.stats))
+
+
+# ---------------------------------------------------------------- the service
+
+
+class _Service:
+    """What the routes share: the worker, the names the server answers to, the requests queued and
+    running, and the one path every generation takes: start the job -> stream or collect its chunks
+    -> render them (`respond`)."""
+
+    def __init__(self, worker: EngineWorker, *, owns_worker: bool, model_name: str, aliases: Iterable[str],
+                 max_tokens_limit: int, time_limit: float | None, log_prompts: bool) -> None:
+        self.worker, self.owns_worker = worker, owns_worker
+        self.model_name = model_name
+        self.names = {model_name, *aliases}
+        self.max_tokens_limit = max_tokens_limit
+        self.time_limit = time_limit
+        self.log_prompts = log_prompts
+        self.started = int(time.time())
+        self.waiting: dict[Job, asyncio.Queue] = {}  # submitted, not yet started by the engine
+        self.running: set[Job] = set()  # started, response not finished
+        self.draining = False
+
+    def begin_shutdown(self, grace: float) -> None:
+        """The server stops (SIGTERM/SIGINT): queued requests get a 503 now, new ones too; the
+        running generation has `grace` seconds to finish, then ends with an error body (a 503, or
+        an error event and [DONE] on a stream). Called on the event loop."""
+        if self.draining:
+            return
+        self.draining = True
+        if self.waiting or self.running:
+            log.info("shutting down: %d queued request(s) refused, %d running get %g s", len(self.waiting),
+                     len(self.running), grace)
+        for events in list(self.waiting.values()):
+            events.put_nowait(_SHUTDOWN)
+
+        def stop_running() -> None:
+            for job in list(self.running):
+                job.cancel(SHUTDOWN_REASON)
+
+        asyncio.get_running_loop().call_later(grace, stop_running)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.names:
+            raise APIError(404, f"The model '{model}' does not exist (this server serves '{self.model_name}').",
+                           param="model", code="model_not_found")
+
+    def structured(self, body: S.ChatCompletionRequest, messages: list, options: dict) -> tuple[list, T.ToolPlan | None]:
+        """response_format and tools: the constraint in `options`, the messages to render (tools in
+        the template that takes them, else in a generic system message)."""
+        text = T.response_format_constraint(body.response_format)
+        grammar = T.grammar_constraint(body.grammar)
+        if grammar is not None:
+            if text is not None:
+                raise S.InvalidParam("grammar: give grammar or response_format, not both", "grammar")
+            text = grammar
+        plan = T.plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, text)
+        if plan is not None and grammar is not None:
+            raise S.InvalidParam("grammar: not supported together with tools (response_format is)", "grammar")
+        if plan is not None:
+            options["grammar"] = T.tool_grammar(plan)
+        elif text is not None:
+            options["grammar"] = text
+        template = getattr(self.worker.engine.oracle_model, "chat_template", None)
+        if T.template_takes_tools(template):
+            if plan is not None:
+                options["tools"] = [t.spec for t in plan.tools]
+            return T.template_messages(messages), plan
+        return T.generic_messages(messages, plan), plan
+
+    async def respond(self, request: Request, reply: _Reply, prompt: Any, options: dict[str, Any],
+                      stream: bool) -> Response:
+        """Run the generation and answer with it: server-sent events as it goes, or the whole
+        response at the end (499 when the client went away before it)."""
+        job, events = await self.start(request, prompt, options, reply.rid)
+        if stream:
+            return _JobStream(job, self._stream(job, events, reply))
+        collected = await self.collect(job, events, request)
+        if collected is None:
+            return Response(status_code=499)
+        text, logprobs, final = collected
+        self.log_done(reply.rid, reply.endpoint, job, text)
+        return JSONResponse(reply.whole(text, logprobs, final).model_dump(mode="json"))
+
+    async def _stream(self, job: Job, events: asyncio.Queue, reply: _Reply) -> AsyncIterator[str]:
+        text = [] if self.log_prompts else None
+        for payload in reply.head():
+            yield _sse(payload)
+        async for event in self.chunks(job, events, None):
+            if isinstance(event, Failed):
+                yield _sse(_stream_error(event))
+                break
+            if text is not None:
+                text.append(event.text)
+            for payload in reply.events(event):
+                yield _sse(payload)
+            if event.finish_reason is not None:
+                for payload in reply.tail(event):
+                    yield _sse(payload)
+        yield "data: [DONE]\n\n"
+        self.log_done(reply.rid, reply.endpoint, job, None if text is None else "".join(text))
+
+    async def start(self, request: Request, prompt: Any, options: dict[str, Any], rid: str) -> tuple[Job, asyncio.Queue]:
+        """Queue the job and wait until the engine has accepted it (errors are still HTTP errors here)."""
+        if self.draining:
+            raise shutting_down()
+        worker = self.worker
+        try:
+            job, events = worker.submit_async(prompt, options, time_limit=self.time_limit)
+        except QueueFull as e:
+            raise APIError(429, f"The server is busy ({worker.max_queue} requests queued); retry later.",
+                           code="rate_limit_exceeded", headers={"Retry-After": str(e.retry_after)}) from None
+        except WorkerClosed:
+            raise shutting_down() from None
+        if self.log_prompts:
+            log.info("%s prompt: %r", rid, prompt)
+        self.waiting[job] = events
+        watcher = asyncio.create_task(_watch_disconnect(request.receive, job))
+        try:
+            event = await events.get()
+        except BaseException:
+            job.cancel()
+            raise
+        finally:
+            watcher.cancel()
+            self.waiting.pop(job, None)
+        if event is _SHUTDOWN:
+            job.cancel(SHUTDOWN_REASON)
+            raise shutting_down()
+        if isinstance(event, Failed):
+            if event.client_error:
+                param = "messages" if isinstance(prompt, list) else "prompt"
+                code = "context_length_exceeded" if type(event.error).__name__ == "PromptTooLongError" else "invalid_value"
+                raise APIError(400, str(event.error), param=param, code=code)
+            if isinstance(event.error, WorkerClosed):
+                raise shutting_down()
+            raise APIError(500, _SERVER_ERROR)
+        if event is CANCELLED:  # the client went away while queued; nobody reads this
+            raise APIError(499, "The request was cancelled.", code="cancelled")
+        assert event is STARTED, event
+        self.running.add(job)
+        return job, events
+
+    async def chunks(self, job: Job, events: asyncio.Queue, request: Request | None) -> AsyncIterator[Chunk | Failed]:
+        """The job's chunks until the last one (or a failure). With `request`, a disconnect cancels the job.
+        A generation stopped because the server is shutting down ends with a Failed(WorkerClosed)."""
+        watcher = asyncio.create_task(_watch_disconnect(request.receive, job)) if request is not None else None
+        try:
+            while True:
+                event = await events.get()
+                if event is _SHUTDOWN:  # meant for start(): this one runs on
+                    continue
+                if event is CANCELLED:
+                    if job.cancel_reason == SHUTDOWN_REASON:
+                        yield Failed(WorkerClosed(SHUTDOWN_REASON), client_error=False)
+                    return
+                yield event
+                if isinstance(event, Failed) or event.finish_reason is not None:
+                    return
+        finally:
+            self.running.discard(job)
+            if watcher is not None:
+                watcher.cancel()
+            job.cancel()  # no-op once finished
+
+    async def collect(self, job: Job, events: asyncio.Queue, request: Request) -> tuple[str, list, Chunk] | None:
+        """A whole (non-streamed) generation: its text, logprobs and last chunk; None when the
+        client went away before the end (nobody reads the answer)."""
+        parts, logprobs, final = [], [], None
+        try:
+            async for event in self.chunks(job, events, request):
+                if isinstance(event, Failed):
+                    raise shutting_down() if isinstance(event.error, WorkerClosed) else APIError(500, _SERVER_ERROR)
+                parts.append(event.text)
+                logprobs.extend(event.logprobs or ())
+                final = event
+        except asyncio.CancelledError:
+            if not self.draining:
+                raise
+            # uvicorn's own shutdown deadline passed first (a very slow step): still answer in JSON
+            job.cancel(SHUTDOWN_REASON)
+            raise shutting_down() from None
+        if final is None or final.finish_reason is None:
+            return None
+        return "".join(parts), logprobs, final
+
+    def log_done(self, rid: str, endpoint: str, job: Job, text: str | None) -> None:
+        s = job.stats
+        if s is None:
+            log.info("%s %s: %s after %d tokens", rid, endpoint, job.outcome or "stopped", job.tokens)
+            return
+        log.info("%s %s: %d prompt (%d cached) + %d completion tokens, acceptance %.0f%% (%d/%d), %.2f s",
+                 rid, endpoint, s.prompt_tokens, max(0, s.prompt_tokens - s.prompt_tokens_evaluated),
+                 s.completion_tokens, 100 * s.acceptance_rate, s.accepted, s.drafted, s.total_time)
+        if self.log_prompts and text is not None:
+            log.info("%s completion: %r", rid, text)
+
+
+def _service(request: Request) -> _Service:
+    return request.app.state.service
+
+
+@contextmanager
+def _invalid_params() -> Iterator[None]:
+    """A request's unsupported or invalid field is a 400 naming it."""
+    try:
+        yield
+    except S.InvalidParam as e:
+        raise APIError(400, str(e), param=e.param, code=e.code) from None
+
+
+def _options(svc: _Service, body: S.ChatCompletionRequest | S.CompletionRequest) -> dict[str, Any]:
+    """The engine options of a request for a model this server serves, with nothing unsupported in it."""
+    svc.check_model(body.model)
+    options = body.engine_options(svc.max_tokens_limit)
+    with _invalid_params():
+        body.check_supported()
+    return options
+
+
+# ---------------------------------------------------------------- routes
+
+router = APIRouter()
+_ERRORS = {code: {"model": S.ErrorResponse} for code in (400, 401, 404, 413, 429, 500)}
+
+
+@router.get("/health", tags=["server"])
+async def health(request: Request) -> JSONResponse:
+    svc = _service(request)
+    worker = svc.worker
+    body = {"status": "ok" if worker.alive else "unavailable", "model": svc.model_name,
+            "busy": worker.busy, "queue_depth": worker.queue_depth, "max_queue": worker.max_queue,
+            "completed": worker.completed, "cancelled": worker.cancelled}
+    return JSONResponse(body, status_code=200 if worker.alive else 503)
+
+
+@router.get("/metrics", tags=["server"], response_class=Response)
+async def metrics_endpoint(request: Request) -> Response:
+    metrics = _service(request).worker.metrics
+    return Response(metrics.render(), media_type=metrics.content_type)
+
+
+@router.get("/v1/models", response_model=S.ModelList, tags=["openai"])
+async def list_models(request: Request) -> S.ModelList:
+    svc = _service(request)
+    return S.ModelList(data=[S.Model(id=svc.model_name, created=svc.started)])
+
+
+@router.get("/v1/models/{model_id:path}", response_model=S.Model, tags=["openai"],
+            responses={404: {"model": S.ErrorResponse}})
+async def get_model(model_id: str, request: Request) -> S.Model:
+    svc = _service(request)
+    svc.check_model(model_id)
+    return S.Model(id=svc.model_name, created=svc.started)
+
+
+@router.post("/v1/chat/completions", response_model=S.ChatCompletion, tags=["openai"], responses=_ERRORS)
+async def chat_completions(body: S.ChatCompletionRequest, request: Request):
+    """Chat completion; `stream: true` answers with server-sent `chat.completion.chunk`s."""
+    svc = _service(request)
+    options = _options(svc, body)
+    with _invalid_params():
+        prompt, plan = svc.structured(body, body.engine_messages(), options)
+    return await svc.respond(request, _ChatReply(svc.model_name, body, plan), prompt, options, body.stream)
+
+
+@router.post("/v1/completions", response_model=S.Completion, tags=["openai"], responses=_ERRORS)
+async def completions(body: S.CompletionRequest, request: Request):
+    """Text completion of a raw prompt (no chat template); `stream: true` for server-sent events."""
+    svc = _service(request)
+    options = _options(svc, body)
+    with _invalid_params():
+        grammar = T.grammar_constraint(body.grammar)
+    if grammar is not None:
+        options["grammar"] = grammar
+    prompt = body.prompt_text()
+    return await svc.respond(request, _CompletionReply(svc.model_name, body, prompt), prompt, options, body.stream)
+
+
 # ---------------------------------------------------------------- the app
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI):
+    svc: _Service = app.state.service
+    log.info("serving %s (n_ctx %d, max queue %d, max_tokens limit %d)", svc.model_name, svc.worker.engine.n_ctx,
+             svc.worker.max_queue, svc.max_tokens_limit)
+    try:
+        yield
+    finally:
+        if svc.owns_worker:
+            await asyncio.to_thread(svc.worker.close)
 
 
 def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = (), api_key: str | None = None,
@@ -169,37 +564,25 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
         worker = EngineWorker(engine_or_worker, max_queue=DEFAULT_MAX_QUEUE if max_queue is None else max_queue)
         owns_worker = True
     metrics = worker.metrics
-    n_ctx = worker.engine.n_ctx
     if max_tokens_limit is None:
-        max_tokens_limit = max(1, n_ctx // 2)
+        max_tokens_limit = max(1, worker.engine.n_ctx // 2)
     if max_tokens_limit < 1:
         raise ValueError("max_tokens_limit must be >= 1")
     if time_limit is not None and time_limit <= 0:
         time_limit = None
-    names = {model_name, *aliases}
-    started = int(time.time())
-    waiting: dict[Job, asyncio.Queue] = {}  # submitted, not yet started by the engine
-    running: set[Job] = set()  # started, response not finished
-    draining = False
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        log.info("serving %s (n_ctx %d, max queue %d, max_tokens limit %d)", model_name, n_ctx, worker.max_queue,
-                 max_tokens_limit)
-        try:
-            yield
-        finally:
-            if owns_worker:
-                await asyncio.to_thread(worker.close)
+    service = _Service(worker, owns_worker=owns_worker, model_name=model_name, aliases=aliases,
+                       max_tokens_limit=max_tokens_limit, time_limit=time_limit, log_prompts=log_prompts)
 
     app = FastAPI(
-        title="localspec", version=_version(), lifespan=lifespan,
+        title="localspec", version=_version(), lifespan=_lifespan,
         description="OpenAI-compatible API over localspec's speculative-decoding engine. "
                     "Extension: `\"speculative\": {\"enabled\": false, \"draft_max\": 6}` per request; "
                     "`usage` also reports drafted/accepted tokens and the acceptance rate.")
+    app.state.service = service
     app.state.worker = worker
     app.state.metrics = metrics
     app.state.max_tokens_limit = max_tokens_limit
+    app.state.begin_shutdown = service.begin_shutdown
 
     def methods_for(path: str) -> set[str]:
         out: set[str] = set()
@@ -218,298 +601,7 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(Exception, on_internal_error)
-
-    def begin_shutdown(grace: float) -> None:
-        """The server stops (SIGTERM/SIGINT): queued requests get a 503 now, new ones too; the
-        running generation has `grace` seconds to finish, then ends with an error body (a 503, or
-        an error event and [DONE] on a stream). Called on the event loop."""
-        nonlocal draining
-        if draining:
-            return
-        draining = True
-        if waiting or running:
-            log.info("shutting down: %d queued request(s) refused, %d running get %g s", len(waiting),
-                     len(running), grace)
-        for events in list(waiting.values()):
-            events.put_nowait(_SHUTDOWN)
-
-        def stop_running() -> None:
-            for job in list(running):
-                job.cancel(SHUTDOWN_REASON)
-
-        asyncio.get_running_loop().call_later(grace, stop_running)
-
-    app.state.begin_shutdown = begin_shutdown
-
-    def check_model(model: str | None) -> None:
-        if model is not None and model not in names:
-            raise APIError(404, f"The model '{model}' does not exist (this server serves '{model_name}').",
-                           param="model", code="model_not_found")
-
-    async def start(request: Request, prompt: Any, options: dict[str, Any], rid: str) -> tuple[Job, asyncio.Queue]:
-        """Queue the job and wait until the engine has accepted it (errors are still HTTP errors here)."""
-        if draining:
-            raise shutting_down()
-        try:
-            job, events = worker.submit_async(prompt, options, time_limit=time_limit)
-        except QueueFull as e:
-            raise APIError(429, f"The server is busy ({worker.max_queue} requests queued); retry later.",
-                           code="rate_limit_exceeded", headers={"Retry-After": str(e.retry_after)}) from None
-        except WorkerClosed:
-            raise shutting_down() from None
-        if log_prompts:
-            log.info("%s prompt: %r", rid, prompt)
-        waiting[job] = events
-        watcher = asyncio.create_task(_watch_disconnect(request.receive, job))
-        try:
-            event = await events.get()
-        except BaseException:
-            job.cancel()
-            raise
-        finally:
-            watcher.cancel()
-            waiting.pop(job, None)
-        if event is _SHUTDOWN:
-            job.cancel(SHUTDOWN_REASON)
-            raise shutting_down()
-        if isinstance(event, Failed):
-            if event.client_error:
-                param = "messages" if isinstance(prompt, list) else "prompt"
-                code = "context_length_exceeded" if type(event.error).__name__ == "PromptTooLongError" else "invalid_value"
-                raise APIError(400, str(event.error), param=param, code=code)
-            if isinstance(event.error, WorkerClosed):
-                raise shutting_down()
-            raise APIError(500, _SERVER_ERROR)
-        if event is CANCELLED:  # the client went away while queued; nobody reads this
-            raise APIError(499, "The request was cancelled.", code="cancelled")
-        assert event is STARTED, event
-        running.add(job)
-        return job, events
-
-    async def chunks(job: Job, events: asyncio.Queue, request: Request | None) -> AsyncIterator[Chunk | Failed]:
-        """The job's chunks until the last one (or a failure). With `request`, a disconnect cancels the job.
-        A generation stopped because the server is shutting down ends with a Failed(WorkerClosed)."""
-        watcher = asyncio.create_task(_watch_disconnect(request.receive, job)) if request is not None else None
-        try:
-            while True:
-                event = await events.get()
-                if event is _SHUTDOWN:  # meant for start(): this one runs on
-                    continue
-                if event is CANCELLED:
-                    if job.cancel_reason == SHUTDOWN_REASON:
-                        yield Failed(WorkerClosed(SHUTDOWN_REASON), client_error=False)
-                    return
-                yield event
-                if isinstance(event, Failed) or event.finish_reason is not None:
-                    return
-        finally:
-            running.discard(job)
-            if watcher is not None:
-                watcher.cancel()
-            job.cancel()  # no-op once finished
-
-    async def collect(job: Job, events: asyncio.Queue, request: Request) -> tuple[str, list, Chunk] | None:
-        """A whole (non-streamed) generation: its text, logprobs and last chunk; None when the
-        client went away before the end (nobody reads the answer)."""
-        parts, logprobs, final = [], [], None
-        try:
-            async for event in chunks(job, events, request):
-                if isinstance(event, Failed):
-                    raise shutting_down() if isinstance(event.error, WorkerClosed) else APIError(500, _SERVER_ERROR)
-                parts.append(event.text)
-                logprobs.extend(event.logprobs or ())
-                final = event
-        except asyncio.CancelledError:
-            if not draining:
-                raise
-            # uvicorn's own shutdown deadline passed first (a very slow step): still answer in JSON
-            job.cancel(SHUTDOWN_REASON)
-            raise shutting_down() from None
-        if final is None or final.finish_reason is None:
-            return None
-        return "".join(parts), logprobs, final
-
-    def log_done(rid: str, endpoint: str, job: Job, text: str | None) -> None:
-        s = job.stats
-        if s is None:
-            log.info("%s %s: %s after %d tokens", rid, endpoint, job.outcome or "stopped", job.tokens)
-            return
-        log.info("%s %s: %d prompt (%d cached) + %d completion tokens, acceptance %.0f%% (%d/%d), %.2f s",
-                 rid, endpoint, s.prompt_tokens, max(0, s.prompt_tokens - s.prompt_tokens_evaluated),
-                 s.completion_tokens, 100 * s.acceptance_rate, s.accepted, s.drafted, s.total_time)
-        if log_prompts and text is not None:
-            log.info("%s completion: %r", rid, text)
-
-    # ---------------------------------------------------------------- routes
-
-    @app.get("/health", tags=["server"])
-    async def health() -> JSONResponse:
-        body = {"status": "ok" if worker.alive else "unavailable", "model": model_name,
-                "busy": worker.busy, "queue_depth": worker.queue_depth, "max_queue": worker.max_queue,
-                "completed": worker.completed, "cancelled": worker.cancelled}
-        return JSONResponse(body, status_code=200 if worker.alive else 503)
-
-    @app.get("/metrics", tags=["server"], response_class=Response)
-    async def metrics_endpoint() -> Response:
-        return Response(metrics.render(), media_type=metrics.content_type)
-
-    @app.get("/v1/models", response_model=S.ModelList, tags=["openai"])
-    async def list_models() -> S.ModelList:
-        return S.ModelList(data=[S.Model(id=model_name, created=started)])
-
-    @app.get("/v1/models/{model_id:path}", response_model=S.Model, tags=["openai"],
-             responses={404: {"model": S.ErrorResponse}})
-    async def get_model(model_id: str) -> S.Model:
-        check_model(model_id)
-        return S.Model(id=model_name, created=started)
-
-    errors = {code: {"model": S.ErrorResponse} for code in (400, 401, 404, 413, 429, 500)}
-
-    def structured(body: S.ChatCompletionRequest, messages: list, options: dict) -> tuple[list, T.ToolPlan | None]:
-        """response_format and tools: the constraint in `options`, the messages to render (tools in
-        the template that takes them, else in a generic system message)."""
-        text = T.response_format_constraint(body.response_format)
-        grammar = T.grammar_constraint(body.grammar)
-        if grammar is not None:
-            if text is not None:
-                raise S.InvalidParam("grammar: give grammar or response_format, not both", "grammar")
-            text = grammar
-        plan = T.plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, text)
-        if plan is not None and grammar is not None:
-            raise S.InvalidParam("grammar: not supported together with tools (response_format is)", "grammar")
-        if plan is not None:
-            options["grammar"] = T.tool_grammar(plan)
-        elif text is not None:
-            options["grammar"] = text
-        template = getattr(worker.engine.oracle_model, "chat_template", None)
-        if T.template_takes_tools(template):
-            if plan is not None:
-                options["tools"] = [t.spec for t in plan.tools]
-            return T.template_messages(messages), plan
-        return T.generic_messages(messages, plan), plan
-
-    @app.post("/v1/chat/completions", response_model=S.ChatCompletion, tags=["openai"], responses=errors)
-    async def chat_completions(body: S.ChatCompletionRequest, request: Request):
-        """Chat completion; `stream: true` answers with server-sent `chat.completion.chunk`s."""
-        check_model(body.model)
-        options = body.engine_options(max_tokens_limit)
-        try:
-            body.check_supported()
-            prompt, plan = structured(body, body.engine_messages(), options)
-        except S.InvalidParam as e:
-            raise APIError(400, str(e), param=e.param, code=e.code) from None
-        rid = f"chatcmpl-{secrets.token_hex(12)}"
-        created = int(time.time())
-        job, events = await start(request, prompt, options, rid)
-
-        def chunk(delta: S.Delta, finish=None, logprobs=None) -> S.ChatCompletionChunk:
-            return S.ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[
-                S.ChatChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs)])
-
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            exclude = None if include_usage else {"usage"}
-
-            async def sse() -> AsyncIterator[str]:
-                text = [] if log_prompts else None
-                calls = T.ToolCallStream() if plan is not None else None
-                yield _sse(chunk(S.Delta(role="assistant", content="")).model_dump_json(exclude=exclude))
-                async for event in chunks(job, events, None):
-                    if isinstance(event, Failed):
-                        yield _sse(_stream_error(event))
-                        break
-                    lp = _chat_logprobs(event.logprobs) if event.logprobs else None
-                    content, deltas = calls.feed(event.text) if calls is not None else (event.text, [])
-                    if calls is not None and calls.mode != "text":
-                        lp = None  # a call's tokens are not content
-                    if text is not None:
-                        text.append(event.text)
-                    if content or lp:
-                        yield _sse(chunk(S.Delta(content=content), logprobs=lp).model_dump_json(exclude=exclude))
-                    if deltas:
-                        yield _sse(chunk(S.Delta(tool_calls=deltas)).model_dump_json(exclude=exclude))
-                    if event.finish_reason is not None:
-                        finish = event.finish_reason
-                        if calls is not None and calls.sent and event.structure == "complete":
-                            finish = "tool_calls"
-                        yield _sse(chunk(S.Delta(), finish=finish).model_dump_json(exclude=exclude))
-                        if include_usage:
-                            yield _sse(S.ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[],
-                                                             usage=_usage(event.stats)).model_dump_json())
-                yield "data: [DONE]\n\n"
-                log_done(rid, "chat", job, None if text is None else "".join(text))
-
-            return _JobStream(job, sse())
-
-        collected = await collect(job, events, request)
-        if collected is None:
-            return Response(status_code=499)
-        text, logprobs, final = collected
-        log_done(rid, "chat", job, text)
-        calls = T.parse_tool_calls(text) if plan is not None and final.structure == "complete" else None
-        message = S.AssistantMessage(content=text) if not calls else S.AssistantMessage(tool_calls=calls)
-        resp = S.ChatCompletion(id=rid, created=created, model=model_name, usage=_usage(final.stats), choices=[
-            S.ChatChoice(message=message, finish_reason="tool_calls" if calls else final.finish_reason,
-                         logprobs=_chat_logprobs(logprobs) if body.logprobs and not calls else None)])
-        return JSONResponse(resp.model_dump(mode="json"))
-
-    @app.post("/v1/completions", response_model=S.Completion, tags=["openai"], responses=errors)
-    async def completions(body: S.CompletionRequest, request: Request):
-        """Text completion of a raw prompt (no chat template); `stream: true` for server-sent events."""
-        check_model(body.model)
-        options = body.engine_options(max_tokens_limit)
-        try:
-            body.check_supported()
-            grammar = T.grammar_constraint(body.grammar)
-        except S.InvalidParam as e:
-            raise APIError(400, str(e), param=e.param, code=e.code) from None
-        if grammar is not None:
-            options["grammar"] = grammar
-        prompt = body.prompt_text()
-        top_n = body.logprobs or 0
-        rid = f"cmpl-{secrets.token_hex(12)}"
-        created = int(time.time())
-        job, events = await start(request, prompt, options, rid)
-
-        def completion(text: str, finish=None, logprobs=None, usage=None) -> S.Completion:
-            return S.Completion(id=rid, created=created, model=model_name, usage=usage, choices=[
-                S.CompletionChoice(text=text, finish_reason=finish, logprobs=logprobs)])
-
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            exclude = None if include_usage else {"usage"}
-
-            async def sse() -> AsyncIterator[str]:
-                offsets = _TextOffsets(len(prompt))
-                text = [] if log_prompts else None
-                async for event in chunks(job, events, None):
-                    if isinstance(event, Failed):
-                        yield _sse(_stream_error(event))
-                        break
-                    lp = None
-                    if event.logprobs is not None and body.logprobs is not None:
-                        lp = _completion_logprobs(event.logprobs, offsets, top_n)
-                    if text is not None:
-                        text.append(event.text)
-                    if event.text or lp or event.finish_reason:
-                        yield _sse(completion(event.text, event.finish_reason, lp).model_dump_json(exclude=exclude))
-                    if event.finish_reason is not None and include_usage:
-                        yield _sse(S.Completion(id=rid, created=created, model=model_name, choices=[],
-                                                usage=_usage(event.stats)).model_dump_json())
-                yield "data: [DONE]\n\n"
-                log_done(rid, "completion", job, None if text is None else "".join(text))
-
-            return _JobStream(job, sse())
-
-        collected = await collect(job, events, request)
-        if collected is None:
-            return Response(status_code=499)
-        text, logprobs, final = collected
-        log_done(rid, "completion", job, text)
-        lp = _completion_logprobs(logprobs, _TextOffsets(len(prompt)), top_n) if body.logprobs is not None else None
-        resp = completion(text, final.finish_reason, lp, usage=_usage(final.stats))
-        return JSONResponse(resp.model_dump(mode="json"))
-
+    app.include_router(router)
     return app
 
 

@@ -1,0 +1,245 @@
+"""Building an engine's parts from names: the models resolved (registry names fetched on first use)
+and loaded, their contexts, the proposer, the length policy and where its learned costs are kept.
+
+The engine runs whatever parts it is given (`Engine.from_parts`); `Engine(oracle, draft, ...)` is
+`build(oracle, draft, ...)` handed to it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from .compat import check_compatible, first_difference
+from .costs import CostBook, CostStore, file_fingerprint, machine_identity
+from .llama import LlamaContext, LlamaModel, default_threads, resolve_flash_attn
+from .policy import AdaptiveLength, FixedLength, LengthPolicy
+from .proposers import CrossTokenizerProposer, DraftModelProposer, HybridProposer, PromptLookupProposer, Proposer
+
+log = logging.getLogger("localspec.engine")
+
+DEFAULT_DRAFT_MAX = 16
+LOOKUP_DRAFT_MAX = 64  # prompt lookup drafts for free: a copied passage may be accepted 30+ tokens at a time
+DEFAULT_P_MIN = 0.3  # measured on the default pair: acceptance 0.80 -> 0.91 at k=8, fewer wasted drafts
+NGRAM = "ngram"  # draft=NGRAM: prompt lookup instead of a draft model
+
+
+@dataclass
+class Parts:
+    """What an engine runs. `oracle`: the oracle's context (its `model` is the oracle model);
+    `proposer` (None: the oracle alone) and `draft`, the draft context it drafts on, if any;
+    `policy` (None: a default); `costs`: where the policy's learned state is kept between
+    processes (None: nowhere). `closers` close what was built here, last built first."""
+
+    oracle: LlamaContext
+    proposer: Proposer | None = None
+    policy: LengthPolicy | None = None
+    draft: LlamaContext | None = None
+    costs: CostBook | None = None
+    cost_store: CostStore | None = None
+    closers: list[Callable[[], None]] = field(default_factory=list)
+    n_threads: int = 0
+    gpu_layers: int = 0
+    rpc: tuple[str, ...] = ()
+    draft_rpc: tuple[str, ...] = ()
+
+
+def default_policy(proposer: Proposer | None, draft_max: int = DEFAULT_DRAFT_MAX) -> LengthPolicy:
+    """None drafted without a proposer, else the cost-aware adaptive length (up to `draft_max`)."""
+    return FixedLength(0) if proposer is None else AdaptiveLength(k_max=draft_max)
+
+
+def rpc_servers(value: str | Sequence[str] | None) -> tuple[str, ...]:
+    from .rpc import parse_servers  # keeps the RPC module out of runs that do not use it
+
+    return parse_servers(value) if value else ()
+
+
+def kernel_identity(oracle_path, *, n_threads: int, gpu_layers: int, rpc: Sequence[str] = ()) -> dict:
+    """The key of the attention kernel `localspec check` measured faster for an oracle here."""
+    return {"model": file_fingerprint(oracle_path), "threads": n_threads, "gpu_layers": gpu_layers,
+            **machine_identity(), **({"rpc": list(rpc)} if rpc else {})}
+
+
+def draft_cost_ratio(oracle: LlamaModel, draft: LlamaModel | None) -> float:
+    """A first guess at a draft token's cost in one-token oracle passes, until one is measured:
+    between the ratio of the models' sizes (a pass that streams its weights from memory) and of
+    their parameters (one that is compute-bound); prompt lookup (no draft model) costs next to nothing."""
+    if draft is None:
+        return 0.01
+    ratio = ((draft.size_bytes / max(oracle.size_bytes, 1)) * (draft.n_params / max(oracle.n_params, 1))) ** 0.5
+    return float(min(1.0, max(0.02, ratio)))
+
+
+def build(oracle: str | os.PathLike, draft: str | os.PathLike | None = None, *,
+          n_ctx: int = 4096, n_batch: int = 512, n_threads: int | None = None,
+          gpu_layers: int = -1, draft_gpu_layers: int = -1, flash_attn: str = "auto",
+          draft_length: int | None = None, draft_max: int | None = None,
+          p_min: float = DEFAULT_P_MIN, lookup: bool = False, cross_tokenizer: bool = False,
+          policy: LengthPolicy | None = None, cost_cache: bool = True,
+          progress: Callable[[str], None] | None = None,
+          rpc: str | Sequence[str] | None = None, draft_rpc: str | Sequence[str] | None = None) -> Parts:
+    """`oracle` / `draft`: a GGUF path or a model name from models.toml (fetched on first use);
+    `draft` may also be "ngram" (prompt lookup, no model) or None (the oracle alone).
+    `draft_length`: a fixed k; None chooses k per step from measured costs and acceptance
+    (capped by `draft_max`: default 16 for a draft model, 64 for prompt lookup, whose drafts cost
+    nothing to make). `p_min`: the draft stops when its top probability falls below it.
+    `lookup`: try prompt lookup first and the draft model when it finds nothing.
+    `cross_tokenizer`: allow a draft whose vocabulary differs (re-tokenizes text between them).
+    `flash_attn`: "auto" (see `llama.resolve_flash_attn`: off on a CPU, on with GPU offload,
+    unless `localspec check` measured otherwise here), "on" or "off"; for both models.
+    `policy`: the length policy (default: as `draft_length` says). `cost_cache`: keep the
+    adaptive policy's fitted costs and acceptance in the cache, so the next process starts from them.
+    `rpc`: llama.cpp rpc-servers ("HOST:PORT,..." or a list) the oracle's layers are split over,
+    with this machine (see `localspec.rpc`); `draft_rpc`: the same for the draft (default: local).
+    Each server is checked before anything loads."""
+    loader = _Loader(n_threads or default_threads(), rpc_servers(rpc), rpc_servers(draft_rpc), progress,
+                     CostStore() if cost_cache else None)
+    try:
+        parts = loader.load(oracle, draft, n_ctx=n_ctx, n_batch=n_batch, gpu_layers=gpu_layers,
+                            draft_gpu_layers=draft_gpu_layers, flash_attn=flash_attn, p_min=p_min, lookup=lookup,
+                            cross_tokenizer=cross_tokenizer)
+    except BaseException:
+        loader.close()
+        raise
+    if draft_max is None:
+        draft_max = LOOKUP_DRAFT_MAX if draft == NGRAM else DEFAULT_DRAFT_MAX
+    if policy is None:
+        if parts.proposer is None:
+            policy = FixedLength(0)
+        elif draft_length is not None:
+            policy = FixedLength(min(draft_length, draft_max))
+        else:
+            policy = AdaptiveLength(k_max=draft_max, model_draft=parts.draft is not None,
+                                    draft_cost_ratio=draft_cost_ratio(parts.oracle.model,
+                                                                      parts.draft.model if parts.draft else None))
+    parts.policy = policy
+    if loader.cost_store is not None and policy.learns:
+        parts.costs = CostBook(loader.cost_store, loader.cost_identities(parts, gpu_layers=gpu_layers,
+                                                                         draft_gpu_layers=draft_gpu_layers,
+                                                                         p_min=p_min))
+    return parts
+
+
+class _Loader:
+    """Loads the models and contexts of one engine, keeping what it built to close it."""
+
+    def __init__(self, n_threads: int, rpc: tuple[str, ...], draft_rpc: tuple[str, ...],
+                 progress: Callable[[str], None] | None, cost_store: CostStore | None) -> None:
+        self.n_threads, self.rpc, self.draft_rpc = n_threads, rpc, draft_rpc
+        self.progress = progress
+        self.cost_store = cost_store
+        self.closers: list[Callable[[], None]] = []
+
+    def close(self) -> None:
+        for close in reversed(self.closers):
+            close()
+        self.closers.clear()
+
+    def _own(self, obj):
+        self.closers.append(obj.close)
+        return obj
+
+    def load(self, oracle, draft, *, n_ctx: int, n_batch: int, gpu_layers: int, draft_gpu_layers: int,
+             flash_attn: str, p_min: float, lookup: bool, cross_tokenizer: bool) -> Parts:
+        from .models import Registry  # models pulls in the registry file; keep it lazy
+
+        if self.rpc or self.draft_rpc:
+            from .rpc import check_servers
+
+            check_servers(self.rpc + tuple(s for s in self.draft_rpc if s not in self.rpc))
+        registry = Registry.load()
+        oracle_path = registry.resolve(str(oracle), progress=self.progress)
+        draft_path = registry.resolve(str(draft), progress=self.progress) if draft not in (None, NGRAM) else None
+        # the two models load at once (llama.cpp releases the GIL): a one-shot run starts sooner
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            loading = pool.submit(self._load_draft, draft_path, gpu_layers=draft_gpu_layers, flash_attn=flash_attn,
+                                  n_ctx=n_ctx, n_batch=n_batch) if draft_path is not None else None
+            try:
+                oracle_model = self._own(self._load_model(oracle_path, gpu_layers, self.rpc, "oracle"))
+                oracle_fa = resolve_flash_attn(flash_attn, n_gpu_layers=gpu_layers,
+                                               measured=self._measured_kernel(oracle_path, gpu_layers))
+                oracle_ctx = self._own(LlamaContext(oracle_model, n_ctx=n_ctx, n_batch=n_batch,
+                                                    n_threads=self.n_threads, flash_attn=oracle_fa))
+            finally:
+                if loading is not None:
+                    wait([loading])  # its own failure is raised below, after the oracle's
+        parts = Parts(oracle=oracle_ctx, cost_store=self.cost_store, closers=self.closers, n_threads=self.n_threads,
+                      gpu_layers=gpu_layers, rpc=self.rpc, draft_rpc=self.draft_rpc)
+        if draft == NGRAM:
+            parts.proposer = PromptLookupProposer()
+        elif loading is not None:
+            parts.draft = loading.result()
+            parts.proposer = self._draft_model_proposer(oracle_ctx, parts.draft, p_min=p_min,
+                                                        cross_tokenizer=cross_tokenizer)
+            if lookup:
+                parts.proposer = HybridProposer(PromptLookupProposer(), parts.proposer)
+        return parts
+
+    def _load_draft(self, path, *, gpu_layers: int, flash_attn: str, n_ctx: int, n_batch: int) -> LlamaContext:
+        model = self._own(self._load_model(path, gpu_layers, self.draft_rpc, "draft"))
+        return self._own(LlamaContext(model, n_ctx=n_ctx, n_batch=n_batch, n_threads=self.n_threads,
+                                      flash_attn=resolve_flash_attn(flash_attn, n_gpu_layers=gpu_layers)))
+
+    def _load_model(self, path, gpu_layers: int, rpc: tuple[str, ...], role: str) -> LlamaModel:
+        if not rpc:
+            return LlamaModel(path, n_gpu_layers=gpu_layers)
+        from .rpc import place
+
+        placement = place(path, rpc, n_gpu_layers=gpu_layers)
+        if self.progress is not None:
+            self.progress(f"{role} layers: {placement.summary}")
+        model = LlamaModel(path, n_gpu_layers=placement.n_gpu_layers, devices=placement.devices,
+                           tensor_split=placement.tensor_split)
+        model.placement = placement
+        return model
+
+    def _draft_model_proposer(self, oracle: LlamaContext, draft: LlamaContext, *, p_min: float,
+                              cross_tokenizer: bool) -> Proposer:
+        o, d = oracle.model, draft.model
+        difference = first_difference(o, d)
+        if difference is not None and not cross_tokenizer:
+            check_compatible(o, d)  # raises, naming the difference
+        # a same-vocabulary draft drafts over the oracle's vocabulary (their sizes may differ a little);
+        # a cross-tokenizer one over its own
+        proposer = DraftModelProposer(draft, p_min=p_min, n_vocab=o.n_vocab if difference is None else None)
+        if d.size_bytes >= o.size_bytes or d.n_params > o.n_params:
+            log.warning("the draft %s (%.0f MB, %.0fM params) is not smaller than the oracle %s (%.0f MB, %.0fM "
+                        "params): speculation will likely be slower than the oracle alone",
+                        d.path.name, d.size_bytes / 1e6, d.n_params / 1e6, o.path.name, o.size_bytes / 1e6,
+                        o.n_params / 1e6)
+        if difference is None:
+            return proposer
+        log.info("draft and oracle vocabularies differ (%s): drafting through text", difference)
+        return CrossTokenizerProposer(proposer, oracle=o, draft=d)
+
+    # -- costs kept between processes
+
+    def _measured_kernel(self, oracle_path, gpu_layers: int) -> str | None:
+        """The attention kernel `localspec check` measured faster for this oracle here, if any."""
+        if self.cost_store is None:
+            return None
+        identity = kernel_identity(oracle_path, n_threads=self.n_threads, gpu_layers=gpu_layers, rpc=self.rpc)
+        state = self.cost_store.load("kernel", identity)
+        return state.get("flash_attn") if state else None
+
+    def cost_identities(self, parts: Parts, *, gpu_layers: int, draft_gpu_layers: int,
+                        p_min: float) -> dict[str, dict]:
+        """What each kind of learned state depends on (its key in the cost store)."""
+        machine = machine_identity()
+        oracle = file_fingerprint(parts.oracle.model.path)
+        draft = file_fingerprint(parts.draft.model.path) if parts.draft is not None else None
+        kind = parts.proposer.describe() if parts.proposer is not None else "model"
+        return {
+            "verify": {"model": oracle, "threads": self.n_threads, "gpu_layers": gpu_layers,
+                       "n_ctx": parts.oracle.n_ctx, "flash_attn": parts.oracle.flash_attn, **machine,
+                       **({"rpc": list(self.rpc)} if self.rpc else {})},
+            "draft": {"proposer": kind, "model": draft, "oracle": oracle if kind != "model" else None,
+                      "threads": self.n_threads, "gpu_layers": draft_gpu_layers, "p_min": p_min,
+                      "flash_attn": parts.draft.flash_attn if parts.draft is not None else None, **machine,
+                      **({"rpc": list(self.draft_rpc)} if self.draft_rpc else {})},
+            "acceptance": {"proposer": kind, "oracle": oracle, "draft": draft, "p_min": p_min},
+        }
