@@ -586,7 +586,7 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
 
     def methods_for(path: str) -> set[str]:
         out: set[str] = set()
-        for route in app.routes:
+        for route in (*app.routes, *router.routes):  # FastAPI keeps an included router's routes apart
             regex, methods = getattr(route, "path_regex", None), getattr(route, "methods", None)
             if regex is not None and methods and regex.match(path):
                 out |= set(methods)
