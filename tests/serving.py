@@ -105,3 +105,20 @@ class PacedEngine:
                 yield Chunk(f" {i},", [i], finish_reason="length" if i == max_tokens else None, stats=stats)
 
         return gen()
+
+
+def raw_http(port: int, request: bytes, timeout: float = 10) -> tuple[bytes, float]:
+    """Send raw bytes, read until the server closes the connection: (response, seconds)."""
+    t0 = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(request)
+        data = b""
+        while True:
+            try:
+                part = sock.recv(65536)
+            except (ConnectionResetError, TimeoutError):
+                break
+            if not part:
+                break
+            data += part
+    return data, time.monotonic() - t0

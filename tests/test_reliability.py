@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from localspec.llama import ModelLoadError
-from serving import CLI, ThreadedServer, cli_serve, free_port, wait_ready
+from serving import CLI, ThreadedServer, cli_serve, free_port, raw_http, wait_ready
 
 MODEL = "smollm2"
 N_CTX = 256
@@ -447,23 +447,6 @@ def test_clients_that_leave_while_queued_or_waiting_free_the_engine(server, work
     assert r.status_code == 200 and time.monotonic() - t0 < 10
 
 
-def raw_request(port: int, data: bytes, timeout: float = 10) -> bytes:
-    import socket
-
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
-        sock.sendall(data)
-        out = b""
-        while True:
-            try:
-                part = sock.recv(65536)
-            except (ConnectionResetError, TimeoutError):
-                break
-            if not part:
-                break
-            out += part
-    return out
-
-
 HOSTILE = [
     ("a host name rebound to us", b"POST /v1/completions HTTP/1.1\r\nHost: evil.example\r\n", 403),
     ("a cross-site form", b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: http://evil.example\r\n"
@@ -501,7 +484,7 @@ def test_hostile_headers_are_refused_cleanly(server, worker, name, head, status)
             data += b"Content-Length: %d\r\n" % len(body)
         data += b"Connection: close\r\n\r\n" + body
     t0 = time.monotonic()
-    response = raw_request(port, data)
+    response, _ = raw_http(port, data)
     assert time.monotonic() - t0 < 5, "the server neither answered nor closed the connection"
     if status is None:
         assert response.startswith((b"HTTP/1.1 200", b"HTTP/1.1 4")), response[:300]

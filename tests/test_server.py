@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from localspec.outputs import Chunk, Stats
 from localspec.server import EngineWorker, create_app
-from serving import CLI, PacedEngine, ThreadedServer, cli_serve, free_port, wait_ready
+from serving import CLI, PacedEngine, ThreadedServer, cli_serve, free_port, raw_http, wait_ready
 
 MODEL = "smollm2"
 N_CTX = 1024
@@ -572,25 +572,6 @@ def metric_from(app, name: str, **labels) -> float:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 return sample.value
     return 0.0
-
-
-def raw_http(port: int, request: bytes, timeout: float = 10) -> tuple[bytes, float]:
-    """Send raw bytes, read until the server closes the connection: (response, seconds)."""
-    import socket
-
-    t0 = time.monotonic()
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
-        sock.sendall(request)
-        data = b""
-        while True:
-            try:
-                part = sock.recv(65536)
-            except (ConnectionResetError, TimeoutError):
-                break
-            if not part:
-                break
-            data += part
-    return data, time.monotonic() - t0
 
 
 def test_a_stalled_request_body_times_out():
