@@ -153,6 +153,7 @@ def test_sigint_stops_the_reply_between_chunks_and_keeps_the_partial_reply():
             sent.append(i)
             os.kill(os.getpid(), signal.SIGINT)
 
+    before = signal.getsignal(signal.SIGINT)  # Python's default_int_handler, or SIG_IGN under nohup
     engine = FakeEngine(reply_words=50, on_chunk=ctrl_c_once)
     chat, out, err = run(engine, ["tell me a long story", "next"])
     assert engine.closed_early == 1
@@ -160,7 +161,7 @@ def test_sigint_stops_the_reply_between_chunks_and_keeps_the_partial_reply():
     first_reply = engine.calls[1][0][1]
     assert first_reply == {"role": "assistant", "content": "w0 w1 w2 w3 "}
     assert chat.totals.interrupted == 1 and chat.totals.replies == 1
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    assert signal.getsignal(signal.SIGINT) is before  # restored
 
 
 def test_stats_estimate_speedup_from_the_recorded_steps():
