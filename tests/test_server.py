@@ -12,6 +12,8 @@ import signal
 import subprocess
 import threading
 import time
+from contextlib import contextmanager
+from typing import Iterator
 
 import httpx
 import openai
@@ -797,14 +799,22 @@ def _wait(condition, timeout: float = 10) -> None:
         time.sleep(0.01)
 
 
+@contextmanager
+def _paced_server(*, grace: float) -> Iterator[tuple[ThreadedServer, EngineWorker, PacedEngine]]:
+    """A server over a paced fake engine (a token every 20 ms) with this shutdown grace period."""
+    engine = PacedEngine(step=0.02)
+    worker = EngineWorker(engine, max_queue=8)
+    try:
+        yield ThreadedServer(create_app(worker, model_name="paced"), grace=grace), worker, engine
+    finally:
+        worker.close()
+
+
 def test_shutdown_refuses_the_queue_at_once_and_cuts_the_running_one_at_the_grace_period():
     """SIGTERM with one long non-streamed generation running and four queued: the four get 503
     with Retry-After and an error body right away; the running one ends with a 503 error body when
     the grace period is over (not uvicorn's bare 500 when it cancels tasks)."""
-    engine = PacedEngine(step=0.02)
-    worker = EngineWorker(engine, max_queue=8)
-    s = ThreadedServer(create_app(worker, model_name="paced"), grace=2.0)
-    try:
+    with _paced_server(grace=2.0) as (s, worker, engine):
         url = s.url + "/v1/completions"
         results: list = [None] * 5
         threads = [_post_in_thread(url, {"prompt": "long", "max_tokens": 2000}, results, 0)]
@@ -827,15 +837,10 @@ def test_shutdown_refuses_the_queue_at_once_and_cuts_the_running_one_at_the_grac
         assert 1.8 < time.monotonic() - t0 < 6  # at the end of the grace period
         stopper.join(15)
         assert len(engine.calls) == 1  # the queued ones never ran
-    finally:
-        worker.close()
 
 
 def test_shutdown_lets_the_running_generation_finish_within_the_grace_period():
-    engine = PacedEngine(step=0.02)
-    worker = EngineWorker(engine, max_queue=8)
-    s = ThreadedServer(create_app(worker, model_name="paced"), grace=5.0)
-    try:
+    with _paced_server(grace=5.0) as (s, worker, engine):
         url = s.url + "/v1/completions"
         results: list = [None] * 2
         threads = [_post_in_thread(url, {"prompt": "a", "max_tokens": 40}, results, 0),
@@ -855,15 +860,10 @@ def test_shutdown_lets_the_running_generation_finish_within_the_grace_period():
         assert text.endswith(" 39, 40,"), text
         other = next(r for r in results if r is not ran)
         assert other[1]["error"]["code"] == "server_shutting_down"
-    finally:
-        worker.close()
 
 
 def test_shutdown_ends_a_running_stream_with_an_error_event_and_done():
-    engine = PacedEngine(step=0.02)
-    worker = EngineWorker(engine, max_queue=8)
-    s = ThreadedServer(create_app(worker, model_name="paced"), grace=0.5)
-    try:
+    with _paced_server(grace=0.5) as (s, worker, engine):
         results: list = [None]
         t = _post_in_thread(s.url + "/v1/completions", {"prompt": "a", "max_tokens": 2000, "stream": True}, results, 0,
                             stream=True)
@@ -875,8 +875,6 @@ def test_shutdown_ends_a_running_stream_with_an_error_event_and_done():
         assert status == 200 and events[-1] == "[DONE]", events[-3:]
         assert events[-2]["error"]["code"] == "server_shutting_down"
         assert events[0]["choices"][0]["text"] == " 1,"
-    finally:
-        worker.close()
 
 
 # ---------------------------------------------------------------- the real command
