@@ -220,16 +220,22 @@ def draft_size(step: "StepRecord") -> int:
 def fit_steps(steps: Sequence["StepRecord"], *, max_draft_size: int = 64) -> tuple[PassCost, PassCost] | None:
     """verify(n, c) and draft(e, c) (e: tokens the draft evaluated) fitted to `steps` in one go (no
     forgetting); None without a one-token step to anchor the verify cost (every request's first step
-    is one). A draft's catch-up on a whole prompt (more than `max_draft_size` tokens) is left out: a
-    batch of hundreds of tokens runs at another rate than a step's few."""
+    is one). A draft's catch-up on a prompt (a step with `draft_prompt_time`, or more than
+    `max_draft_size` tokens) is left out: a batch of hundreds of tokens runs at another rate than a
+    step's few."""
     if not any(s.drafted == 0 for s in steps):
         return None
     verify, draft = PassCost(VERIFY_SHAPE, decay=1.0), PassCost(DRAFT_SHAPE, decay=1.0)
     for s in sorted(steps, key=lambda s: s.drafted):  # one-token passes first: they set the scale
         verify.observe(s.drafted + 1, s.context, s.verify_time)
-        if s.drafted and s.draft_evaluated <= max_draft_size:
+        if s.drafted and not _prompt_catch_up(s, max_draft_size):
             draft.observe(draft_size(s), s.context, s.draft_time)
     return verify, draft
+
+
+def _prompt_catch_up(step: "StepRecord", max_draft_size: int = 64) -> bool:
+    """Whether the step's proposal began with the draft evaluating a prompt (a batch)."""
+    return step.draft_prompt_time > 0 or step.draft_evaluated > max_draft_size
 
 
 # ------------------------------------------------------------------------------------ speedup
@@ -276,14 +282,22 @@ def oracle_alone_time(steps: Sequence["StepRecord"], verify: PassCost) -> float:
     return sum((s.accepted + 1) * verify(1, s.context) for s in steps)
 
 
-def predicted_speedup(steps: Sequence["StepRecord"], verify: PassCost, draft: PassCost | None) -> float | None:
+def predicted_speedup(steps: Sequence["StepRecord"], verify: PassCost, draft: PassCost | None,
+                      alone: PassCost | None = None) -> float | None:
     """The speedup the fitted costs predict for the steps taken: the oracle alone's time for their
     tokens over the passes they ran (draft(l, c) + verify(l + 1, c) each; `draft` None or not
-    measured: proposing costs nothing, as for prompt lookup)."""
-    spent = sum(verify(s.drafted + 1, s.context)
-                + (draft(draft_size(s), s.context) if s.drafted and draft is not None and draft.ready else 0.0)
-                for s in steps)
-    return speedup(oracle_alone_time(steps, verify), spent)
+    measured: proposing costs nothing, as for prompt lookup). `alone`: the oracle's one-token cost
+    fitted to plain decoding's own steps, where there are some (a run at fixed K has one pass size
+    but its first step's, so its own fit cannot tell a one-token pass from its per-token cost);
+    None: `verify`'s. A proposal that began with the draft's catch-up on a prompt counts as
+    measured: the model describes a step's few tokens, not a batch."""
+    def proposing(s: "StepRecord") -> float:
+        if not s.drafted or draft is None or not draft.ready:
+            return 0.0
+        return s.draft_time if _prompt_catch_up(s) else draft(draft_size(s), s.context)
+
+    spent = sum(verify(s.drafted + 1, s.context) + proposing(s) for s in steps)
+    return speedup(oracle_alone_time(steps, alone or verify), spent)
 
 
 # ------------------------------------------------------------------------------------ the store

@@ -299,6 +299,37 @@ def test_the_ceiling_is_predicted_step_by_step_from_the_fitted_costs():
     assert rows["baseline"]["ceiling"] == 1.0
 
 
+def test_the_ceilings_one_token_cost_comes_from_the_oracle_alones_own_steps():
+    """A run at fixed K has one pass size (its first step's aside): the oracle alone's time for its
+    tokens is priced from the baseline's one-token passes, here 30% dearer than the k4 run's single
+    one-token step says."""
+    rep = _synthetic_report()
+    for r in rep["runs"]:
+        if r["system"] == "baseline":
+            r["records"] = [[0, 0, 0, 0.0, 1.3 * verify_cost(1), 100 + i, 0] for i in range(100)]
+    rows = {r["system"]: r for r in report.aggregate(rep)}
+    steps = _k4_records()
+    expected = sum(s[2] + 1 for s in steps) * 1.3 * verify_cost(1) / (verify_cost(1) + 24 * (0.004 + verify_cost(5)))
+    assert rows["k4"]["ceiling"] == pytest.approx(expected, rel=0.03)
+
+
+def test_a_drafts_catch_up_on_the_prompt_counts_in_the_ceiling_as_measured():
+    """The first proposal evaluates the prompt as one batch (draft_prompt_time > 0): the cost model
+    describes a step's few tokens, so that step's draft time is taken as measured, and left out of
+    the fit."""
+    rep = _synthetic_report()
+    for r in rep["runs"]:
+        if r["system"] == "k4":
+            r["records"] = [x + [0.0] for x in _k4_records()]
+            r["records"][1] = [4, 4, 3, 0.25, verify_cost(5), 101, 104, 0.246]
+    rows = {r["system"]: r for r in report.aggregate(rep)}
+    steps = _k4_records()
+    expected = sum(s[2] + 1 for s in steps) * verify_cost(1) / (
+        verify_cost(1) + 0.25 + 23 * 0.004 + 24 * verify_cost(5))
+    assert rows["k4"]["ceiling"] == pytest.approx(expected, rel=0.02)
+    assert rows["k4"]["costs"]["draft_per_token"] == pytest.approx(0.001, rel=0.05)
+
+
 def test_the_anchors_ceiling_uses_localspecs_costs_for_the_same_k_and_the_report_names_its_best_flags():
     rep = _synthetic_report()
     rep["systems"][2] = {"name": "llama.cpp-k4", "kind": "llama.cpp", "params": {"k": 4}}

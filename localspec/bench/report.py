@@ -3,7 +3,8 @@ document and PNG charts (matplotlib, optional: ``pip install 'localspec[bench]'`
 
 Aggregates (one row per system and workload, plus an "all" row per system):
 
-    tokens_per_second     generated tokens / generation time (prompt evaluation excluded), per prompt
+    tokens_per_second     generated tokens / generation time (the oracle's prompt evaluation excluded, the
+                          draft's included), per prompt
                           the median over repetitions, summed over prompts
     speedup               tokens/s over the baseline's on the same prompt in the same repetition; the
                           median over repetitions per prompt, then the geometric mean over prompts
@@ -104,12 +105,13 @@ def _row(system: dict, workload: str, runs: list[dict], base: dict[tuple[str, in
 
     ceiling = costs = None
     own = fits.get(name)
+    alone = fits["baseline"][0] if "baseline" in fits else None  # the oracle's one-token cost, from its own run
     if own is not None:
         verify, draft = own
         model_draft = draft if uses_draft_model(system.get("kind", ""), system.get("params", {})) else None
         base_time = spec_time = 0.0
         for r in runs:  # the row's steps, pooled: sum of predicted times
-            x = record_ceiling(r.get("records") or [], verify, model_draft)
+            x = record_ceiling(r.get("records") or [], verify, model_draft, alone)
             if x is not None:
                 spec_time += r["completion_tokens"] / x
                 base_time += r["completion_tokens"]
@@ -127,7 +129,9 @@ def _row(system: dict, workload: str, runs: list[dict], base: dict[tuple[str, in
             verify, draft = fit
             context = int(median([r["prompt_tokens"] + r["completion_tokens"] / 2 for r in runs]))
             c_draft = draft(8, context) / 8 if uses_draft_model(system["kind"], system.get("params", {})) else 0.0
-            ceiling = predicted_speedup(a, k_mean, c_draft, lambda n: verify(max(1, round(n)), context))
+            one_token = alone or verify
+            ceiling = predicted_speedup(a, k_mean, c_draft,
+                                        lambda n: (one_token if round(n) <= 1 else verify)(max(1, round(n)), context))
     speedup = geomean(list(speedups.values())) if speedups else None
 
     shots = {pid: firsts[0]["one_shot_wall"] for pid, rs in by_prompt.items()
@@ -350,7 +354,8 @@ def results_document(report: dict, charts: dict[str, str] | None = None, command
     out += [
         "## How to read this",
         "",
-        "- **tok/s**: generated tokens per second, prompt evaluation excluded (for `llama.cpp`, the "
+        "- **tok/s**: generated tokens per second after the oracle's prompt evaluation (the draft's, in its "
+        "first proposal, counts: only speculation pays it; for `llama.cpp`, the "
         "`decoded N tokens ... speed` it prints; for `lcp-lookup`, first to last token).",
         "- **speedup**: tok/s over the baseline's (the oracle alone through localspec) on the same prompt in "
         "the same repetition; median over repetitions, geometric mean over prompts.",

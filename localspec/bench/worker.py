@@ -28,7 +28,8 @@ import traceback
 from collections import Counter
 from typing import Any
 
-RECORD_FIELDS = ("k", "drafted", "accepted", "draft_time", "verify_time", "context", "draft_evaluated")
+RECORD_FIELDS = ("k", "drafted", "accepted", "draft_time", "verify_time", "context", "draft_evaluated",
+                 "draft_prompt_time")
 
 
 def peak_rss_bytes() -> int:
