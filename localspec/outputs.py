@@ -71,12 +71,14 @@ class Stats:
 
     @property
     def generation_time(self) -> float:
-        """Seconds generating: the total without either model's evaluation of the prompt."""
-        return self.total_time - self.prompt_time - self.draft_prompt_time
+        """Seconds generating: the total without the oracle's evaluation of the prompt. The draft's
+        evaluation of it counts: it runs after the first token (in the first proposal), a cost that
+        only speculation pays, and the reader waits for it."""
+        return self.total_time - self.prompt_time
 
     @property
     def tokens_per_second(self) -> float:
-        """Generation speed, prompt evaluation (the oracle's and the draft's) excluded."""
+        """Generation speed after the oracle's prompt evaluation (the draft's counts)."""
         t = self.generation_time
         return self.completion_tokens / t if t > 0 else 0.0
 
