@@ -186,10 +186,22 @@ class PassCost:
         `max_weight` observations there, so its own steps soon outweigh it."""
         if self._start:
             self._settle_start()
-        shrink = min(1.0, max_weight / self.weight) if self.weight > 0 else 1.0
+        shrink = self._shrink(max_weight)
         return {"shape": self.shape.tolist(), "scale": self.scale, "gram": (self.gram * shrink).tolist(),
                 "moment": (self.moment * shrink).tolist(), "weight": self.weight * shrink,
                 "observations": self.observations}
+
+    def _shrink(self, max_weight: float) -> float:
+        return min(1.0, max_weight / self.weight) if self.weight > 0 else 1.0
+
+    def soften(self, max_weight: float) -> None:
+        """Let the history count as at most `max_weight` observations from now on, so the next few
+        outweigh it (the fit keeps its shape meanwhile): for a re-judgement on fresh evidence."""
+        shrink = self._shrink(max_weight)
+        self.gram *= shrink
+        self.moment *= shrink
+        self.weight *= shrink
+        self._w = None
 
     def load(self, state: Mapping[str, Any]) -> None:
         gram = np.asarray(state["gram"], dtype=np.float64)
@@ -245,13 +257,15 @@ def _prompt_catch_up(step: "StepRecord", max_draft_size: int = 64) -> bool:
 # alone's time for the same tokens over the time spent.
 
 
-def expected_tokens(a: float, k, continuation: float = 1.0):
+def expected_tokens(a: float, k, continuation: float = 1.0, first: float | None = None):
     """Tokens a step drafting up to k is expected to yield (the accepted draft tokens and the
     oracle's own): E = 1 + sum_{i=1..k} a^i c^(i-1), with a the acceptance of a draft token given
     the ones before it were accepted and c the chance the draft goes on after an accepted token;
     = 1 + a (1 - r^k) / (1 - r), r = a c (the standard model, c = 1: (1 - a^(k+1)) / (1 - a)).
+    `first`: the first draft token's own acceptance where it differs from the later ones' (a
+    prompt-lookup draft is right or wrong from its first token): E = 1 + first (1 - r^k) / (1 - r).
     `k`: a number, fractional too (a mean draft length), or an array of them (then an array)."""
-    if not 0.0 <= a <= 1.0:
+    if not 0.0 <= a <= 1.0 or (first is not None and not 0.0 <= first <= 1.0):
         raise ValueError("the acceptance a must be in [0, 1]")
     ks = np.asarray(k, dtype=np.float64)
     if np.any(ks < 0):
@@ -263,7 +277,7 @@ def expected_tokens(a: float, k, continuation: float = 1.0):
         series = (ks > 0).astype(np.float64)  # r = 0: at most the first token
     else:
         series = -np.expm1(ks * np.log1p(-d)) / d  # (1 - r^k) / (1 - r), accurate for r near 1
-    e = 1.0 + a * series
+    e = 1.0 + (a if first is None else first) * series
     return float(e) if e.ndim == 0 else e
 
 

@@ -9,13 +9,17 @@ at the current context length. The draft may stop before k (its confidence cut-o
 match that runs out), so
 
     P(draft token i+1 is proposed | token i was)    = c       (the continuation rate)
-    P(tokens 1..i are all proposed and accepted)     = a^i * c_acc^(i-1)
-    expected tokens per step   E(k) = 1 + sum_{i=1..k} a^i * c_acc^(i-1)
+    P(tokens 1..i are all proposed and accepted)     = a_1 * a^(i-1) * c_acc^(i-1)
+    expected tokens per step   E(k) = 1 + a_1 * sum_{i=1..k} a^(i-1) * c_acc^(i-1)
     time per step              T(k) = sum_l P(L = l | k) * (draft(l, ctx) + verify(l + 1, ctx)),  T(0) = verify(1, ctx)
 
 where L is the number of tokens drafted (P(L = l) = c^(l-1) * (1 - c) for l < k, c^(k-1) for l = k),
 a the running acceptance rate of a draft token given the ones before it were accepted (each drafted
 token up to the first rejection is one trial, so short drafts also teach what long ones would do),
+a_1 the same for a step's first token, kept apart after a step whose draft was wholly accepted and
+after one that was not (a prompt-lookup draft is right or wrong from its first token: on a copy that
+runs on, the first token is almost always accepted; after the text strayed from the source, a fresh
+match often is not, and a long draft on it costs a long verify pass for nothing),
 c_acc the continuation rate after an accepted token (a confident draft is more often right), and
 draft(l, ctx) / verify(n, ctx) the draft's time to propose l tokens and the oracle's time for an
 n-token pass at a context of ctx tokens: `costs.PassCost` models, fitted from every step (nothing
@@ -49,7 +53,10 @@ steady afterwards; they too are kept between processes (`acceptance_state`). A s
 the pair pays in the long run: when the policy is idle but the long run says drafting pays by
 `min_gain` (and the probe budget allows), a new request re-tries drafting with the draft on its
 whole prompt, for `min_trials` draft tokens that count as fresh evidence; their cost counts as
-probing. One hard prompt does not end drafting on a pair that
+probing. That judgement, and the re-try's draft lengths, take the draft's cost at the lower of its
+fitted value and the prior guess, and a re-try measures that cost afresh: an idle policy no longer
+measures the draft, so a cost fitted while another program slowed the machine (2-3x on a 2-core
+VM) would otherwise keep drafting off for good, in later processes too (the costs are kept). One hard prompt does not end drafting on a pair that
 usually pays, and a pair that does not pay is not re-tried (each re-try costs the draft a pass
 over the prompt: on a one-shot run of a badly matched pair that alone would cost a few percent).
 """
@@ -154,6 +161,13 @@ class AdaptiveLength:
                  min_trials: int = 8, min_gain: float = 0.10, long_decay: float = 0.995) -> None:
         self.k_max = k_max
         self.acceptance = prior_acceptance  # a: per drafted token, given the previous ones were accepted
+        # the same split by place, for E(k): a step's first token after a step whose draft was wholly
+        # accepted ("aligned": a lookup copy running on) or not, and the tokens after a first
+        self.first_acceptance = {True: prior_acceptance, False: prior_acceptance}
+        self.later_acceptance = prior_acceptance
+        self._first_events = {True: 0, False: 0}
+        self._later_events = 0
+        self._aligned = False  # the last step drafted something and all of it was accepted
         self.continuation = prior_continuation  # c: the draft proposes one more token (allowance left)
         self.continuation_accepted = prior_continuation  # c_acc: the same, after a token that was accepted
         self._continuation_events = self._continuation_accepted_events = 0  # outcomes behind each
@@ -177,6 +191,7 @@ class AdaptiveLength:
         self.probe_time = 0.0  # seconds that probes took beyond a plain oracle step
         self._idle = 0  # consecutive k = 0 steps
         self.recheck_every = 8  # while idle, judge k afresh every this many steps
+        self.retry_weight = 4.0  # on a re-try, the costs' history counts as this many steps
         self._probing = False
         self._retry_wanted = False  # a probe was fully accepted: re-try drafting on the whole text
         self._catch_up = False  # the draft must catch up on everything before the next proposal
@@ -190,14 +205,18 @@ class AdaptiveLength:
                 and self.best_length(self.k_max) == 0)
 
     def expected_tokens(self, k: int) -> float:
-        return float(self._expected_tokens(k, self.acceptance)[k])
+        return float(self._expected_tokens(k)[k])
 
     def step_time(self, k: int, context: int | None = None) -> float:
         return float(self._step_times(k, self.context if context is None else context)[k])
 
-    def _expected_tokens(self, k_top: int, acceptance: float) -> np.ndarray:
-        """E(k) for k = 0..k_top [k_top+1]."""
-        return expected_tokens(acceptance, np.arange(k_top + 1), self.continuation_accepted)
+    def _expected_tokens(self, k_top: int, acceptance: float | None = None) -> np.ndarray:
+        """E(k) for k = 0..k_top [k_top+1]: from the first token's acceptance after a step like the
+        last one and the later tokens' (`acceptance` given: that one for every token)."""
+        if acceptance is not None:
+            return expected_tokens(acceptance, np.arange(k_top + 1), self.continuation_accepted)
+        return expected_tokens(self.later_acceptance, np.arange(k_top + 1), self.continuation_accepted,
+                               first=self.first_acceptance[self._aligned])
 
     def evaluated(self, lengths: np.ndarray) -> np.ndarray:
         """Tokens the draft evaluates to propose each of `lengths` [m] (the draft cost's size)."""
@@ -206,45 +225,63 @@ class AdaptiveLength:
             return np.ones_like(lengths)
         return np.maximum(1.0, lengths - 1.0 + self.catch_up)
 
-    def draft_times(self, lengths: np.ndarray, context: int) -> np.ndarray:
-        """Seconds for the draft to propose each of `lengths` [m] tokens at `context` [m]."""
+    def draft_times(self, lengths: np.ndarray, context: int, *, optimistic: bool = False) -> np.ndarray:
+        """Seconds for the draft to propose each of `lengths` [m] tokens at `context` [m].
+        `optimistic`: the lower of the fitted cost and the prior guess."""
         sizes = self.evaluated(lengths)  # [m]
-        if self.draft_cost.ready:
-            return self.draft_cost.predict(sizes, context)
-        per_token = self.draft_cost_ratio * self.verify_cost(1, context)  # not measured yet: the prior guess
-        return per_token * (DRAFT_SHAPE[0] + DRAFT_SHAPE[2] * sizes)
+        per_token = self.draft_cost_ratio * self.verify_cost(1, context)  # the prior guess
+        guess = per_token * (DRAFT_SHAPE[0] + DRAFT_SHAPE[2] * sizes)
+        if not self.draft_cost.ready:
+            return guess  # not measured yet
+        fitted = self.draft_cost.predict(sizes, context)
+        return np.minimum(fitted, guess) if optimistic else fitted
 
-    def _step_times(self, k_top: int, context: int) -> np.ndarray:
+    def _step_times(self, k_top: int, context: int, *, optimistic: bool = False) -> np.ndarray:
         """T(k) for k = 0..k_top [k_top+1] at `context`."""
         lengths = np.arange(1, k_top + 1)  # [K] tokens drafted
         verify = self.verify_cost.predict(np.arange(1, k_top + 2), context)  # [K+1] passes of 1..K+1 tokens
-        cost = self.draft_times(lengths, context) + verify[1:]  # [K]
+        cost = self.draft_times(lengths, context, optimistic=optimistic) + verify[1:]  # [K]
         c = self.continuation
         at_least = c ** (lengths - 1)  # [K] P(L >= l)
         stopped = np.concatenate(([0.0], np.cumsum(at_least * (1.0 - c) * cost)))[:-1]  # [K] drafts ending before l
         return np.concatenate((verify[:1], stopped + at_least * cost))
 
-    def rates(self, limit: int, context: int | None = None, *, acceptance: float | None = None) -> np.ndarray:
+    def rates(self, limit: int, context: int | None = None, *, acceptance: float | None = None,
+              optimistic: bool = False) -> np.ndarray:
         """Expected tokens per second for k = 0..min(limit, k_max) [K+1] (needs a measured pass), at
-        the running acceptance or the one given."""
+        the running acceptance or the one given (`optimistic`: see draft_times)."""
         k_top = min(limit, self.k_max)
-        expected = self._expected_tokens(k_top, self.acceptance if acceptance is None else acceptance)
-        return expected / self._step_times(k_top, self.context if context is None else context)
+        expected = self._expected_tokens(k_top, acceptance)
+        return expected / self._step_times(k_top, self.context if context is None else context,
+                                           optimistic=optimistic)
 
-    def best_length(self, limit: int, context: int | None = None) -> int:
+    def best_length(self, limit: int, context: int | None = None, *, optimistic: bool = False) -> int:
         if not self.verify_cost.ready:
             return min(self.probe_length, limit)  # nothing measured yet: try a short draft
-        rate = self.rates(limit, context)  # [K+1]
+        rate = self.rates(limit, context, optimistic=optimistic)  # [K+1]
         k = int(np.argmax(rate))  # the shortest k on a tie
         return k if rate[k] >= (1.0 + self.min_gain) * rate[0] else 0
 
     def start_request(self) -> None:
+        self._aligned = False  # nothing drafted yet for this text
         if not self.idle or self.probe_time > self.probe_budget * self.time_spent:
             return
-        rate = self.rates(self.k_max, acceptance=self.long_acceptance)  # [K+1]
+        # with the draft's cost at the lower of the fitted one and the prior guess: an idle policy
+        # stops measuring the draft (a probe drafts from a window, at another rate), so a cost fitted
+        # while the machine was busy would otherwise keep it idle for good, in later processes too
+        rate = self.rates(self.k_max, acceptance=self.long_acceptance, optimistic=True)  # [K+1]
         if rate[1:].max(initial=0.0) >= (1.0 + self.min_gain) * rate[0]:
-            self.fresh_trials = 0  # it pays in the long run: judge min_trials draft tokens on this prompt
-            self._exploring = True
+            self._begin_retry()  # it pays in the long run: judge min_trials draft tokens on this prompt
+
+    def _begin_retry(self) -> None:
+        """Judge drafting afresh: min_trials new draft tokens, on costs the re-try measures (not
+        the ones that made the policy idle): the draft's history is dropped (its prior's scale
+        stays), the oracle's counts as only `retry_weight` steps (its one-token passes went on
+        being measured meanwhile)."""
+        self.fresh_trials = 0
+        self._exploring = True
+        self.draft_cost.soften(0.0)
+        self.verify_cost.soften(self.retry_weight)
 
     def consume_catch_up(self) -> bool:
         wanted, self._catch_up = self._catch_up, False
@@ -257,12 +294,13 @@ class AdaptiveLength:
             return 0
         if self._retry_wanted:  # at once, while the text is easy; its cost delays the next probes
             self._retry_wanted = False
-            self.fresh_trials = 0  # judge min_trials draft tokens afresh, on the whole text
-            self._catch_up = self._exploring = True
+            self._begin_retry()  # judge min_trials draft tokens afresh, on the whole text
+            self._catch_up = True
         if self._idle % self.recheck_every and self.fresh_trials >= self.min_trials:
             k = 0  # idle: only the oracle's cost moved since the last judgement (~0.1 ms saved per step)
-        else:
-            k = self.best_length(limit)
+        else:  # a re-try drafts at the length the prior guess of the draft's cost would choose, so
+            # what it measures is the cost of the drafts the policy would go on with
+            k = self.best_length(limit, optimistic=self._exploring)
         if k == 0 and self.fresh_trials < self.min_trials:
             k = min(self.probe_length, limit)  # one or two early rejections are not evidence enough
         elif k == 0:
@@ -284,16 +322,25 @@ class AdaptiveLength:
         self._observe_draft_cost(step)
         if self._probing or self._exploring:  # beyond a plain oracle step, exploring cost this much
             self.probe_time += max(0.0, spent - self.verify_cost(1, step.context))
+        aligned, self._aligned = self._aligned, n_drafted > 0 and n_accepted == n_drafted
         if self._probing:  # drafted from a window of the text: a biased sample, only a hint
-            self._retry_wanted = n_drafted > 0 and n_accepted == n_drafted
+            self._retry_wanted, self._aligned = self._aligned, False
             return
         trials = n_accepted + (n_accepted < n_drafted)  # the accepted tokens and the first rejected one
         for i in range(trials):
+            ok = i < n_accepted
             self.trials += 1
             self.fresh_trials += 1
-            self.acceptance = self._blend(self.acceptance, i < n_accepted, self.fresh_trials)
+            self.acceptance = self._blend(self.acceptance, ok, self.fresh_trials)
             weight = max(1.0 - self.long_decay, 1.0 / (self.prior_weight + self.trials))
-            self.long_acceptance += weight * ((i < n_accepted) - self.long_acceptance)
+            self.long_acceptance += weight * (ok - self.long_acceptance)
+            if i == 0:
+                self._first_events[aligned] += 1
+                self.first_acceptance[aligned] = self._blend(self.first_acceptance[aligned], ok,
+                                                             self._first_events[aligned])
+            else:
+                self._later_events += 1
+                self.later_acceptance = self._blend(self.later_acceptance, ok, self._later_events)
         if self.fresh_trials >= self.min_trials:
             self._exploring = False
         if n_drafted:
@@ -365,6 +412,10 @@ class AdaptiveLength:
 
     def acceptance_state(self) -> dict[str, Any]:
         return {"acceptance": self.acceptance, "long_acceptance": self.long_acceptance,
+                "first_acceptance_aligned": self.first_acceptance[True],
+                "first_acceptance_fresh": self.first_acceptance[False], "later_acceptance": self.later_acceptance,
+                "first_events_aligned": self._first_events[True], "first_events_fresh": self._first_events[False],
+                "later_events": self._later_events,
                 "continuation": self.continuation, "continuation_accepted": self.continuation_accepted,
                 "catch_up": self.catch_up, "trials": self.trials,
                 "continuation_events": self._continuation_events,
@@ -377,6 +428,15 @@ class AdaptiveLength:
         if not all(0.0 <= v <= 1.0 for v in values):
             raise ValueError("malformed acceptance state")
         self.acceptance, self.long_acceptance, self.continuation, self.continuation_accepted = values
+        by_place = [float(state.get(k, self.acceptance))  # states kept before the split: the overall rate
+                    for k in ("first_acceptance_aligned", "first_acceptance_fresh", "later_acceptance")]
+        if not all(0.0 <= v <= 1.0 for v in by_place):
+            raise ValueError("malformed acceptance state")
+        self.first_acceptance = {True: by_place[0], False: by_place[1]}
+        self.later_acceptance = by_place[2]
+        self._first_events = {True: max(0, int(state.get("first_events_aligned", 0))),
+                              False: max(0, int(state.get("first_events_fresh", 0)))}
+        self._later_events = max(0, int(state.get("later_events", 0)))
         self.catch_up = min(4.0, max(1.0, float(state.get("catch_up", self.catch_up))))
         self.trials = max(0, int(state.get("trials", 0)))
         self.fresh_trials = min(self.trials, self.min_trials)

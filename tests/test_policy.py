@@ -174,8 +174,8 @@ def test_a_new_request_retries_drafting_only_on_a_pair_that_pays_in_the_long_run
     assert usually_pays.acceptance == pytest.approx(before + (1 - before) / 5 + (1 - before - (1 - before) / 5) / 6)
 
     close_call = primed(verify, 0.008, prior_acceptance=0.68)  # +3% predicted: never worth a re-try
-    for i in range(300):  # two drafts in three accepted
-        close_call.update(step(1, int(i % 3 != 0), 0.016, verify(2)))
+    for i in range(300):  # two drafts in three accepted, after an accepted one and after a rejected one alike
+        close_call.update(step(1, (1, 1, 1, 1, 0, 0, 1, 1, 0)[i % 9], 0.016, verify(2)))
     assert close_call.idle
     close_call.start_request()
     assert close_call.idle and close_call.draft_length(16, CONTEXT) == 0
@@ -270,3 +270,64 @@ def test_a_draft_models_cost_goes_with_the_tokens_it_evaluates_and_lookups_does_
     for n in (2, 30, 60):
         lookup.update(StepRecord(n, n, n, 0.0002, 0.020 + 0.002 * n, CONTEXT, draft_evaluated=0))
     assert lookup.draft_times([1, 64], CONTEXT) == pytest.approx([0.0002, 0.0002], rel=0.05)
+
+
+def test_the_first_tokens_acceptance_is_learned_apart_after_an_accepted_draft_and_after_a_rejected_one():
+    """A step's first draft token is judged against the estimate for steps like the last one (its
+    draft wholly accepted: a lookup copy running on; or not: a fresh match), the tokens after it
+    against another; E(k) takes the first token's from the state the policy is in."""
+    p = AdaptiveLength(k_max=16, prior_acceptance=0.5, prior_weight=4.0, model_draft=False)
+    p.start_request()
+    p.update(step(4, 0, 0.0, 0.03))  # a fresh match, wrong from its first token
+    assert p.first_acceptance[False] == pytest.approx(0.5 - 0.5 / 5) and p.first_acceptance[True] == 0.5
+    assert p.later_acceptance == 0.5  # only the first token was judged
+    p.update(step(4, 4, 0.0, 0.03))  # after a rejection: the first right, then three more
+    assert p.first_acceptance[False] == pytest.approx(0.4 + 0.6 / 6)
+    assert p.later_acceptance == pytest.approx(0.5 + 0.5 / 5 + 0.4 / 6 + (1 - 0.5 - 0.5 / 5 - 0.4 / 6) / 7)
+    p.update(step(4, 4, 0.0, 0.03))  # after a wholly accepted draft
+    assert p.first_acceptance[True] == pytest.approx(0.5 + 0.5 / 5)
+    r = p.later_acceptance * p.continuation_accepted
+    assert p.expected_tokens(4) == pytest.approx(1 + p.first_acceptance[True] * (1 - r ** 4) / (1 - r))
+    p.update(step(4, 1, 0.0, 0.03))  # strays: the next step starts from a fresh match
+    r = p.later_acceptance * p.continuation_accepted
+    assert p.expected_tokens(4) == pytest.approx(1 + p.first_acceptance[False] * (1 - r ** 4) / (1 - r))
+
+
+def test_the_first_token_estimates_are_kept_between_processes():
+    p = AdaptiveLength(prior_acceptance=0.7)
+    p.update(step(4, 4, 0.0, 0.03))
+    p.update(step(4, 2, 0.0, 0.03))
+    again = AdaptiveLength()
+    again.load_acceptance_state(p.acceptance_state())
+    assert (again.first_acceptance, again.later_acceptance) == (p.first_acceptance, p.later_acceptance)
+    old = {k: v for k, v in p.acceptance_state().items() if "first" not in k and "later" not in k}
+    older = AdaptiveLength()
+    older.load_acceptance_state(old)  # kept before the split: every place starts from the overall rate
+    assert older.first_acceptance == {True: p.acceptance, False: p.acceptance} and older.later_acceptance == p.acceptance
+
+
+def test_a_draft_cost_learned_on_a_busy_machine_does_not_keep_the_policy_idle_for_good():
+    """A draft priced 3x its cost (fitted while another program ran) makes drafting look worthless;
+    an idle policy no longer measures the draft, so a new request re-tries it when the prior guess
+    says the pair pays, drafting at the length that guess would choose, on costs it measures afresh:
+    drafting resumes."""
+    verify = lambda n: 0.022 + 0.003 * (n - 1)  # noqa: E731
+    quiet = 0.006  # seconds per evaluated draft token, quiet
+    p = primed(verify, 3 * quiet, prior_acceptance=0.93, draft_cost_ratio=0.3)
+    for i in range(200):  # the history: drafts of 2..12 tokens, 95% accepted, each 3x dearer than now
+        k = 2 + i % 11
+        p.update(step(k, k - (i % 3 == 0), (k + 1) * 3 * quiet, verify(k + 1)))
+    for _ in range(64):
+        p.update(step(0, 0, 0.0, verify(1)))
+    p.fresh_trials = p.min_trials
+    assert p.idle and p.draft_length(16, CONTEXT) == 0  # at the busy price, drafting does not pay
+    p.start_request()
+    assert not p.idle  # re-trying
+    ks = []
+    for i in range(8):  # on a quiet machine
+        k = p.draft_length(16, CONTEXT)
+        ks.append(k)
+        if k:
+            p.update(step(k, k - (i % 3 == 0), (k + 1) * quiet, verify(k + 1), k=k))
+    assert ks[0] > p.probe_length and all(k > 0 for k in ks)
+    assert p.draft_cost(5, CONTEXT) == pytest.approx(5 * quiet, rel=0.1) and not p.idle
