@@ -318,8 +318,9 @@ class Engine:
 
     def _prefill(self, history: list[int], stats: Stats, policy: LengthPolicy | None) -> None:
         """Bring the oracle's cache to history[:-1], reusing what it already holds. The draft is
-        not run here: its first proposal evaluates what it has not seen (all of the prompt while
-        drafting pays; a probe's window of it while the policy is idle). `policy`: the request's
+        not run here: its first proposal catches up on what it has not seen (all of the prompt while
+        drafting pays, copied from the oracle's cache where their layouts match; else a probe's
+        window of it while the policy is idle). `policy`: the request's
         length policy, None when it does not draft at all."""
         _, n_eval = self.oracle.sync(history[:-1], n_logits=0)
         stats.prompt_tokens_evaluated = n_eval + 1  # the last prompt token is evaluated in step one

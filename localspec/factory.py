@@ -205,7 +205,8 @@ class _Loader:
             check_compatible(o, d)  # raises, naming the difference
         # a same-vocabulary draft drafts over the oracle's vocabulary (their sizes may differ a little);
         # a cross-tokenizer one over its own
-        proposer = DraftModelProposer(draft, p_min=p_min, n_vocab=o.n_vocab if difference is None else None)
+        proposer = DraftModelProposer(draft, p_min=p_min, n_vocab=o.n_vocab if difference is None else None,
+                                      cache_source=oracle if difference is None else None)
         if d.size_bytes >= o.size_bytes or d.n_params > o.n_params:
             log.warning("the draft %s (%.0f MB, %.0fM params) is not smaller than the oracle %s (%.0f MB, %.0fM "
                         "params): speculation will likely be slower than the oracle alone",

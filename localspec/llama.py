@@ -389,6 +389,29 @@ class LlamaContext(_Owner):
         llama_cpp.llama_memory_clear(self._mem, True)
         self.tokens.clear()
 
+    def copy_cache_from(self, other: "LlamaContext") -> bool:
+        """Make this context's cache hold `other`'s tokens by copying its KV cache (llama.cpp's
+        sequence state) instead of evaluating them: possible when both models lay their cache out
+        alike (same architecture and sizes, e.g. a quantized copy of the same model, and the same
+        attention kernel); llama.cpp checks that and refuses otherwise. Returns whether it was done;
+        on False the cache is as it was, or empty."""
+        size = llama_cpp.llama_state_seq_get_size(other._ctx, _SEQ)
+        if not size:
+            return False
+        buf = (ctypes.c_uint8 * size)()
+        got = llama_cpp.llama_state_seq_get_data(other._ctx, buf, size, _SEQ)
+        if not got:
+            return False
+        llama_cpp.llama_memory_seq_rm(self._mem, _SEQ, 0, -1)
+        self.tokens.clear()
+        with captured_log():  # a refusal is reported by the return value (its log says why, at DEBUG)
+            ok = llama_cpp.llama_state_seq_set_data(self._ctx, buf, got, _SEQ)
+        if not ok:
+            llama_cpp.llama_memory_seq_rm(self._mem, _SEQ, 0, -1)
+            return False
+        self.tokens = list(other.tokens)
+        return True
+
     def common_prefix(self, tokens: Sequence[int]) -> int:
         """Length of the longest prefix `tokens` shares with the cache."""
         cached = self.tokens

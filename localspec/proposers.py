@@ -13,6 +13,7 @@ verifier, is the constrained one); a model-free draft is cut at the first token 
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Protocol, Sequence
@@ -36,6 +37,8 @@ class Draft:
     def __len__(self) -> int:
         return len(self.tokens)
 
+
+log = logging.getLogger("localspec.proposers")
 
 EMPTY_DRAFT = Draft(np.zeros(0, dtype=np.int32), None)
 
@@ -90,8 +93,11 @@ class DraftModelProposer:
     """
 
     def __init__(self, ctx: LlamaContext, *, p_min: float = 0.0, max_catch_up: int = 16,
-                 n_vocab: int | None = None) -> None:
+                 n_vocab: int | None = None, cache_source: LlamaContext | None = None) -> None:
         self.ctx = ctx
+        # the oracle's context, for a draft with the same vocabulary: a catch-up on text the oracle
+        # holds (a new prompt, a re-try) first tries to copy the oracle's cache of it (see _adopt)
+        self.cache_source = cache_source
         self.p_min = p_min
         self.max_catch_up = max_catch_up
         self.n_vocab = ctx.n_vocab if n_vocab is None else n_vocab
@@ -117,14 +123,39 @@ class DraftModelProposer:
         """The tokens the draft conditions on. After many steps without drafting, catching up on all
         of them would cost more than a probe is worth: the draft keeps the start of the text it
         already holds (the prompt says what the text is about) and evaluates only the latest
-        `max_catch_up` tokens after it, as if the text in between were not there."""
+        `max_catch_up` tokens after it, as if the text in between were not there (unless it can take
+        the oracle's cache of all of it)."""
         view = self._readable(list(history[:self.keep]) + list(history[self.gap_start:]))
+        if self._adoptable(history):
+            self.catch_up = False
+            self.keep = self.gap_start = 0
+            return list(history)
         if self.catch_up or len(view) - self.ctx.common_prefix(view) <= self.max_catch_up:
             self.catch_up = False
             return view
         self.keep = self.ctx.common_prefix(history)
         self.gap_start = max(self.keep, len(history) - self.max_catch_up)
         return self._readable(list(history[:self.keep]) + list(history[self.gap_start:]))
+
+    ADOPT_MIN = 8  # fewer tokens to catch up on are decoded: cheaper than copying a whole cache
+
+    def _adoptable(self, history: Sequence[int]) -> bool:
+        """Whether the oracle's cache holds text the draft would otherwise evaluate (at least
+        ADOPT_MIN tokens of it) and copying it has not failed for this pair."""
+        source = self.cache_source
+        if source is None or self.ctx.n_vocab < self.n_vocab:
+            return False
+        held = source.n_past
+        return (held - self.ctx.common_prefix(history) >= self.ADOPT_MIN and held <= len(history)
+                and source.tokens == list(history[:held]))
+
+    def _adopt(self, history: Sequence[int]) -> None:
+        """Take the oracle's cache of the text (a copy of its KV cache: milliseconds where
+        evaluating a long prompt costs the draft ~3 ms a token on a small CPU); a pair whose caches
+        differ in layout falls back to evaluating, for good."""
+        if self._adoptable(history) and not self.ctx.copy_cache_from(self.cache_source):
+            log.info("the draft cannot take the oracle's cache (another layout): it evaluates the text itself")
+            self.cache_source = None
 
     def _readable(self, tokens: list[int]) -> list[int]:
         """`tokens` without the ids the draft's vocabulary lacks (none unless it is the smaller one)."""
@@ -139,6 +170,7 @@ class DraftModelProposer:
         if max_len <= 0 or not view:
             return EMPTY_DRAFT
         t0 = time.perf_counter()
+        self._adopt(history)
         try:
             logits, n_eval = self.ctx.sync(view)  # [1, vocab]
         except ContextFullError:

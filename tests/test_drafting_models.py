@@ -8,7 +8,9 @@ import pytest
 from localspec.compat import IncompatibleModels
 from localspec.engine import Engine
 from localspec.policy import AdaptiveLength
-from localspec.proposers import CrossTokenizerProposer, PromptLookupProposer
+from localspec.llama import LlamaContext, LlamaModel
+from localspec.proposers import CrossTokenizerProposer, DraftModelProposer, PromptLookupProposer
+from localspec.sampling import SamplingParams
 
 pytestmark = pytest.mark.model
 
@@ -33,7 +35,7 @@ def test_prompt_lookup_on_a_grounded_prompt(pair_paths):
 def test_adaptive_is_the_default_and_learns_its_costs_from_the_steps_alone(pair_paths, tmp_path, monkeypatch):
     """A fresh engine times nothing on purpose: the oracle decodes the prompt once and then once per
     step; the first step drafts nothing (the first token as soon as the oracle alone gives it) and
-    the draft evaluates the prompt in the second. The fitted costs are kept for the next engine of
+    the draft takes the oracle's cache of the prompt in the second. The fitted costs are kept for the next engine of
     the same setting, and ignored by one whose setting differs."""
     monkeypatch.setenv("LOCALSPEC_COST_CACHE", str(tmp_path))
     messages = [{"role": "user", "content": "Name three fruits."}]
@@ -48,7 +50,8 @@ def test_adaptive_is_the_default_and_learns_its_costs_from_the_steps_alone(pair_
         s = r.stats
         assert len(decodes) == 1 + s.steps  # the prompt, then one verify pass per step
         assert s.records[0].drafted == 0 and s.records[0].k == 0
-        assert s.records[1].draft_evaluated >= r.stats.prompt_tokens - 1  # the draft caught up in step two
+        assert s.records[1].draft_evaluated <= 2  # the draft took the oracle's cache of the prompt in step two
+        assert engine.draft_ctx.tokens[:s.prompt_tokens] == engine.oracle.tokens[:s.prompt_tokens]
         assert sum(x.drafted for x in s.records) == s.drafted and sum(x.accepted for x in s.records) == s.accepted
         assert sum(x.draft_time for x in s.records) == pytest.approx(s.draft_time)
         assert sum(x.verify_time for x in s.records) == pytest.approx(s.verify_time)
@@ -65,6 +68,34 @@ def test_adaptive_is_the_default_and_learns_its_costs_from_the_steps_alone(pair_
     with Engine(*pair_paths, n_ctx=512, n_threads=1) as other:  # another thread count: other costs
         assert not other.policy.verify_cost.ready and not other.policy.draft_cost.ready
         assert other.policy.acceptance == pytest.approx(learned[2])  # acceptance does not depend on threads
+
+
+def test_a_draft_takes_the_oracles_cache_of_the_prompt_where_their_layouts_match(pair_paths):
+    """A quantized copy of the oracle lays its KV cache out like the oracle: its catch-up on a
+    prompt copies the oracle's cache (llama.cpp's sequence state) instead of evaluating it. With
+    another layout (flash attention on for the draft only: V is not transposed) llama.cpp refuses
+    the copy and the draft evaluates the prompt itself, from then on."""
+    om, dm = LlamaModel(pair_paths[0]), LlamaModel(pair_paths[1])
+    oracle = LlamaContext(om, n_ctx=256, n_threads=2, flash_attn="off")
+    try:
+        history = om.tokenize("A fox, a dog and a cat walk along the river bank at dawn. " * 3)
+        oracle.decode(history[:-1], n_logits=0)  # the oracle holds all but the last token
+        for fa, taken in (("off", True), ("on", False)):
+            draft = LlamaContext(dm, n_ctx=256, n_threads=2, flash_attn=fa)
+            try:
+                proposer = DraftModelProposer(draft, cache_source=oracle)
+                proposer.start(catch_up=True)
+                d = proposer.propose(history, 3, SamplingParams(), np.random.default_rng(0))
+                assert len(d) == 3 and draft.tokens[:len(history)] == history
+                assert (d.evaluated == 1 + 2) == taken  # the last token, then a decode per drafted token but the last
+                assert (proposer.cache_source is oracle) == taken
+                assert d.evaluated >= len(history) or taken  # refused: it evaluated the prompt itself
+            finally:
+                draft.close()
+    finally:
+        oracle.close()
+        om.close()
+        dm.close()
 
 
 def test_the_attention_kernel_reaches_both_contexts_and_the_stats(pair_paths):
@@ -217,11 +248,13 @@ def test_check_reports_the_fitted_costs_and_records_the_faster_kernel(tmp_path, 
         assert engine.oracle.flash_attn == report["kernel"]["chosen"]  # auto now follows the measurement
 
 
-def test_the_drafts_evaluation_of_the_prompt_is_after_the_first_token_and_counts_in_the_speed(pair_paths):
-    """The draft evaluates the prompt in its first proposal (after the first token, so it does not
-    delay it): that time is in the step's record and the request's draft time, and, unlike the
-    oracle's prompt evaluation, inside the generation speed (only speculation pays it)."""
+def test_the_drafts_catch_up_on_the_prompt_is_after_the_first_token_and_counts_in_the_speed(pair_paths):
+    """The draft catches up on the prompt in its first proposal (after the first token, so it does
+    not delay it): that time is in the step's record and the request's draft time, and, unlike the
+    oracle's prompt evaluation, inside the generation speed (only speculation pays it). Here it
+    evaluates the prompt itself (the oracle's cache is not offered)."""
     with Engine(*pair_paths, n_ctx=512, draft_length=4, cost_cache=False) as engine:
+        engine.proposer.cache_source = None
         r = engine.generate([{"role": "user", "content": "Name three fruits and say why you like them."}],
                             max_tokens=24)
         s = r.stats
