@@ -10,11 +10,11 @@ import re
 import numpy as np
 import pytest
 
-from localspec.constraints import Constraint, ConstraintError, ConstraintWalk, tokenizer_for
-from localspec.engine import Engine, Request
+from localspec.constraints import Constraint, ConstraintError, tokenizer_for
+from localspec.engine import Request
 from localspec.policy import FixedLength
 from localspec.sampling import SamplingParams, mask_logits
-from scripted import EOS, ScriptedContext
+from scripted import EOS
 from test_engine_scripted import (KINDS, N_SAMPLES, PROMPT, chi_square, first_tokens_distribution,  # noqa: F401
                                   fixed_entropy, outcome_probability, proposer_engine, sample_first_tokens)
 
@@ -183,7 +183,7 @@ def test_a_forced_run_is_drafted_without_the_model():
     """Where the grammar allows one token only, the draft proposes it without a pass of its own: the
     run is read in one batch with the token before it (here everything after the first letter is forced)."""
     engine = proposer_engine("draft40")
-    proposer, draft_ctx = engine.proposer, engine.draft_ctx
+    proposer = engine.proposer
     model = engine.oracle_model
     walk = engine.constraint_walk(Constraint.from_grammar('start: /[ab]/ "cdefg" /[ab]/ "hij"'))
     history = model.tokenize(PROMPT)

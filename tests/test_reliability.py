@@ -632,7 +632,6 @@ def test_sigterm_with_a_running_request_and_a_queue(cli_server):
     results: dict[int, tuple] = {}
 
     def post(i: int, body: dict) -> None:
-        t0 = time.monotonic()
         try:
             with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
                 raw = r.read()
