@@ -262,7 +262,7 @@ class Engine:
         finish = None
         while finish is None:
             # the first token comes from a plain oracle step, as fast as the oracle alone gives it;
-            # the draft evaluates the prompt in the next step
+            # the draft catches up on the prompt in the next step
             limit = self._draft_limit(history, request, request.max_tokens - stats.completion_tokens) \
                 if stats.steps else 0
             out, logprobs = self._step(history, limit, request, policy, rng, stats, walk)

@@ -4,7 +4,8 @@ llama-cpp-python's sdist and cached in ``cache_dir()/anchor/llama.cpp-<version>/
 
 One run = one process: it loads both models, evaluates the prompt, decodes, and prints its stats,
 which are parsed here. Model loading is outside the decode time it reports, so its tokens/s compares
-with localspec's (prompt evaluation excluded in both).
+with localspec's (the oracle's prompt evaluation excluded in both; the draft's catch-up on the
+prompt, in its first draft, included in both).
 """
 
 from __future__ import annotations
