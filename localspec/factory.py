@@ -175,7 +175,8 @@ class _Loader:
             parts.draft = loading.result()
             parts.proposer = self._draft_model_proposer(oracle_ctx, parts.draft, p_min=p_min,
                                                         cross_tokenizer=cross_tokenizer,
-                                                        on_gpu=draft_gpu_layers != 0 and has_local_gpu())
+                                                        local_cpu=not (self.rpc or self.draft_rpc) and not (
+                                                            draft_gpu_layers != 0 and has_local_gpu()))
             if lookup:
                 parts.proposer = HybridProposer(PromptLookupProposer(), parts.proposer)
         return parts
@@ -199,7 +200,7 @@ class _Loader:
         return model
 
     def _draft_model_proposer(self, oracle: LlamaContext, draft: LlamaContext, *, p_min: float,
-                              cross_tokenizer: bool, on_gpu: bool = False) -> Proposer:
+                              cross_tokenizer: bool, local_cpu: bool = True) -> Proposer:
         o, d = oracle.model, draft.model
         difference = first_difference(o, d)
         if difference is not None and not cross_tokenizer:
@@ -207,9 +208,11 @@ class _Loader:
         # a same-vocabulary draft drafts over the oracle's vocabulary (their sizes may differ a little);
         # a cross-tokenizer one over its own
         # on a CPU a draft evaluates a prompt slowly (~3 ms a token for a small Q4_1 one): one laid
-        # out like the oracle copies the oracle's cache instead; a GPU evaluates it quicker than a copy
+        # out like the oracle copies the oracle's cache instead. Not where a GPU evaluates it quicker
+        # than a copy, nor over RPC (an oracle's or a draft's cache on a server is read or written a row
+        # at a time, a round trip each: measured, seconds a copy through a 5 ms link, speculation at 0.2x)
         proposer = DraftModelProposer(draft, p_min=p_min, n_vocab=o.n_vocab if difference is None else None,
-                                      cache_source=oracle if difference is None and not on_gpu else None)
+                                      cache_source=oracle if difference is None and local_cpu else None)
         if d.size_bytes >= o.size_bytes or d.n_params > o.n_params:
             log.warning("the draft %s (%.0f MB, %.0fM params) is not smaller than the oracle %s (%.0f MB, %.0fM "
                         "params): speculation will likely be slower than the oracle alone",

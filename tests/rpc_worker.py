@@ -84,12 +84,14 @@ def main() -> None:
         out["flash_attn"] = split.oracle.flash_attn
         out["rpc_plain"] = run(split, speculative=False)
         out["rpc_spec"] = run(split)
+        out["split_copies_cache"] = split.proposer.cache_source is not None
         out["logit_max_abs_diff"] = float(np.abs(logits_of(split, sequence) - local_logits).max())
 
     with Engine(args["oracle"], args["draft"], draft_rpc=servers[-1:], **common) as remote_draft:
         out["draft_placement"] = remote_draft.draft_model.placement.layers
         out["oracle_local"] = getattr(remote_draft.oracle_model, "placement", None) is None
         out["draft_rpc_spec"] = run(remote_draft)
+        out["remote_draft_copies_cache"] = remote_draft.proposer.cache_source is not None
     # --gpu-layers N with RPC: exactly the last N layers (the output layer among them) leave this machine
     with Engine(args["draft"], None, rpc=servers, gpu_layers=5, **common) as five:
         out["five_layers"] = five.oracle_model.placement.layers

@@ -239,6 +239,9 @@ def test_the_oracle_split_over_two_rpc_servers_gives_the_local_oracles_text(rpc_
         # and the text is the local oracle's (a near-tie in batched logits may rarely send one prompt elsewhere)
         assert _agree(spec["tokens"], local) >= len(PROMPTS) - 1, run
 
+    # the draft evaluates the prompt itself: copying a cache over RPC goes a row at a time
+    assert not out["split_copies_cache"] and not out["remote_draft_copies_cache"]
+
     five = dict(map(tuple, out["five_layers"]))
     assert five["this machine's CPU"] == out["placement"]["n_layer"] + 1 - 5
     assert sum(n for where, n in five.items() if where != "this machine's CPU") == 5
