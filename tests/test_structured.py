@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from typing import Annotated
 
 import httpx
 import openai
@@ -24,7 +25,8 @@ class Person(BaseModel):
     name: str = Field(max_length=24)
     age: int = Field(ge=0, le=150)
     city: str = Field(max_length=24)
-    languages: list[str] = Field(max_length=3)
+    languages: list[Annotated[str, Field(max_length=24)]] = Field(max_length=3)  # every string bounded: a
+    # sampled (unseeded) answer must end within max_tokens (an unbounded language once ran past 200)
 
 
 PERSON_PROMPT = [{"role": "user", "content": "Invent a person: name, age, city and the languages they speak."}]
@@ -61,7 +63,7 @@ def client(served):
                          ids=["greedy", "seeded", "sampled"])
 def test_openai_parse_returns_the_pydantic_object(client, speculative, sampling):
     r = client.chat.completions.parse(model="smollm2", messages=PERSON_PROMPT, response_format=Person,
-                                      max_tokens=200, extra_body={"speculative": {"enabled": speculative}},
+                                      max_tokens=400, extra_body={"speculative": {"enabled": speculative}},
                                       **sampling)
     choice = r.choices[0]
     assert choice.finish_reason == "stop"
