@@ -56,7 +56,8 @@ whole prompt, for `min_trials` draft tokens that count as fresh evidence; their 
 probing. That judgement, and the re-try's draft lengths, take the draft's cost at the lower of its
 fitted value and the prior guess, and a re-try measures that cost afresh: an idle policy no longer
 measures the draft, so a cost fitted while another program slowed the machine (2-3x on a 2-core
-VM) would otherwise keep drafting off for good, in later processes too (the costs are kept). One hard prompt does not end drafting on a pair that
+VM) would otherwise keep drafting off for good, in later processes too (the costs are kept).
+One hard prompt does not end drafting on a pair that
 usually pays, and a pair that does not pay is not re-tried (each re-try costs the draft a pass
 over the prompt: on a one-shot run of a badly matched pair that alone would cost a few percent).
 """
