@@ -229,7 +229,12 @@ def draft_size(step: "StepRecord") -> int:
     return max(1, step.draft_evaluated)
 
 
-def fit_steps(steps: Sequence["StepRecord"], *, max_draft_size: int = 64) -> tuple[PassCost, PassCost] | None:
+# a proposal that evaluated more draft tokens than this began with a catch-up (a batch), not a step's few
+MAX_STEP_DRAFT_SIZE = 64
+
+
+def fit_steps(steps: Sequence["StepRecord"], *,
+              max_draft_size: int = MAX_STEP_DRAFT_SIZE) -> tuple[PassCost, PassCost] | None:
     """verify(n, c) and draft(e, c) (e: tokens the draft evaluated) fitted to `steps` in one go (no
     forgetting); None without a one-token step to anchor the verify cost (every request's first step
     is one). A draft's catch-up on a prompt (a step with `draft_prompt_time`, or more than
@@ -245,7 +250,7 @@ def fit_steps(steps: Sequence["StepRecord"], *, max_draft_size: int = 64) -> tup
     return verify, draft
 
 
-def _prompt_catch_up(step: "StepRecord", max_draft_size: int = 64) -> bool:
+def _prompt_catch_up(step: "StepRecord", max_draft_size: int = MAX_STEP_DRAFT_SIZE) -> bool:
     """Whether the step's proposal began with the draft evaluating a prompt (a batch)."""
     return step.draft_prompt_time > 0 or step.draft_evaluated > max_draft_size
 

@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 from .compat import check_compatible, first_difference
 from .costs import CostBook, CostStore, file_fingerprint, machine_identity
-from .llama import LlamaContext, LlamaModel, default_threads, has_local_gpu, resolve_flash_attn
+from .llama import LlamaContext, LlamaModel, default_threads, on_local_gpu, resolve_flash_attn
 from .policy import AdaptiveLength, FixedLength, LengthPolicy
 from .proposers import CrossTokenizerProposer, DraftModelProposer, HybridProposer, PromptLookupProposer, Proposer
 
@@ -175,8 +175,8 @@ class _Loader:
             parts.draft = loading.result()
             parts.proposer = self._draft_model_proposer(oracle_ctx, parts.draft, p_min=p_min,
                                                         cross_tokenizer=cross_tokenizer,
-                                                        local_cpu=not (self.rpc or self.draft_rpc) and not (
-                                                            draft_gpu_layers != 0 and has_local_gpu()))
+                                                        local_cpu=not (self.rpc or self.draft_rpc
+                                                                       or on_local_gpu(draft_gpu_layers)))
             if lookup:
                 parts.proposer = HybridProposer(PromptLookupProposer(), parts.proposer)
         return parts

@@ -305,8 +305,13 @@ def resolve_flash_attn(setting: str, *, n_gpu_layers: int, measured: str | None 
         return setting
     if measured in ("on", "off"):
         return measured
-    offloaded = n_gpu_layers != 0 and has_local_gpu()  # RPC devices count as a CPU: their kind is unknown here
-    return "on" if offloaded else "off"
+    return "on" if on_local_gpu(n_gpu_layers) else "off"
+
+
+def on_local_gpu(n_gpu_layers: int) -> bool:
+    """Whether a model offloading `n_gpu_layers` layers (-1: all) runs them on a GPU of this
+    machine (RPC devices count as a CPU: their kind is unknown here)."""
+    return n_gpu_layers != 0 and has_local_gpu()
 
 
 def default_threads() -> int:

@@ -119,17 +119,17 @@ class DraftModelProposer:
     def describe(self) -> str:
         return "model"
 
-    def _view(self, history: Sequence[int]) -> list[int]:
+    def _view(self, history: Sequence[int], *, adopting: bool = False) -> list[int]:
         """The tokens the draft conditions on. After many steps without drafting, catching up on all
         of them would cost more than a probe is worth: the draft keeps the start of the text it
         already holds (the prompt says what the text is about) and evaluates only the latest
-        `max_catch_up` tokens after it, as if the text in between were not there (unless it can take
-        the oracle's cache of all of it)."""
-        view = self._readable(list(history[:self.keep]) + list(history[self.gap_start:]))
-        if self._adoptable(history):
+        `max_catch_up` tokens after it, as if the text in between were not there (unless it is
+        `adopting` the oracle's cache of all of it)."""
+        if adopting:
             self.catch_up = False
             self.keep = self.gap_start = 0
             return list(history)
+        view = self._readable(list(history[:self.keep]) + list(history[self.gap_start:]))
         if self.catch_up or len(view) - self.ctx.common_prefix(view) <= self.max_catch_up:
             self.catch_up = False
             return view
@@ -151,11 +151,11 @@ class DraftModelProposer:
         return (held - self.ctx.common_prefix(history) >= max(self.ADOPT_MIN, held // 32) and held <= len(history)
                 and source.tokens == list(history[:held]))
 
-    def _adopt(self, history: Sequence[int]) -> None:
+    def _adopt(self) -> None:
         """Take the oracle's cache of the text (a copy of its KV cache: milliseconds where
         evaluating a long prompt costs the draft ~3 ms a token on a small CPU); a pair whose caches
         differ in layout falls back to evaluating, for good."""
-        if self._adoptable(history) and not self.ctx.copy_cache_from(self.cache_source):
+        if not self.ctx.copy_cache_from(self.cache_source):
             log.info("the draft cannot take the oracle's cache (another layout): it evaluates the text itself")
             self.cache_source = None
 
@@ -167,12 +167,14 @@ class DraftModelProposer:
     def propose(self, history: Sequence[int], max_len: int, sampling: SamplingParams,
                 rng: np.random.Generator, constraint=None) -> Draft:
         prompt, self.prompt_pending = self.prompt_pending, False
-        view = self._view(history)
+        adopting = self._adoptable(history)  # judged once: it compares the caches with the text
+        view = self._view(history, adopting=adopting)
         max_len = min(max_len, self.ctx.n_ctx - len(view) + 1)
         if max_len <= 0 or not view:
             return EMPTY_DRAFT
         t0 = time.perf_counter()
-        self._adopt(history)
+        if adopting:
+            self._adopt()
         try:
             logits, n_eval = self.ctx.sync(view)  # [1, vocab]
         except ContextFullError:
