@@ -102,7 +102,9 @@ def model_options(fn: Callable) -> Callable:
                      help="Draft exactly this many tokens per step (default: adaptive, from measured costs)."),
         click.option("--p-min", type=click.FloatRange(0, 1), default=None,
                      help="The draft stops when its top probability falls below this."),
-        click.option("--lookup", is_flag=True, help="Prompt lookup first, the draft model when it finds nothing."),
+        click.option("--lookup/--no-lookup", default=True, show_default=True,
+                     help="Prompt lookup beside the draft model: each step drafts from the text's own "
+                          "repeats (free) or the model, whichever promises more; --no-lookup: the model alone."),
         click.option("--cross-tokenizer", is_flag=True,
                      help="Allow a draft with a different vocabulary (text is re-tokenized between them)."),
         click.option("--gpu-layers", type=int, default=-1, show_default=True,
@@ -285,7 +287,8 @@ def check(prompts_file: str | None, max_prompts: int, max_tokens: int, as_json: 
     prompts = load_prompts(prompts_file, max_prompts, max_tokens)
     choice = Registry.load().choose(kw["pair"], kw["oracle"], kw["draft"])
     oracle, draft = choice.oracle, choice.draft or choice.pair.draft  # another oracle: still the pair's draft
-    with open_engine(**{**kw, "oracle": oracle, "draft": draft, "cross_tokenizer": True}) as engine:
+    # the pair's own figures: its draft model alone (prompt lookup would mix in the text's repeats)
+    with open_engine(**{**kw, "oracle": oracle, "draft": draft, "cross_tokenizer": True, "lookup": False}) as engine:
         report = run_check(engine, prompts, oracle=oracle, draft=draft, progress=progress)
     click.echo(json.dumps(report.to_dict(), indent=2) if as_json else format_report(report))
 

@@ -237,15 +237,15 @@ def fit_steps(steps: Sequence["StepRecord"], *,
               max_draft_size: int = MAX_STEP_DRAFT_SIZE) -> tuple[PassCost, PassCost] | None:
     """verify(n, c) and draft(e, c) (e: tokens the draft evaluated) fitted to `steps` in one go (no
     forgetting); None without a one-token step to anchor the verify cost (every request's first step
-    is one). A draft's catch-up on a prompt (a step with `draft_prompt_time`, or more than
-    `max_draft_size` tokens) is left out: a batch of hundreds of tokens runs at another rate than a
-    step's few."""
+    is one). The draft cost is the draft model's: prompt lookup's steps (free) are left out of it,
+    and so is a draft's catch-up on a prompt (a step with `draft_prompt_time`, or more than
+    `max_draft_size` tokens): a batch of hundreds of tokens runs at another rate than a step's few."""
     if not any(s.drafted == 0 for s in steps):
         return None
     verify, draft = PassCost(VERIFY_SHAPE, decay=1.0), PassCost(DRAFT_SHAPE, decay=1.0)
     for s in sorted(steps, key=lambda s: s.drafted):  # one-token passes first: they set the scale
         verify.observe(s.drafted + 1, s.context, s.verify_time)
-        if s.drafted and not _prompt_catch_up(s, max_draft_size):
+        if s.drafted and s.source != "lookup" and not _prompt_catch_up(s, max_draft_size):
             draft.observe(draft_size(s), s.context, s.draft_time)
     return verify, draft
 
@@ -305,13 +305,13 @@ def predicted_speedup(steps: Sequence["StepRecord"], verify: PassCost, draft: Pa
                       alone: PassCost | None = None) -> float | None:
     """The speedup the fitted costs predict for the steps taken: the oracle alone's time for their
     tokens over the passes they ran (draft(l, c) + verify(l + 1, c) each; `draft` None or not
-    measured: proposing costs nothing, as for prompt lookup). `alone`: the oracle's one-token cost
+    measured; a prompt-lookup step: proposing costs nothing). `alone`: the oracle's one-token cost
     fitted to plain decoding's own steps, where there are some (a run at fixed K has one pass size
     but its first step's, so its own fit cannot tell a one-token pass from its per-token cost);
     None: `verify`'s. A proposal that began with the draft's catch-up on a prompt counts as
     measured: the model describes a step's few tokens, not a batch."""
     def proposing(s: "StepRecord") -> float:
-        if not s.drafted or draft is None or not draft.ready:
+        if not s.drafted or s.source == "lookup" or draft is None or not draft.ready:
             return 0.0
         return s.draft_time if _prompt_catch_up(s) else draft(draft_size(s), s.context)
 

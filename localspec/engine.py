@@ -365,7 +365,8 @@ class Engine:
         logprobs = self._logprobs(raw[:len(out)], out, request.logprobs) if request.logprobs is not None else None
 
         step = StepRecord(k=k, drafted=len(draft), accepted=n_accepted, draft_time=t1 - t0, verify_time=t2 - t1,
-                          context=context, draft_evaluated=draft.evaluated, draft_prompt_time=draft.prompt_time)
+                          context=context, draft_evaluated=draft.evaluated, draft_prompt_time=draft.prompt_time,
+                          source=draft.source)
         if request.speculative:  # a request that does not draft teaches the policy nothing
             policy.update(step)
         stats.add_step(step)

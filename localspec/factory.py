@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 from .compat import check_compatible, first_difference
 from .costs import CostBook, CostStore, file_fingerprint, machine_identity
 from .llama import LlamaContext, LlamaModel, default_threads, on_local_gpu, resolve_flash_attn
-from .policy import AdaptiveLength, FixedLength, LengthPolicy
+from .policy import AdaptiveLength, FixedLength, HybridLength, LengthPolicy
 from .proposers import CrossTokenizerProposer, DraftModelProposer, HybridProposer, PromptLookupProposer, Proposer
 
 log = logging.getLogger("localspec.engine")
@@ -48,8 +48,21 @@ class Parts:
 
 
 def default_policy(proposer: Proposer | None, draft_max: int = DEFAULT_DRAFT_MAX) -> LengthPolicy:
-    """None drafted without a proposer, else the cost-aware adaptive length (up to `draft_max`)."""
-    return FixedLength(0) if proposer is None else AdaptiveLength(k_max=draft_max)
+    """None drafted without a proposer, else the cost-aware adaptive length (up to `draft_max`; a
+    hybrid proposer's lookup up to LOOKUP_DRAFT_MAX)."""
+    if proposer is None:
+        return FixedLength(0)
+    if isinstance(proposer, HybridProposer):
+        return hybrid_policy(proposer, AdaptiveLength(k_max=draft_max))
+    return AdaptiveLength(k_max=draft_max)
+
+
+def hybrid_policy(proposer: HybridProposer, model: AdaptiveLength, *, lookup_max: int = LOOKUP_DRAFT_MAX) -> HybridLength:
+    """The adaptive policy of a hybrid proposer, which then chooses its source through it."""
+    policy = HybridLength(model, AdaptiveLength(k_max=lookup_max, model_draft=False,
+                                                draft_cost_ratio=draft_cost_ratio(None, None)))
+    proposer.chooser = policy
+    return policy
 
 
 def rpc_servers(value: str | Sequence[str] | None) -> tuple[str, ...]:
@@ -64,11 +77,11 @@ def kernel_identity(oracle_path, *, n_threads: int, gpu_layers: int, rpc: Sequen
             **machine_identity(), **({"rpc": list(rpc)} if rpc else {})}
 
 
-def draft_cost_ratio(oracle: LlamaModel, draft: LlamaModel | None) -> float:
+def draft_cost_ratio(oracle: LlamaModel | None, draft: LlamaModel | None) -> float:
     """A first guess at a draft token's cost in one-token oracle passes, until one is measured:
     between the ratio of the models' sizes (a pass that streams its weights from memory) and of
     their parameters (one that is compute-bound); prompt lookup (no draft model) costs next to nothing."""
-    if draft is None:
+    if draft is None or oracle is None:
         return 0.01
     ratio = ((draft.size_bytes / max(oracle.size_bytes, 1)) * (draft.n_params / max(oracle.n_params, 1))) ** 0.5
     return float(min(1.0, max(0.02, ratio)))
@@ -78,7 +91,7 @@ def build(oracle: str | os.PathLike, draft: str | os.PathLike | None = None, *,
           n_ctx: int = 4096, n_batch: int = 512, n_threads: int | None = None,
           gpu_layers: int = -1, draft_gpu_layers: int = -1, flash_attn: str = "auto",
           draft_length: int | None = None, draft_max: int | None = None,
-          p_min: float = DEFAULT_P_MIN, lookup: bool = False, cross_tokenizer: bool = False,
+          p_min: float = DEFAULT_P_MIN, lookup: bool = True, cross_tokenizer: bool = False,
           policy: LengthPolicy | None = None, cost_cache: bool = True,
           progress: Callable[[str], None] | None = None,
           rpc: str | Sequence[str] | None = None, draft_rpc: str | Sequence[str] | None = None) -> Parts:
@@ -87,7 +100,8 @@ def build(oracle: str | os.PathLike, draft: str | os.PathLike | None = None, *,
     `draft_length`: a fixed k; None chooses k per step from measured costs and acceptance
     (capped by `draft_max`: default 16 for a draft model, 64 for prompt lookup, whose drafts cost
     nothing to make). `p_min`: the draft stops when its top probability falls below it.
-    `lookup`: try prompt lookup first and the draft model when it finds nothing.
+    `lookup` (with a draft model): prompt lookup beside it, each step drafting from whichever
+    promises more tokens per second (`policy.HybridLength`); False: the draft model alone.
     `cross_tokenizer`: allow a draft whose vocabulary differs (re-tokenizes text between them).
     `flash_attn`: "auto" (see `llama.resolve_flash_attn`: off on a CPU, on with GPU offload,
     unless `localspec check` measured otherwise here), "on" or "off"; for both models.
@@ -105,6 +119,7 @@ def build(oracle: str | os.PathLike, draft: str | os.PathLike | None = None, *,
     except BaseException:
         loader.close()
         raise
+    lookup_max = LOOKUP_DRAFT_MAX if draft_max is None else draft_max
     if draft_max is None:
         draft_max = LOOKUP_DRAFT_MAX if draft == NGRAM else DEFAULT_DRAFT_MAX
     if policy is None:
@@ -116,6 +131,8 @@ def build(oracle: str | os.PathLike, draft: str | os.PathLike | None = None, *,
             policy = AdaptiveLength(k_max=draft_max, model_draft=parts.draft is not None,
                                     draft_cost_ratio=draft_cost_ratio(parts.oracle.model,
                                                                       parts.draft.model if parts.draft else None))
+            if isinstance(parts.proposer, HybridProposer):
+                policy = hybrid_policy(parts.proposer, policy, lookup_max=lookup_max)
     parts.policy = policy
     if loader.cost_store is not None and policy.learns:
         parts.costs = CostBook(loader.cost_store, loader.cost_identities(parts, gpu_layers=gpu_layers,
@@ -240,6 +257,9 @@ class _Loader:
         oracle = file_fingerprint(parts.oracle.model.path)
         draft = file_fingerprint(parts.draft.model.path) if parts.draft is not None else None
         kind = parts.proposer.describe() if parts.proposer is not None else "model"
+        hybrid = kind == "hybrid"
+        if hybrid:  # its draft model costs and is judged as a plain one's; its lookup apart
+            kind = "model"
         return {
             "verify": {"model": oracle, "threads": self.n_threads, "gpu_layers": gpu_layers,
                        "n_ctx": parts.oracle.n_ctx, "flash_attn": parts.oracle.flash_attn, **machine,
@@ -249,4 +269,5 @@ class _Loader:
                       "flash_attn": parts.draft.flash_attn if parts.draft is not None else None, **machine,
                       **({"rpc": list(self.draft_rpc)} if self.draft_rpc else {})},
             "acceptance": {"proposer": kind, "oracle": oracle, "draft": draft, "p_min": p_min},
+            **({"lookup_acceptance": {"proposer": "hybrid-lookup", "oracle": oracle}} if hybrid else {}),
         }

@@ -17,6 +17,7 @@ class StepRecord:
     context: int  # tokens in the oracle's cache before the verify pass
     draft_evaluated: int = 0  # tokens the draft model evaluated for this proposal (its catch-up included)
     draft_prompt_time: float = 0.0  # of draft_time, evaluating the request's prompt (the first proposal's)
+    source: str = ""  # where the draft came from: "model", "lookup" (a hybrid proposer uses both), "" none
 
     @property
     def emitted(self) -> int:

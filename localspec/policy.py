@@ -288,6 +288,10 @@ class AdaptiveLength:
         wanted, self._catch_up = self._catch_up, False
         return wanted
 
+    def forget_alignment(self) -> None:
+        """Another source drafted since this policy's last step: its next first token is a fresh one."""
+        self._aligned = False
+
     def draft_length(self, limit: int, context: int = 0) -> int:
         self._probing = False
         self.context = context
@@ -443,3 +447,77 @@ class AdaptiveLength:
         self.fresh_trials = min(self.trials, self.min_trials)
         self._continuation_events = max(0, int(state.get("continuation_events", 0)))
         self._continuation_accepted_events = max(0, int(state.get("continuation_accepted_events", 0)))
+
+
+class HybridLength:
+    """The length policy of a hybrid proposer (`proposers.HybridProposer`): prompt lookup, free and
+    right or wrong from its first token, and a draft model, each with its own `AdaptiveLength`
+    (acceptance, continuation, the draft model's cost) over one fit of the oracle's pass costs.
+
+    `draft_length` runs the model's policy (its probes and re-tries included) and hands the
+    proposer an allowance; the proposer looks the text up and asks `choose`: when the lookup found
+    tokens and its own policy would draft some of them, the lookup drafts if its best length
+    promises at least the tokens per second of the model's choice (k = 0 included), else the model
+    drafts what its policy chose. A step's record goes to the policy of the source that drafted it
+    (an empty draft to the model's: a plain oracle step, one of its idle steps)."""
+
+    learns = True
+
+    def __init__(self, model: AdaptiveLength, lookup: AdaptiveLength) -> None:
+        self.model, self.lookup = model, lookup
+        lookup.verify_cost = model.verify_cost  # one oracle: both learn its passes
+        self._model_k = 0
+        self.context = 0
+
+    @property
+    def idle(self) -> bool:
+        return self.model.idle
+
+    def draft_length(self, limit: int, context: int = 0) -> int:
+        self.context = context
+        self._model_k = self.model.draft_length(limit, context) if limit > 0 else 0
+        return min(limit, max(self._model_k, self.lookup.k_max))
+
+    def choose(self, found: int, allowance: int) -> tuple[str, int]:
+        k_model = min(self._model_k, allowance)
+        if found <= 0:
+            return "model", k_model
+        k_lookup = self.lookup.draft_length(min(found, allowance), self.context)
+        if k_lookup <= 0:
+            return "model", k_model
+        if not self.model.verify_cost.ready:
+            return "lookup", k_lookup  # nothing measured yet: the free draft first
+        model_rate = self.model.rates(k_model, self.context)[k_model]
+        lookup_rate = self.lookup.rates(k_lookup, self.context)[k_lookup]
+        return ("lookup", k_lookup) if lookup_rate >= model_rate else ("model", k_model)
+
+    def update(self, step: StepRecord) -> None:
+        used, other = (self.lookup, self.model) if step.source == "lookup" else (self.model, self.lookup)
+        used.update(step)
+        if step.drafted:
+            other.forget_alignment()
+
+    def start_request(self) -> None:
+        self.model.start_request()
+        self.lookup.start_request()
+
+    def consume_catch_up(self) -> bool:
+        return self.model.consume_catch_up()
+
+    def describe(self) -> str:
+        return (f"HybridLength (prompt lookup up to {self.lookup.k_max} or the draft model up to "
+                f"{self.model.k_max}, chosen per step)")
+
+    # -- persistence: the model's state as a plain draft model's, the lookup's acceptance beside it
+
+    def cost_state(self) -> dict[str, dict[str, Any]]:
+        state = self.model.cost_state()
+        if self.lookup.trials:
+            state["lookup_acceptance"] = self.lookup.acceptance_state()
+        return state
+
+    def load_cost_state(self, kind: str, state: Mapping[str, Any]) -> None:
+        if kind == "lookup_acceptance":
+            self.lookup.load_acceptance_state(state)
+        else:
+            self.model.load_cost_state(kind, state)

@@ -33,6 +33,7 @@ class Draft:
     probs: np.ndarray | None  # [k, oracle vocab] the distributions the tokens were drawn from; None: point masses
     evaluated: int = 0  # tokens a draft model evaluated to propose these (its catch-up included)
     prompt_time: float = 0.0  # seconds of the proposing spent evaluating a new request's prompt
+    source: str = "model"  # where the tokens came from: "model" (a draft model) or "lookup" (the text); "" none
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -40,7 +41,7 @@ class Draft:
 
 log = logging.getLogger("localspec.proposers")
 
-EMPTY_DRAFT = Draft(np.zeros(0, dtype=np.int32), None)
+EMPTY_DRAFT = Draft(np.zeros(0, dtype=np.int32), None, source="")  # nothing drafted: no source
 
 
 class Proposer(Protocol):
@@ -273,7 +274,7 @@ class PromptLookupProposer:
                 guess = tokens[follow:follow + max_len].copy()
                 if constraint is not None:  # only what the grammar allows, checked before it is proposed
                     guess = guess[:constraint.extend(guess.tolist())]
-                return Draft(guess, None) if len(guess) else EMPTY_DRAFT
+                return Draft(guess, None, source="lookup") if len(guess) else EMPTY_DRAFT
         return EMPTY_DRAFT
 
     def start(self, *, catch_up: bool) -> None:
@@ -298,17 +299,50 @@ class _Wrapper:
         self.drafter.resync()
 
 
-class HybridProposer(_Wrapper):
-    """Prompt lookup when the history's tail matches earlier text (free), the draft model otherwise."""
+class SourceChooser(Protocol):
+    def choose(self, found: int, allowance: int) -> tuple[str, int]:
+        """("lookup" | "model", draft length) for a step whose lookup found `found` tokens, within
+        the `allowance` the length policy gave (see `policy.HybridLength`)."""
 
-    def __init__(self, lookup: PromptLookupProposer, model: Proposer) -> None:
+    @property
+    def idle(self) -> bool:
+        """The draft model is not worth running now (it only probes)."""
+
+
+class HybridProposer(_Wrapper):
+    """Prompt lookup (free) and a draft model. Each step the lookup looks for the text's latest
+    n-gram match first; `chooser` (the adaptive policy's `HybridLength`) then says which source
+    drafts and how much, from what each has been worth. Without one (a fixed length): the lookup's
+    tokens when it found some, the draft model's otherwise.
+
+    After a stretch of lookup drafts the draft model has not seen the tokens they added: when it
+    drafts again it catches up on all of them (a copy of the oracle's cache where it can), not on
+    a window as after a pause in drafting, unless its policy is idle (a probe)."""
+
+    def __init__(self, lookup: PromptLookupProposer, model: Proposer, *, chooser: SourceChooser | None = None) -> None:
         self.lookup = lookup
         self.model = self.drafter = model
+        self.chooser = chooser
+        self._last = "model"
 
     def propose(self, history: Sequence[int], max_len: int, sampling: SamplingParams,
                 rng: np.random.Generator, constraint=None) -> Draft:
-        draft = self.lookup.propose(history, max_len, sampling, rng, constraint)
-        return draft if len(draft) else propose(self.model, history, max_len, sampling, rng, constraint)
+        found = self.lookup.propose(history, max_len, sampling, rng, constraint)  # pushed onto the walk
+        if self.chooser is not None:
+            source, k = self.chooser.choose(len(found), max_len)
+        else:
+            source, k = ("lookup", len(found)) if len(found) else ("model", max_len)
+        if constraint is not None:
+            constraint.pop(len(found) - (k if source == "lookup" else 0))
+        if source == "lookup":
+            self._last = "lookup"
+            return Draft(found.tokens[:k], None, source="lookup") if k else EMPTY_DRAFT
+        if k <= 0:
+            return EMPTY_DRAFT
+        if self._last == "lookup" and not (self.chooser is not None and self.chooser.idle):
+            self.model.resync()
+        self._last = "model"
+        return propose(self.model, history, k, sampling, rng, constraint)
 
     def describe(self) -> str:
         return "hybrid"

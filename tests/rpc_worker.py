@@ -66,7 +66,7 @@ def main() -> None:
 
     timings: list[float] = []  # seconds per run, for the test's log
     out["timings"] = timings
-    common = dict(n_ctx=1024, draft_length=4, cost_cache=False)
+    common = dict(n_ctx=1024, draft_length=4, cost_cache=False, lookup=False)  # the draft model alone
     with Engine(args["oracle"], None, **common) as local:
         out["local"] = run(local)
         sequence = local.tokenize_prompt(messages[0]) + out["local"]["tokens"][0]

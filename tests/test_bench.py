@@ -118,8 +118,10 @@ def test_system_names():
     names = [s.name for s in specs]
     assert names[0] == "baseline"  # always there, first
     assert {s.name: s.kind for s in specs}["llama.cpp-k2"] == systems.LLAMA_CPP
-    assert specs[1].params == {"draft": "model", "draft_length": 4}
-    assert systems.parse_system("adaptive").params["draft_length"] is None
+    assert specs[1].params == {"draft": "model", "draft_length": 4, "lookup": False}  # the draft model alone
+    assert systems.parse_system("adaptive").params == {"draft": "model", "draft_length": None, "lookup": True}
+    assert systems.parse_system("hybrid").params == systems.parse_system("adaptive").params  # its old name
+    assert systems.parse_system("model").params == {"draft": "model", "draft_length": None, "lookup": False}
     assert systems.parse_system("lookup").params["draft"] == "ngram"
     assert systems.parse_system("llama.cpp").params == {"binary": "llama-speculative-simple", "k": 8}
     assert systems.parse_system("llama.cpp-spec-k4").params == {"binary": "llama-speculative", "k": 4}
@@ -133,7 +135,8 @@ def test_system_names():
     assert [(s.params["k"], s.params.get("flash_attn")) for s in grid] == [
         (4, None), (4, "off"), (8, None), (8, "off"), (16, None), (16, "off")]
     off = systems.parse_system("adaptive-fa-on")
-    assert off.kind == systems.LOCALSPEC and off.params == {"draft": "model", "draft_length": None, "flash_attn": "on"}
+    assert off.kind == systems.LOCALSPEC and off.params == {"draft": "model", "draft_length": None, "lookup": True,
+                                                            "flash_attn": "on"}
     for bad in ("baseline-fa-off", "lcp-lookup-fa-off", "adaptive-fa-fast"):
         with pytest.raises(ValueError):
             systems.parse_system(bad)

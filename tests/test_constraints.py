@@ -113,6 +113,7 @@ FILTERED = SamplingParams(temperature=0.7, top_k=8, top_p=0.9)
 
 @pytest.mark.parametrize("kind, sampling", [("draft40", SamplingParams(temperature=1.0)), ("draft44", FILTERED),
                                             ("lookup", SamplingParams(temperature=1.0)),
+                                            ("hybrid", SamplingParams(temperature=1.0)),
                                             ("cross-tokenizer", SamplingParams(temperature=1.0))])
 def test_sampled_constrained_output_follows_the_constrained_oracle(kind, sampling, fixed_entropy):
     """The speculative sampler under the grammar (draft drafting under the mask, masked verification,

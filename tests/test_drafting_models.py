@@ -7,7 +7,7 @@ import pytest
 
 from localspec.compat import IncompatibleModels
 from localspec.engine import Engine
-from localspec.policy import AdaptiveLength
+from localspec.policy import AdaptiveLength, HybridLength
 from localspec.llama import LlamaContext, LlamaModel
 from localspec.proposers import CrossTokenizerProposer, DraftModelProposer, PromptLookupProposer
 from localspec.sampling import SamplingParams
@@ -32,16 +32,38 @@ def test_prompt_lookup_on_a_grounded_prompt(pair_paths):
     assert spec.text == base.text
 
 
+def test_the_default_drafts_from_the_text_and_from_the_model_and_keeps_the_oracles_text(pair_paths, monkeypatch):
+    """By default prompt lookup works beside the draft model: a notice to repeat is drafted from the
+    prompt, a haiku by the model; every emitted token is the oracle's argmax where it was verified."""
+    from test_engine import VerifyRecorder
+
+    with Engine(*pair_paths, n_ctx=1024, cost_cache=False) as engine:
+        rec = VerifyRecorder(engine, monkeypatch)
+        sources = set()
+        for messages in (grounded(), [{"role": "user", "content": "Write a haiku about the sea."}]):
+            rec.steps.clear()
+            r = engine.generate(messages, max_tokens=60)
+            sources |= {x.source for x in r.stats.records if x.drafted}
+            for argmax, out, n_accepted in rec.steps:
+                assert out.tolist() == argmax[:n_accepted + 1].tolist()
+            assert r.tokens == np.concatenate([out for _, out, _ in rec.steps])[:len(r.tokens)].tolist()
+        assert sources == {"lookup", "model"}
+        assert r.stats.accepted > 0
+
+
 def test_adaptive_is_the_default_and_learns_its_costs_from_the_steps_alone(pair_paths, tmp_path, monkeypatch):
     """A fresh engine times nothing on purpose: the oracle decodes the prompt once and then once per
     step; the first step drafts nothing (the first token as soon as the oracle alone gives it) and
-    the draft takes the oracle's cache of the prompt in the second. The fitted costs are kept for the next engine of
-    the same setting, and ignored by one whose setting differs."""
+    the draft takes the oracle's cache of the prompt in its first proposal. The default drafts
+    with the model and prompt lookup, each with its adaptive policy. The fitted costs are kept for
+    the next engine of the same setting, and ignored by one whose setting differs."""
     monkeypatch.setenv("LOCALSPEC_COST_CACHE", str(tmp_path))
     messages = [{"role": "user", "content": "Name three fruits."}]
     with Engine(*pair_paths, n_ctx=512, n_threads=2) as engine:
-        assert isinstance(engine.policy, AdaptiveLength)
-        assert not engine.policy.verify_cost.ready  # nothing measured yet, nothing timed at start-up
+        assert isinstance(engine.policy, HybridLength) and engine.proposer.describe() == "hybrid"
+        assert isinstance(engine.policy.model, AdaptiveLength) and isinstance(engine.policy.lookup, AdaptiveLength)
+        assert engine.policy.lookup.verify_cost is engine.policy.model.verify_cost  # one oracle
+        assert not engine.policy.model.verify_cost.ready  # nothing measured yet, nothing timed at start-up
         decodes = []
         original = engine.oracle.decode
         monkeypatch.setattr(engine.oracle, "decode", lambda tokens, **kw: decodes.append(len(tokens)) or
@@ -50,24 +72,31 @@ def test_adaptive_is_the_default_and_learns_its_costs_from_the_steps_alone(pair_
         s = r.stats
         assert len(decodes) == 1 + s.steps  # the prompt, then one verify pass per step
         assert s.records[0].drafted == 0 and s.records[0].k == 0
-        assert s.records[1].draft_evaluated <= 2  # the draft took the oracle's cache of the prompt in step two
+        first_model = next(x for x in s.records if x.source == "model")
+        assert first_model.draft_evaluated <= 2  # the draft took the oracle's cache of the prompt
         assert engine.draft_ctx.tokens[:s.prompt_tokens] == engine.oracle.tokens[:s.prompt_tokens]
         assert sum(x.drafted for x in s.records) == s.drafted and sum(x.accepted for x in s.records) == s.accepted
         assert sum(x.draft_time for x in s.records) == pytest.approx(s.draft_time)
         assert sum(x.verify_time for x in s.records) == pytest.approx(s.verify_time)
         assert [x.context for x in s.records] == sorted(x.context for x in s.records)
         assert s.records[0].context == s.prompt_tokens - 1
-        policy = engine.policy
+        policy = engine.policy.model
         assert policy.verify_cost.ready and policy.draft_cost.ready and policy.trials > 0
         learned = policy.verify_cost(9, 100), policy.draft_cost(4, 100), policy.acceptance
-    assert sorted(p.name.split("-")[0] for p in tmp_path.iterdir()) == ["acceptance", "draft", "verify"]
+    kinds = {p.name.split("-")[0] for p in tmp_path.iterdir()}
+    assert {"acceptance", "draft", "verify"} <= kinds <= {"acceptance", "draft", "verify", "lookup_acceptance"}
     with Engine(*pair_paths, n_ctx=512, n_threads=2) as again:
-        assert (again.policy.verify_cost(9, 100), again.policy.draft_cost(4, 100),
-                again.policy.acceptance) == pytest.approx(learned)
-        assert again.policy.fresh_trials == min(again.policy.trials, again.policy.min_trials)
+        model = again.policy.model
+        assert (model.verify_cost(9, 100), model.draft_cost(4, 100), model.acceptance) == pytest.approx(learned)
+        assert model.fresh_trials == min(model.trials, model.min_trials)
+    with Engine(*pair_paths, n_ctx=512, n_threads=2, lookup=False) as alone:  # the draft model alone: the same
+        assert isinstance(alone.policy, AdaptiveLength)
+        assert (alone.policy.verify_cost(9, 100), alone.policy.draft_cost(4, 100),
+                alone.policy.acceptance) == pytest.approx(learned)
     with Engine(*pair_paths, n_ctx=512, n_threads=1) as other:  # another thread count: other costs
-        assert not other.policy.verify_cost.ready and not other.policy.draft_cost.ready
-        assert other.policy.acceptance == pytest.approx(learned[2])  # acceptance does not depend on threads
+        model = other.policy.model
+        assert not model.verify_cost.ready and not model.draft_cost.ready
+        assert model.acceptance == pytest.approx(learned[2])  # acceptance does not depend on threads
 
 
 def test_a_draft_takes_the_oracles_cache_of_the_prompt_where_their_layouts_match(pair_paths):
@@ -113,7 +142,7 @@ def test_the_attention_kernel_reaches_both_contexts_and_the_stats(pair_paths):
 def test_a_draft_that_does_not_pay_costs_nothing(pair_paths):
     """When the measured costs say drafting cannot win, the draft model is not run at all: no
     prompt evaluation on it (TTFT is the oracle's alone) and no drafting, probes aside."""
-    with Engine(*pair_paths, n_ctx=512, cost_cache=False) as engine:
+    with Engine(*pair_paths, n_ctx=512, cost_cache=False, lookup=False) as engine:
         policy = AdaptiveLength(probe_every=10_000, min_trials=0)
         for n in (1, 2, 4, 8, 16):  # a draft token dearer than 20 oracle passes
             policy.verify_cost.observe(n, 20, 0.05 * n)
@@ -130,7 +159,7 @@ def test_a_draft_that_does_not_pay_costs_nothing(pair_paths):
 def test_a_request_without_drafting_leaves_the_draft_and_the_policy_alone(pair_paths):
     """speculative=False is the oracle alone on the same engine (the bench's paired baseline): the
     draft model evaluates nothing and the length policy learns nothing from it."""
-    with Engine(*pair_paths, n_ctx=512, cost_cache=False) as engine:
+    with Engine(*pair_paths, n_ctx=512, cost_cache=False, lookup=False) as engine:
         r = engine.generate([{"role": "user", "content": "Name three fruits."}], max_tokens=12, speculative=False)
         policy = engine.policy
         assert r.stats.drafted == 0 and r.stats.steps == len(r.tokens)
@@ -142,7 +171,7 @@ def test_after_a_pause_the_draft_keeps_the_start_it_holds_and_catches_up_on_rece
 
     from localspec.sampling import SamplingParams
 
-    with Engine(*pair_paths, n_ctx=512, draft_length=4) as engine:
+    with Engine(*pair_paths, n_ctx=512, draft_length=4, lookup=False) as engine:
         drafter, rng, greedy = engine.proposer, np.random.default_rng(0), SamplingParams()
         long = engine.oracle_model.tokenize(PASSAGE * 2, add_special=True, parse_special=False)
         drafter.ctx.sync(long[:10], n_logits=0)  # what an earlier request left in the draft's cache
@@ -180,7 +209,7 @@ def test_cross_tokenizer_draft_keeps_greedy_output_the_oracles(registry, pair_pa
     prompts = ["The capital of France is Paris. The capital of Germany is",
                "Once upon a time, there was a little girl who",
                "def fibonacci(n):\n"]
-    with Engine(gemma, pair_paths[1], n_ctx=1024, cross_tokenizer=True, draft_length=4) as cross:
+    with Engine(gemma, pair_paths[1], n_ctx=1024, cross_tokenizer=True, draft_length=4, lookup=False) as cross:
         assert isinstance(cross.proposer, CrossTokenizerProposer)
         steps = []
         original = cross._accept
@@ -253,7 +282,7 @@ def test_the_drafts_catch_up_on_the_prompt_is_after_the_first_token_and_counts_i
     not delay it): that time is in the step's record and the request's draft time, and, unlike the
     oracle's prompt evaluation, inside the generation speed (only speculation pays it). Here it
     evaluates the prompt itself (the oracle's cache is not offered)."""
-    with Engine(*pair_paths, n_ctx=512, draft_length=4, cost_cache=False) as engine:
+    with Engine(*pair_paths, n_ctx=512, draft_length=4, cost_cache=False, lookup=False) as engine:
         engine.proposer.cache_source = None
         r = engine.generate([{"role": "user", "content": "Name three fruits and say why you like them."}],
                             max_tokens=24)

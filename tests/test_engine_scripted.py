@@ -12,7 +12,7 @@ import pytest
 
 from localspec.engine import Engine, Request
 from localspec.policy import FixedLength
-from localspec.proposers import CrossTokenizerProposer, DraftModelProposer, PromptLookupProposer
+from localspec.proposers import CrossTokenizerProposer, DraftModelProposer, HybridProposer, PromptLookupProposer
 from localspec.sampling import SamplingParams, logits_to_probs
 from scripted import EOS, PAIR_PIECES, ScriptedContext, ScriptedModel, copying, hashed_logits, related_logits
 
@@ -217,6 +217,10 @@ def proposer_engine(kind: str) -> Engine:
         n_draft = int(kind.removeprefix("draft"))
         return draft_engine(n_draft, K, oracle_logits=logits,
                             draft_logits=related_logits(logits, ORACLE_VOCAB, 2, n_draft))
+    if kind == "hybrid":  # the draft model and prompt lookup, each step's source from a chooser
+        engine = draft_engine(40, K, oracle_logits=logits, draft_logits=related_logits(logits, ORACLE_VOCAB, 2, 40))
+        engine.proposer = HybridProposer(PromptLookupProposer(), engine.proposer, chooser=Alternating())
+        return engine
     oracle = ScriptedContext(oracle_model, logits)
     if kind == "lookup":
         return Engine.from_parts(oracle=oracle, proposer=PromptLookupProposer(), policy=FixedLength(K))
@@ -227,7 +231,25 @@ def proposer_engine(kind: str) -> Engine:
     return Engine.from_parts(oracle=oracle, proposer=proposer, policy=FixedLength(K), draft=draft)
 
 
-KINDS = ["draft40", "draft36", "draft44", "lookup", "cross-tokenizer"]
+class Alternating:
+    """A hybrid's chooser that takes the model every other step, even when the lookup found tokens
+    (so the lookup's tokens pushed onto a grammar's walk must come off again), and the lookup's
+    tokens otherwise, when it found some."""
+
+    idle = False
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.sources: list[str] = []
+
+    def choose(self, found: int, allowance: int) -> tuple[str, int]:
+        self.calls += 1
+        source, k = ("lookup", min(found, allowance)) if found and self.calls % 2 else ("model", allowance)
+        self.sources.append(source)
+        return source, k
+
+
+KINDS = ["draft40", "draft36", "draft44", "lookup", "cross-tokenizer", "hybrid"]
 
 
 T1 = SamplingParams(temperature=1.0)
@@ -262,6 +284,17 @@ def test_seeded_first_tokens_are_the_oracle_alones(kind):
         spec = [t for c in engine.stream_tokens(prompt, request) for t in c.tokens]
         assert spec == [t for c in alone.stream_tokens(prompt, request) for t in c.tokens]
     assert engine.generate(PROMPT, max_tokens=30, temperature=1.0, seed=1).stats.drafted > 0
+
+
+def test_a_hybrid_drafts_from_both_sources_as_its_chooser_says_and_keeps_the_oracles_text():
+    engine, alone = proposer_engine("hybrid"), proposer_engine("hybrid")
+    alone.policy = FixedLength(0)
+    r = engine.generate(PROMPT, max_tokens=30)
+    assert r.tokens == alone.generate(PROMPT, max_tokens=30).tokens
+    chosen = engine.proposer.chooser.sources
+    drafted = [x.source for x in r.stats.records if x.drafted]
+    assert {"lookup", "model"} <= set(drafted) and drafted == [c for c in chosen if c][:len(drafted)]
+    assert all(x.source == "" for x in r.stats.records if not x.drafted)
 
 
 def test_the_distribution_test_tells_the_draft_from_the_oracle():

@@ -3,7 +3,7 @@
 import pytest
 
 from localspec.outputs import StepRecord
-from localspec.policy import AdaptiveLength, FixedLength
+from localspec.policy import AdaptiveLength, FixedLength, HybridLength
 
 CONTEXT = 100
 
@@ -331,3 +331,70 @@ def test_a_draft_cost_learned_on_a_busy_machine_does_not_keep_the_policy_idle_fo
             p.update(step(k, k - (i % 3 == 0), (k + 1) * quiet, verify(k + 1), k=k))
     assert ks[0] > p.probe_length and all(k > 0 for k in ks)
     assert p.draft_cost(5, CONTEXT) == pytest.approx(5 * quiet, rel=0.1) and not p.idle
+
+
+# --- the hybrid's choice between prompt lookup and the draft model ---------------------------------
+
+
+def hybrid(verify, draft_cost, *, model_acceptance, lookup_acceptance):
+    model = primed(verify, draft_cost, prior_acceptance=model_acceptance)
+    lookup = AdaptiveLength(k_max=64, model_draft=False, prior_acceptance=lookup_acceptance, draft_cost_ratio=0.01)
+    policy = HybridLength(model, lookup)
+    lookup.fresh_trials = model.fresh_trials = model.min_trials  # judged already: no early probes
+    return policy
+
+
+def lookup_step(drafted, accepted, verify_time, context=CONTEXT):
+    return StepRecord(drafted, drafted, accepted, 0.0002, verify_time, context, draft_evaluated=0, source="lookup")
+
+
+def test_the_hybrid_drafts_from_the_lookup_when_it_promises_more_than_the_model_and_from_the_model_otherwise():
+    verify = lambda n: 0.020 + 0.002 * (n - 1)  # noqa: E731
+    p = hybrid(verify, 0.003, model_acceptance=0.8, lookup_acceptance=0.95)
+    assert p.lookup.verify_cost is p.model.verify_cost  # one oracle
+    allowance = p.draft_length(64, CONTEXT)
+    assert allowance == 64  # the proposer looks the text up within it
+    model_k = p.model.best_length(64, CONTEXT)
+    assert 0 < model_k <= 16
+    source, k = p.choose(found=20, allowance=allowance)
+    assert source == "lookup" and 1 <= k <= 20  # free tokens, right 95% of the time
+    assert p.choose(found=0, allowance=allowance) == ("model", model_k)  # nothing found: the model's length
+    p.draft_length(64, CONTEXT)
+    assert p.choose(found=20, allowance=6) [1] <= 6  # never past the allowance
+
+    poor = hybrid(verify, 0.003, model_acceptance=0.8, lookup_acceptance=0.2)  # matches that rarely hold
+    poor.draft_length(64, CONTEXT)
+    assert poor.choose(found=20, allowance=64) == ("model", poor.model.best_length(64, CONTEXT))
+
+
+def test_a_hybrid_step_teaches_the_policy_of_the_source_that_drafted_it():
+    verify = lambda n: 0.020 + 0.002 * (n - 1)  # noqa: E731
+    p = hybrid(verify, 0.003, model_acceptance=0.8, lookup_acceptance=0.8)
+    model_trials, lookup_acceptance = p.model.trials, p.lookup.acceptance
+    p.draft_length(64, CONTEXT)
+    p.update(lookup_step(10, 10, verify(11)))
+    assert p.lookup.acceptance > lookup_acceptance and p.model.trials == model_trials
+    assert p.lookup.first_acceptance[True] == 0.8 and p.lookup._aligned  # a fresh match, wholly accepted
+    model_acceptance = p.model.acceptance
+    p.update(step(4, 0, 0.04, verify(5)))  # the model's draft, rejected: the lookup's next match is fresh
+    assert p.model.acceptance < model_acceptance and not p.lookup._aligned
+    assert p.lookup.trials == 10
+    for _ in range(60):  # the lookup's guesses now fail from their first token: it is no longer chosen
+        p.update(lookup_step(8, 0, verify(9)))
+    p.draft_length(64, CONTEXT)
+    assert p.choose(found=30, allowance=64)[0] == "model"
+
+
+def test_the_hybrids_lookup_estimates_are_kept_beside_the_models():
+    verify = lambda n: 0.020 + 0.002 * (n - 1)  # noqa: E731
+    p = hybrid(verify, 0.003, model_acceptance=0.8, lookup_acceptance=0.8)
+    p.update(lookup_step(6, 2, verify(7)))
+    p.update(step(4, 4, 0.04, verify(5)))
+    state = p.cost_state()
+    assert set(state) == {"verify", "draft", "acceptance", "lookup_acceptance"}
+    again = HybridLength(AdaptiveLength(), AdaptiveLength(k_max=64, model_draft=False))
+    for kind, s in state.items():
+        again.load_cost_state(kind, s)
+    assert again.lookup.acceptance == pytest.approx(p.lookup.acceptance)
+    assert again.model.acceptance == pytest.approx(p.model.acceptance)
+    assert again.model.verify_cost(5, CONTEXT) == pytest.approx(p.model.verify_cost(5, CONTEXT))

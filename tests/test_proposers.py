@@ -72,6 +72,9 @@ class CountingModel:
     def start(self, *, catch_up):
         self.catch_up = catch_up
 
+    def resync(self):
+        self.resyncs = getattr(self, "resyncs", 0) + 1
+
 
 def test_hybrid_uses_lookup_when_it_matches_and_the_model_otherwise():
     model = CountingModel()

@@ -108,10 +108,16 @@ def cost_curve(points: Mapping[int | float, float]) -> Callable[[float], float]:
 
 def steps_of(records: Sequence[Sequence[float]]) -> list[StepRecord]:
     """The bench worker's compact records ([k, drafted, accepted, draft_time, verify_time, context,
-    draft_evaluated, draft_prompt_time]; reports written before the last field have 7) as the
-    engine's StepRecords."""
+    draft_evaluated, draft_prompt_time, source]; reports written before the last fields have 7 or
+    8: a drafted step's source was then its system's, a draft model or prompt lookup with no
+    evaluated token) as the engine's StepRecords."""
+    def source(r) -> str:
+        if len(r) > 8:
+            return str(r[8])
+        return "" if not int(r[1]) else ("model" if int(r[6]) else "lookup")
+
     return [StepRecord(int(r[0]), int(r[1]), int(r[2]), float(r[3]), float(r[4]), int(r[5]), int(r[6]),
-                       float(r[7]) if len(r) > 7 else 0.0)
+                       float(r[7]) if len(r) > 7 else 0.0, source(r))
             for r in records]
 
 

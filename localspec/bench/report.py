@@ -65,7 +65,7 @@ def _fits(report: dict) -> dict[str, tuple]:
 
 def _anchor_fit(system: dict, fits: dict[str, tuple]) -> tuple | None:
     """The cost model for an anchor run's ceiling: localspec's with the same K, else adaptive's."""
-    for name in (f"k{system.get('params', {}).get('k')}", "adaptive"):
+    for name in (f"k{system.get('params', {}).get('k')}", "model", "adaptive"):
         if name in fits and fits[name][1].ready:
             return fits[name]
     return next((f for n, f in fits.items() if n != "baseline" and f[1].ready), None)
@@ -272,9 +272,11 @@ def headline(report: dict) -> list[str]:
     if adaptive and adaptive["speedup"]:
         fixed = [r for n, r in rows.items() if re.fullmatch(r"k\d+", n) and r["speedup"]]
         best_k = max(fixed, key=lambda r: r["speedup"], default=None)
-        line = f"adaptive: {adaptive['speedup']:.2f}x the oracle alone"
-        if best_k:
-            line += f" (best fixed K: {best_k['system']} {best_k['speedup']:.2f}x)"
+        line = f"adaptive (the default): {adaptive['speedup']:.2f}x the oracle alone"
+        others = ([f"best fixed K: {best_k['system']} {best_k['speedup']:.2f}x"] if best_k else []) + \
+            [f"{n} {rows[n]['speedup']:.2f}x" for n in ("model", "lookup") if rows.get(n) and rows[n]["speedup"]]
+        if others:
+            line += f" ({'; '.join(others)})"
         if adaptive.get("one_shot_speedup"):
             line += f"; one-shot {adaptive['one_shot_speedup']:.2f}x"
         lines.append(line)

@@ -459,8 +459,8 @@ def one_shot_command(spec: SystemSpec, prompt: BenchPrompt, models: dict, thread
         cmd += ["--draft", "ngram"]
     else:
         cmd += ["--draft", models["draft"]] + (["--cross-tokenizer"] if models.get("cross_tokenizer") else [])
-        if params.get("lookup"):
-            cmd.append("--lookup")
+        if not params.get("lookup"):
+            cmd.append("--no-lookup")
     if params.get("draft") is not None and params.get("draft_length") is not None:
         cmd += ["--draft-length", str(params["draft_length"])]
     if params.get("flash_attn"):

@@ -1,11 +1,12 @@
 """The systems a bench run compares, by name.
 
     baseline        the oracle alone through localspec (Engine(oracle, None)): the reference
-    kN              localspec, draft model, fixed draft length N (k2, k4, k8, ...)
-    adaptive        localspec, draft model, cost-aware adaptive draft length (the engine's default)
+    kN              localspec, the draft model alone, fixed draft length N (k2, k4, k8, ...)
+    adaptive        localspec's default: the draft model and prompt lookup, each step's source and
+                    length chosen from measured costs and acceptance (`hybrid` is another name for it)
+    model           localspec, the draft model alone (--no-lookup), adaptive draft length
     lookup          localspec, prompt lookup (n-gram) drafting, no draft model (adaptive length)
     lookup-kN       localspec, prompt lookup, fixed draft length N
-    hybrid          localspec, prompt lookup first and the draft model when it finds nothing (adaptive)
     llama.cpp       llama.cpp's C++ llama-speculative-simple with the same models, K = 8 (the anchor)
     llama.cpp-kN    the same with K = N
     llama.cpp-spec  llama.cpp's C++ llama-speculative (K = 8; llama.cpp-spec-kN for another K)
@@ -30,7 +31,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-DEFAULT_SYSTEMS = ("baseline", "k4", "k8", "k16", "adaptive", "lookup", "llama.cpp-grid", "llama.cpp-ngram",
+DEFAULT_SYSTEMS = ("baseline", "k4", "k8", "k16", "adaptive", "model", "lookup", "llama.cpp-grid", "llama.cpp-ngram",
                    "llama.cpp-ngram-fa-off", "lcp-lookup")
 ANCHOR_K = 8
 ANCHOR_GRID = tuple(f"llama.cpp-k{k}{fa}" for k in (4, 8, 16) for fa in ("", "-fa-off"))
@@ -91,18 +92,20 @@ def _parse(n: str) -> SystemSpec:
         return SystemSpec(n, LOCALSPEC, "the oracle alone (localspec, no draft)", {"draft": None})
     if m := re.fullmatch(r"k(\d+)", n):
         k = _k(m, n)
-        return SystemSpec(n, LOCALSPEC, f"localspec, draft model, fixed K={k}", {"draft": "model", "draft_length": k})
-    if n == "adaptive":
-        return SystemSpec(n, LOCALSPEC, "localspec, draft model, adaptive K", {"draft": "model", "draft_length": None})
+        return SystemSpec(n, LOCALSPEC, f"localspec, draft model alone, fixed K={k}",
+                          {"draft": "model", "draft_length": k, "lookup": False})
+    if n in ("adaptive", "hybrid"):  # what a user gets by default
+        return SystemSpec(n, LOCALSPEC, "localspec's default: draft model and prompt lookup, adaptive K and source",
+                          {"draft": "model", "draft_length": None, "lookup": True})
+    if n == "model":
+        return SystemSpec(n, LOCALSPEC, "localspec, draft model alone (--no-lookup), adaptive K",
+                          {"draft": "model", "draft_length": None, "lookup": False})
     if n == "lookup":
         return SystemSpec(n, LOCALSPEC, "localspec, prompt lookup (no draft model), adaptive K",
                           {"draft": "ngram", "draft_length": None})
     if m := re.fullmatch(r"lookup-k(\d+)", n):
         k = _k(m, n)
         return SystemSpec(n, LOCALSPEC, f"localspec, prompt lookup, fixed K={k}", {"draft": "ngram", "draft_length": k})
-    if n == "hybrid":
-        return SystemSpec(n, LOCALSPEC, "localspec, prompt lookup then the draft model, adaptive K",
-                          {"draft": "model", "draft_length": None, "lookup": True})
     if m := re.fullmatch(r"llama\.cpp(-spec)?(?:-k(\d+))?", n):
         k = _k(m, n, 2) if m.group(2) else ANCHOR_K
         binary = "llama-speculative" if m.group(1) else "llama-speculative-simple"
@@ -116,7 +119,7 @@ def _parse(n: str) -> SystemSpec:
         k = _k(m, n) if m.group(1) else None
         desc = f"llama-cpp-python LlamaPromptLookupDecoding, num_pred_tokens={k if k else '2 (CPU) / 10 (GPU)'}"
         return SystemSpec(n, LLAMA_CPP_PYTHON, desc, {"num_pred_tokens": k, "max_ngram_size": 2})
-    raise ValueError(f"unknown system {n!r} (known: baseline, kN, adaptive, lookup, lookup-kN, hybrid, "
+    raise ValueError(f"unknown system {n!r} (known: baseline, kN, adaptive (hybrid), model, lookup, lookup-kN, "
                      f"llama.cpp, llama.cpp-kN, llama.cpp-spec[-kN], llama.cpp-ngram[-kN], lcp-lookup[-kN])")
 
 

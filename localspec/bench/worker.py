@@ -29,7 +29,7 @@ from collections import Counter
 from typing import Any
 
 RECORD_FIELDS = ("k", "drafted", "accepted", "draft_time", "verify_time", "context", "draft_evaluated",
-                 "draft_prompt_time")
+                 "draft_prompt_time", "source")
 
 
 def peak_rss_bytes() -> int:
@@ -52,8 +52,7 @@ class LocalspecRunner:
         else:
             draft_arg = models["draft"] if draft == "model" else "ngram"
             kwargs["draft_length"] = params.get("draft_length")
-            if params.get("lookup"):
-                kwargs["lookup"] = True
+            kwargs["lookup"] = bool(params.get("lookup"))
             if draft == "model" and models.get("cross_tokenizer"):
                 kwargs["cross_tokenizer"] = True
         if params.get("flash_attn"):
