@@ -450,7 +450,7 @@ def serve(ctx: click.Context, host: str, port: int, model_name: str | None, api_
 @click.option("--workload", default=None, help="Comma-separated workloads: chat,grounded,code,long (default: all) "
               "or paths to .jsonl files.")
 @click.option("--systems", default=None, help="Comma-separated systems (default: baseline,k4,k8,k16,adaptive,"
-              "lookup,llama.cpp-grid,llama.cpp-ngram,llama.cpp-ngram-fa-off,lcp-lookup; also kN, lookup-kN, hybrid, "
+              "model,lookup,llama.cpp-grid,llama.cpp-ngram,llama.cpp-ngram-fa-off,lcp-lookup; also kN, lookup-kN, hybrid, "
               "llama.cpp-kN, llama.cpp-spec, llama.cpp-ngram-kN, lcp-lookup-kN; any name but the baseline and lcp-lookup "
               "takes -fa-auto|-fa-on|-fa-off; llama.cpp-grid is llama.cpp-k4/k8/k16, each with -fa auto and off).")
 @click.option("--reps", type=click.IntRange(1), default=3, show_default=True, help="Interleaved repetitions.")

@@ -5,7 +5,8 @@
 #   scripts/regenerate_bench.sh                      # the default pair, every workload, 2 prompts each
 #   scripts/regenerate_bench.sh --pair qwen2.5-7b    # extra options go to `localspec bench`
 #
-# Every system runs in the same run: the oracle alone, localspec at fixed K 4/8/16, adaptive and prompt
+# Every system runs in the same run: the oracle alone, localspec at fixed K 4/8/16, adaptive (the default:
+# draft model and prompt lookup), the draft model alone (adaptive) and prompt
 # lookup, llama.cpp's own speculative decoding at K 4/8/16 with flash attention auto and off (the
 # report names its best), llama.cpp's and llama-cpp-python's prompt lookup; answers of up to 400
 # tokens; and a one-shot figure per system (a fresh `localspec generate` process per prompt).
@@ -25,7 +26,7 @@
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
-SYSTEMS=${SYSTEMS:-baseline,k4,k8,k16,adaptive,lookup,llama.cpp-grid,llama.cpp-ngram,llama.cpp-ngram-fa-off,lcp-lookup}
+SYSTEMS=${SYSTEMS:-baseline,k4,k8,k16,adaptive,model,lookup,llama.cpp-grid,llama.cpp-ngram,llama.cpp-ngram-fa-off,lcp-lookup}
 REPS=${REPS:-2}
 PROMPTS=${PROMPTS:-2}
 THREADS=${THREADS:-$(nproc 2>/dev/null || echo 4)}
