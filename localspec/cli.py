@@ -471,7 +471,8 @@ def serve(ctx: click.Context, host: str, port: int, model_name: str | None, api_
 @click.option("--paired", is_flag=True, help="Also run every prompt of each localspec drafting system with drafting "
               "off, in the same process, and report that ratio too (the fairest test of a few percent; twice the time).")
 @click.option("--one-shot", is_flag=True, help="Also time each localspec system as a fresh `localspec generate` "
-              "process per prompt (first repetition): start-up, model loading and prompt included, as a script sees it.")
+              "process per prompt (every repetition; the median is reported): start-up, model loading and prompt "
+              "included, as a script sees it.")
 @friendly_errors
 def bench(**kw) -> None:
     """Speed at unchanged output: the oracle alone, localspec's systems, the ceiling and llama.cpp's own

@@ -36,6 +36,8 @@ class Stats:
     steps: int = 0  # oracle verify passes
     drafted: int = 0  # draft tokens proposed
     accepted: int = 0  # draft tokens the oracle accepted
+    lookup_drafted: int = 0  # of the drafted tokens, those prompt lookup proposed (the rest: the draft model)
+    lookup_accepted: int = 0  # ... and of those, accepted
     prompt_time: float = 0.0  # the oracle evaluating the prompt (before the first token)
     draft_prompt_time: float = 0.0  # the draft evaluating it (in its first proposal, after the first token)
     draft_time: float = 0.0  # proposing, draft_prompt_time included
@@ -53,6 +55,9 @@ class Stats:
         self.steps += 1
         self.drafted += step.drafted
         self.accepted += step.accepted
+        if step.source == "lookup":
+            self.lookup_drafted += step.drafted
+            self.lookup_accepted += step.accepted
         self.draft_time += step.draft_time
         self.draft_prompt_time += step.draft_prompt_time
         self.verify_time += step.verify_time

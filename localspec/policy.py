@@ -1,4 +1,5 @@
-"""Draft-length policies: how many tokens to draft in the next step.
+"""Draft-length policies: how many tokens to draft in the next step (and, for a hybrid proposer,
+from which source: `HybridLength`, at the end).
 
 The engine asks `draft_length(limit, context)` before each step and reports the outcome with
 `update(step)` (the step's record: drafted, accepted, times, context length), so a policy can hide
@@ -468,6 +469,7 @@ class HybridLength:
         lookup.verify_cost = model.verify_cost  # one oracle: both learn its passes
         self._model_k = 0
         self.context = 0
+        self._asked = False  # draft_length ran for the step being proposed
 
     @property
     def idle(self) -> bool:
@@ -476,9 +478,16 @@ class HybridLength:
     def draft_length(self, limit: int, context: int = 0) -> int:
         self.context = context
         self._model_k = self.model.draft_length(limit, context) if limit > 0 else 0
+        self._asked = True
         return min(limit, max(self._model_k, self.lookup.k_max))
 
     def choose(self, found: int, allowance: int) -> tuple[str, int]:
+        """(source, length) for this step. A step this policy did not size (another policy runs the
+        request: `Engine.using_policy`) takes the plain rule: the lookup's tokens if it found some,
+        else the model's, up to the allowance."""
+        asked, self._asked = self._asked, False
+        if not asked:
+            return ("lookup", min(found, allowance)) if found > 0 else ("model", allowance)
         k_model = min(self._model_k, allowance)
         if found <= 0:
             return "model", k_model

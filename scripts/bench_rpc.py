@@ -127,7 +127,8 @@ def worker(args: argparse.Namespace) -> None:
     delays = [float(d) for d in args.delays.split(",")] if args.mode == "delayed" else [0.0]
     prompts = load_prompts(args.prompts)
     notes: list[str] = []
-    engine = Engine(oracle, draft, n_threads=args.threads, rpc=rpc, cost_cache=False, draft_length=4,
+    # the draft model alone (no prompt lookup beside it): what crosses the link is the question here
+    engine = Engine(oracle, draft, n_threads=args.threads, rpc=rpc, cost_cache=False, draft_length=4, lookup=False,
                     progress=notes.append)
     out = {"mode": args.mode, "placement": notes, "flash_attn": engine.oracle.flash_attn, "settings": []}
     try:

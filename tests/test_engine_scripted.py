@@ -295,6 +295,10 @@ def test_a_hybrid_drafts_from_both_sources_as_its_chooser_says_and_keeps_the_ora
     drafted = [x.source for x in r.stats.records if x.drafted]
     assert {"lookup", "model"} <= set(drafted) and drafted == [c for c in chosen if c][:len(drafted)]
     assert all(x.source == "" for x in r.stats.records if not x.drafted)
+    lookups = [x for x in r.stats.records if x.source == "lookup"]
+    assert r.stats.lookup_drafted == sum(x.drafted for x in lookups) > 0
+    assert r.stats.lookup_accepted == sum(x.accepted for x in lookups) <= r.stats.accepted
+    assert r.stats.to_dict()["lookup_drafted"] == r.stats.lookup_drafted
 
 
 def test_the_distribution_test_tells_the_draft_from_the_oracle():

@@ -358,9 +358,13 @@ def test_the_hybrid_drafts_from_the_lookup_when_it_promises_more_than_the_model_
     assert 0 < model_k <= 16
     source, k = p.choose(found=20, allowance=allowance)
     assert source == "lookup" and 1 <= k <= 20  # free tokens, right 95% of the time
+    p.draft_length(64, CONTEXT)
     assert p.choose(found=0, allowance=allowance) == ("model", model_k)  # nothing found: the model's length
     p.draft_length(64, CONTEXT)
-    assert p.choose(found=20, allowance=6) [1] <= 6  # never past the allowance
+    assert p.choose(found=20, allowance=6)[1] <= 6  # never past the allowance
+
+    assert p.choose(found=20, allowance=6) == ("lookup", 6)  # not sized by this policy (another one runs)
+    assert p.choose(found=0, allowance=6) == ("model", 6)
 
     poor = hybrid(verify, 0.003, model_acceptance=0.8, lookup_acceptance=0.2)  # matches that rarely hold
     poor.draft_length(64, CONTEXT)

@@ -18,8 +18,8 @@ Aggregates (one row per system and workload, plus an "all" row per system):
                           accepted tokens and context lengths) by the pass-cost model fitted to all of
                           its steps (see ceiling.py); for the C++ anchor, from its acceptance and the
                           costs fitted to localspec's run of the same K; efficiency = speedup / ceiling
-    one_shot_wall         with `--one-shot`: a fresh process's wall time per prompt (first repetition),
-                          summed over prompts; one_shot_speedup: the baseline's over it, geometric mean
+    one_shot_wall         with `--one-shot`: a fresh process's wall time per prompt (the median of the
+                          repetitions), summed over prompts; one_shot_speedup: the baseline's over it, geometric mean
     ttft                  time to first token (prompt evaluation included), median over runs
     latency_p50/p95       per-token latency: chunk inter-arrival time / tokens in the chunk
     peak_rss              per system (see the systems' peak_rss_scope)
@@ -134,8 +134,8 @@ def _row(system: dict, workload: str, runs: list[dict], base: dict[tuple[str, in
                                         lambda n: (one_token if round(n) <= 1 else verify)(max(1, round(n)), context))
     speedup = geomean(list(speedups.values())) if speedups else None
 
-    shots = {pid: firsts[0]["one_shot_wall"] for pid, rs in by_prompt.items()
-             if (firsts := [r for r in rs if r["rep"] == 0 and r.get("one_shot_wall")])}
+    shots = {pid: median(walls) for pid, rs in by_prompt.items()
+             if (walls := [r["one_shot_wall"] for r in rs if r.get("one_shot_wall")])}
     shot_ratios = [one_shot_base[pid] / t for pid, t in shots.items() if one_shot_base.get(pid)]
 
     latencies = [x for r in runs for x in (r.get("latencies") or [])]
@@ -188,7 +188,11 @@ def aggregate(report: dict) -> list[dict]:
             if workload == ALL:  # prompt ids are unique per workload only
                 rs = [dict(r, prompt_id=f"{r['workload']}/{r['prompt_id']}") for r in rs]
                 wbase = {(f"{w}/{pid}", rep): b for (w, pid, rep), b in base.items()}
-            shot_base = {pid: b["one_shot_wall"] for (pid, rep), b in wbase.items() if rep == 0 and b.get("one_shot_wall")}
+            walls = defaultdict(list)  # a fresh process's speed varies: the median of its repetitions
+            for (pid, rep), b in wbase.items():
+                if b.get("one_shot_wall"):
+                    walls[pid].append(b["one_shot_wall"])
+            shot_base = {pid: median(w) for pid, w in walls.items()}
             rows.append(_row(system, workload, rs, wbase, fits, shot_base))
     return rows
 
@@ -378,7 +382,8 @@ def results_document(report: dict, charts: dict[str, str] | None = None, command
         "noise).",
         *(["- **one-shot**: a fresh process per prompt, as a script runs it: `localspec generate ... --json` "
            "timed from process start to exit (imports, model loading, prompt and generation; model files "
-           "already cached, and the fitted costs an earlier process kept in the cache), first repetition. For "
+           "already cached, and the fitted costs an earlier process kept in the cache), the median of the "
+           "repetitions. For "
            "the C++ anchor, its own process's wall time. **one-shot speedup**: the baseline's (`localspec "
            "generate --no-draft`) over it, geometric mean over prompts."] if _has_one_shot(report) else []),
         "- **acceptance**: accepted / drafted tokens; **accepted/step**: accepted draft tokens per verify pass.",

@@ -11,7 +11,7 @@
   off, in its own process, right before or after (alternating) its own run: the paired speedup is the
   ratio of the two. It removes process-to-process speed differences (several percent on a shared VM)
   from the comparison, at the cost of running those prompts twice.
-- With `one_shot`, every localspec system also runs each prompt (in the first repetition) the way a
+- With `one_shot`, every localspec system also runs each prompt (in every repetition) the way a
   user's script does: a fresh `localspec generate --json` process, timed from its start to its exit
   (model files already in the cache; the costs a previous process kept are used, as a user's would
   be). The C++ anchor's figure is its own process's wall time, the same measure.
@@ -312,7 +312,7 @@ def run_bench(config: BenchConfig) -> dict:
                     try:
                         record, output = _run_one(spec, prompt, prep, rep, workers, anchor_bins, models, threads,
                                                   config.n_ctx, paired=config.paired, paired_first=(rep + i) % 2 == 0,
-                                                  one_shot=config.one_shot and rep == 0)
+                                                  one_shot=config.one_shot)
                     except Exception as e:
                         if spec.is_baseline:
                             raise BenchError(f"the baseline failed on {prompt.id}: {e}") from e
