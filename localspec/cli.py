@@ -97,7 +97,8 @@ def model_options(fn: Callable) -> Callable:
                      help="Draft model: a name or a GGUF path, or 'ngram' for prompt lookup (no model)."),
         click.option("--no-draft", is_flag=True, help="Run the oracle alone (the baseline)."),
         OPTIONS["draft_max"].click_option(
-            help="Most tokens drafted per step (default 16; 64 for --draft ngram, whose drafts are free)."),
+            help="Most tokens drafted per step (default 16 for a draft model; 64 for prompt lookup, whose "
+                 "drafts are free)."),
         click.option("--draft-length", type=click.IntRange(0, 64), default=None,
                      help="Draft exactly this many tokens per step (default: adaptive, from measured costs)."),
         click.option("--p-min", type=click.FloatRange(0, 1), default=None,
