@@ -258,8 +258,8 @@ class _Loader:
         draft = file_fingerprint(parts.draft.model.path) if parts.draft is not None else None
         kind = parts.proposer.describe() if parts.proposer is not None else "model"
         hybrid = kind == "hybrid"
-        if hybrid:  # its draft model costs and is judged as a plain one's; its lookup apart
-            kind = "model"
+        if hybrid:  # its draft model costs and is judged as it would be alone; its lookup apart
+            kind = parts.proposer.model.describe()
         return {
             "verify": {"model": oracle, "threads": self.n_threads, "gpu_layers": gpu_layers,
                        "n_ctx": parts.oracle.n_ctx, "flash_attn": parts.oracle.flash_attn, **machine,

@@ -236,6 +236,20 @@ def test_cross_tokenizer_draft_keeps_greedy_output_the_oracles(registry, pair_pa
     assert accepted > 0  # the re-tokenized drafts do get accepted
 
 
+def test_a_hybrids_draft_model_keeps_its_costs_under_its_own_kind(registry, pair_paths, tmp_path, monkeypatch):
+    """With prompt lookup beside it (the default), a draft model's learned costs and acceptance are
+    kept as they would be without it: a same-vocabulary draft's as a plain model's, one drafting
+    through text as a cross-tokenizer draft's (re-tokenizing costs time); the lookup's apart."""
+    monkeypatch.setenv("LOCALSPEC_COST_CACHE", str(tmp_path))
+    gemma = registry.resolve("gemma-3-270m-q4_k_m")
+    for oracle, kind in ((pair_paths[0], "model"), (gemma, "cross-tokenizer")):
+        with Engine(oracle, pair_paths[1], n_ctx=256, cross_tokenizer=True) as engine:
+            assert engine.proposer.describe() == "hybrid" and engine.proposer.model.describe() == kind
+            keys = engine.costs.keys
+            assert keys["draft"]["proposer"] == keys["acceptance"]["proposer"] == kind
+            assert keys["lookup_acceptance"]["proposer"] == "hybrid-lookup"
+
+
 def test_auto_follows_the_kernel_check_measured_here(pair_paths, tmp_path, monkeypatch):
     """`localspec check` records the faster attention kernel for this oracle, threads and machine;
     --flash-attn auto uses it from then on (and the rule, off on a CPU, without a record)."""
