@@ -64,9 +64,10 @@ def nan_after(logits, n: int):
 @pytest.mark.parametrize("options", [{}, {"temperature": 0.8}, {"temperature": 0.8, "seed": 1}],
                          ids=["greedy", "sampled", "seeded"])
 @pytest.mark.parametrize("where", ["oracle", "draft", "oracle alone"])
-def test_nan_logits_raise_in_every_mode(options, where):
+def test_nan_logits_raise_in_every_mode(options, where, fixed_entropy):
     """A NaN logit is a broken model, whatever the mode: greedy raises the sampled paths' error
-    instead of emitting the NaN's index (numpy's argmax returns it)."""
+    instead of emitting the NaN's index (numpy's argmax returns it). Unseeded sampling draws from a
+    fixed entropy: from OS entropy about one run in 80 ended (EOS) before the NaN's position."""
     _, logits = oracle_parts()
     if where == "draft":
         engine = draft_engine(draft_logits=nan_after(related_logits(logits, ORACLE_VOCAB, 2, ORACLE_VOCAB), 6))
