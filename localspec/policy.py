@@ -481,13 +481,12 @@ class HybridLength:
         self._asked = True
         return min(limit, max(self._model_k, self.lookup.k_max))
 
-    def choose(self, found: int, allowance: int) -> tuple[str, int]:
-        """(source, length) for this step. A step this policy did not size (another policy runs the
-        request: `Engine.using_policy`) takes the plain rule: the lookup's tokens if it found some,
-        else the model's, up to the allowance."""
+    def choose(self, found: int, allowance: int) -> tuple[str, int] | None:
+        """(source, length) for this step; None for a step this policy did not size (another policy
+        runs the request: `Engine.using_policy`): the proposer's plain rule applies."""
         asked, self._asked = self._asked, False
         if not asked:
-            return ("lookup", min(found, allowance)) if found > 0 else ("model", allowance)
+            return None
         k_model = min(self._model_k, allowance)
         if found <= 0:
             return "model", k_model

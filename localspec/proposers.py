@@ -300,9 +300,10 @@ class _Wrapper:
 
 
 class SourceChooser(Protocol):
-    def choose(self, found: int, allowance: int) -> tuple[str, int]:
+    def choose(self, found: int, allowance: int) -> tuple[str, int] | None:
         """("lookup" | "model", draft length) for a step whose lookup found `found` tokens, within
-        the `allowance` the length policy gave (see `policy.HybridLength`)."""
+        the `allowance` the length policy gave (see `policy.HybridLength`); None: it did not size
+        this step (another policy runs the request), the proposer's plain rule applies."""
 
     @property
     def idle(self) -> bool:
@@ -312,8 +313,8 @@ class SourceChooser(Protocol):
 class HybridProposer(_Wrapper):
     """Prompt lookup (free) and a draft model. Each step the lookup looks for the text's latest
     n-gram match first; `chooser` (the adaptive policy's `HybridLength`) then says which source
-    drafts and how much, from what each has been worth. Without one (a fixed length): the lookup's
-    tokens when it found some, the draft model's otherwise.
+    drafts and how much, from what each has been worth. Without one, or for a step it did not size
+    (a fixed length): the lookup's tokens when it found some, the draft model's otherwise.
 
     After a stretch of lookup drafts the draft model has not seen the tokens they added: when it
     drafts again it catches up on all of them (a copy of the oracle's cache where it can), not on
@@ -328,10 +329,8 @@ class HybridProposer(_Wrapper):
     def propose(self, history: Sequence[int], max_len: int, sampling: SamplingParams,
                 rng: np.random.Generator, constraint=None) -> Draft:
         found = self.lookup.propose(history, max_len, sampling, rng, constraint)  # pushed onto the walk
-        if self.chooser is not None:
-            source, k = self.chooser.choose(len(found), max_len)
-        else:
-            source, k = ("lookup", len(found)) if len(found) else ("model", max_len)
+        choice = self.chooser.choose(len(found), max_len) if self.chooser is not None else None
+        source, k = choice or (("lookup", len(found)) if len(found) else ("model", max_len))
         if constraint is not None:
             constraint.pop(len(found) - (k if source == "lookup" else 0))
         if source == "lookup":

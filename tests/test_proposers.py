@@ -88,6 +88,19 @@ def test_hybrid_uses_lookup_when_it_matches_and_the_model_otherwise():
     assert model.calls == 2 and model.resyncs == 1
 
 
+def test_a_hybrid_whose_chooser_did_not_size_the_step_takes_the_plain_rule():
+    """Another policy runs the request (`Engine.using_policy`): the adaptive chooser was not asked
+    for this step's length, so lookup's tokens when it found some, the model's otherwise."""
+    from localspec.policy import AdaptiveLength, HybridLength
+
+    model = CountingModel()
+    chooser = HybridLength(AdaptiveLength(), AdaptiveLength(k_max=64, model_draft=False))
+    hybrid = HybridProposer(PromptLookupProposer(), model, chooser=chooser)
+    rng = np.random.default_rng(0)
+    assert hybrid.propose([1, 2, 3, 1, 2], 2, GREEDY, rng).tokens.tolist() == [3, 1] and model.calls == 0
+    assert hybrid.propose([1, 2, 3, 4], 2, GREEDY, rng).tokens.tolist() == [99, 99] and model.calls == 1
+
+
 def test_empty_draft_constant():
     assert len(EMPTY_DRAFT) == 0 and EMPTY_DRAFT.probs is None
 
