@@ -187,7 +187,7 @@ class _Loader:
         parts = Parts(oracle=oracle_ctx, cost_store=self.cost_store, closers=self.closers, n_threads=self.n_threads,
                       gpu_layers=gpu_layers, rpc=self.rpc, draft_rpc=self.draft_rpc)
         if draft == NGRAM:
-            parts.proposer = PromptLookupProposer()
+            parts.proposer = PromptLookupProposer(is_end=parts.oracle.model.is_eog)
         elif loading is not None:
             parts.draft = loading.result()
             parts.proposer = self._draft_model_proposer(oracle_ctx, parts.draft, p_min=p_min,
@@ -195,7 +195,7 @@ class _Loader:
                                                         local_cpu=not (self.rpc or self.draft_rpc
                                                                        or on_local_gpu(draft_gpu_layers)))
             if lookup:
-                parts.proposer = HybridProposer(PromptLookupProposer(), parts.proposer)
+                parts.proposer = HybridProposer(PromptLookupProposer(is_end=parts.oracle.model.is_eog), parts.proposer)
         return parts
 
     def _load_draft(self, path, *, gpu_layers: int, flash_attn: str, n_ctx: int, n_batch: int) -> LlamaContext:

@@ -51,6 +51,14 @@ def test_min_ngram_refuses_short_matches():
     assert lookup(history, 2, min_ngram=1) == [8, 3]
 
 
+def test_a_copy_stops_at_the_end_of_generation_token():
+    # a chat prompt: the copied text, its turn's end (0), the next turn's header (7, 8); the answer copies
+    history = [3, 4, 5, 6, 0, 7, 8, 3, 4]
+    assert lookup(history, 8, is_end=lambda t: t == 0) == [5, 6, 0]  # nothing after the end can be emitted
+    assert lookup(history, 8) == [5, 6, 0, 7, 8, 3, 4]
+    assert lookup(history, 2, is_end=lambda t: t == 0) == [5, 6]
+
+
 def test_lookup_drafts_are_point_masses():
     d = PromptLookupProposer().propose([1, 2, 3, 1, 2], 4, GREEDY, np.random.default_rng(0))
     assert d.tokens.tolist() == [3, 1, 2] and d.probs is None and d.tokens.dtype == np.int32
