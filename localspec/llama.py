@@ -24,7 +24,7 @@ import numpy as np
 
 import llama_cpp
 
-from .models.gguf import GGUF_MAGIC, gguf_header_problem
+from .models.gguf import GGUF_MAGIC, GgufHeader, read_gguf_header
 
 log = logging.getLogger("localspec.llama")
 
@@ -106,7 +106,7 @@ def captured_log(level: int = logging.DEBUG) -> Iterator[list[str]]:
         state.capture = outer
 
 
-def check_gguf(path: Path) -> None:
+def check_gguf(path: Path) -> GgufHeader:
     """Fail early and clearly on what llama.cpp would reject with a vague message (or worse)."""
     if not path.exists():
         raise ModelLoadError(f"model file not found: {path}")
@@ -116,9 +116,10 @@ def check_gguf(path: Path) -> None:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise ModelLoadError(f"not a GGUF file (bad magic {magic!r}): {path}")
-    problem = gguf_header_problem(path)
-    if problem:
-        raise ModelLoadError(f"corrupt or truncated GGUF file ({problem}): {path}")
+    header = read_gguf_header(path)
+    if header.problem:
+        raise ModelLoadError(f"corrupt or truncated GGUF file ({header.problem}): {path}")
+    return header
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,7 +158,7 @@ class LlamaModel(_Owner):
         `tensor_split`: each device's share of them (None: by free memory)."""
         _ensure_backend()
         self.path = Path(path)
-        check_gguf(self.path)
+        self.vocab_digest: bytes | None = check_gguf(self.path).vocab_digest
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers if n_gpu_layers >= 0 else 0x7FFFFFFF  # -1: offload all
         params.use_mmap = use_mmap

@@ -58,6 +58,7 @@ class ScriptedModel:
         self.name = name
         self.n_vocab = len(self.pieces)
         self.bos, self.eos = BOS, EOS
+        self.vocab_digest = None  # unknown: a compatibility check compares token by token
         self._longest = max(len(p) for p in self.pieces)
         self._ids = {p: i for i, p in enumerate(self.pieces) if i not in (BOS, EOS)}
         self._specials = {BOS_TEXT: BOS, EOS_TEXT: EOS}

@@ -15,8 +15,11 @@ class FakeVocab:
     add_bos: bool = False
     add_eos: bool = False
     overrides: dict = field(default_factory=dict)
+    vocab_digest: bytes | None = None
+    asked: int = 0
 
     def token_text(self, token: int) -> bytes:
+        self.asked += 1
         return self.overrides.get(token, f"t{token}".encode())
 
 
@@ -63,3 +66,20 @@ def test_smollm2_and_gemma_are_incompatible(registry, pair_paths):
         # and the pair that should work does
         with LlamaModel(pair_paths[0]) as oracle:
             check_compatible(oracle, smol)
+
+
+def test_equal_vocabulary_digests_skip_the_token_by_token_comparison():
+    oracle, draft = FakeVocab(vocab_digest=b"same"), FakeVocab(vocab_digest=b"same")
+    assert first_difference(oracle, draft) is None
+    assert oracle.asked == draft.asked == 0
+
+
+def test_different_or_unknown_digests_compare_token_by_token():
+    assert first_difference(FakeVocab(vocab_digest=b"a"), FakeVocab(vocab_digest=b"b", overrides={42: b"x"})) \
+        == "token 42 differs: oracle b't42', draft b'x'"
+    assert first_difference(FakeVocab(vocab_digest=b"a"), FakeVocab(vocab_digest=b"b")) is None  # e.g. ids < 5
+    oracle, draft = FakeVocab(), FakeVocab()  # digests unknown
+    assert first_difference(oracle, draft) is None and oracle.asked == 295
+    # the scalar rules come first, whatever the digests say
+    assert first_difference(FakeVocab(vocab_digest=b"s"), FakeVocab(vocab_digest=b"s", eos=7)) \
+        == "eos differs: oracle 2, draft 7"

@@ -199,6 +199,19 @@ def test_after_a_pause_the_draft_keeps_the_start_it_holds_and_catches_up_on_rece
         assert drafter.tokens_evaluated - before == draft.evaluated >= len(long) - 1
 
 
+def test_vocabulary_digests_agree_with_the_token_by_token_check(registry, pair_paths):
+    """The header's vocabulary digest stands in for llama.cpp's token-by-token comparison: equal for
+    the SmolLM2 files (which that comparison passes), different from Gemma's (which it fails)."""
+    from localspec.compat import first_difference
+
+    with LlamaModel(pair_paths[0]) as oracle, LlamaModel(pair_paths[1]) as draft, \
+            LlamaModel(registry.resolve("gemma-3-270m-q4_k_m")) as gemma:
+        assert oracle.vocab_digest is not None and oracle.vocab_digest == draft.vocab_digest != gemma.vocab_digest
+        draft.vocab_digest = None  # unknown: compared token by token
+        assert first_difference(oracle, draft) is None
+        assert first_difference(oracle, gemma) is not None
+
+
 def test_incompatible_pair_refused_without_cross_tokenizer(registry, pair_paths):
     with pytest.raises(IncompatibleModels, match="cannot draft for oracle"):
         Engine(registry.resolve("gemma-3-270m-q4_k_m"), pair_paths[1], n_ctx=512)

@@ -787,14 +787,15 @@ def test_hf_model_through_the_registry(hf, cache):
 # ----------------------------------------------------------------------------- the GGUF header check
 
 
-def gguf_bytes(*, version: int = 3, n_elements: int = 8, data: bool = True, kv_type: int = 8) -> bytes:
+def gguf_bytes(*, version: int = 3, n_elements: int = 8, data: bool = True, kv_type: int = 8,
+               tokens: tuple[str, ...] = ("a", "bc", "def"), name: str = "tiny") -> bytes:
     """A small GGUF: an alignment, a string array (a vocabulary), a name, and one F32 tensor."""
     def s(text: str) -> bytes:
         return struct.pack("<Q", len(text)) + text.encode()
 
     kvs = (s("general.alignment") + struct.pack("<II", 4, 64)
-           + s("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, 3) + s("a") + s("bc") + s("def")
-           + s("general.name") + struct.pack("<I", kv_type) + s("tiny"))
+           + s("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, len(tokens)) + b"".join(map(s, tokens))
+           + s("general.name") + struct.pack("<I", kv_type) + s(name))
     tensors = s("w") + struct.pack("<IQIQ", 1, n_elements, 0, 0)
     head = b"GGUF" + struct.pack("<IQQ", version, 1, 3) + kvs + tensors
     head += b"\0" * (-len(head) % 64)
@@ -818,6 +819,20 @@ def test_gguf_header_problem(tmp_path, blob, problem):
     path.write_bytes(blob)
     found = gguf_header_problem(path)
     assert found == problem if problem is None else found.startswith(problem), found
+
+
+def test_the_header_walk_digests_the_vocabulary(tmp_path):
+    from localspec.models.gguf import read_gguf_header
+
+    def digest(**kw):
+        path = tmp_path / "m.gguf"
+        path.write_bytes(gguf_bytes(**kw))
+        return read_gguf_header(path).vocab_digest
+
+    assert digest() is not None
+    assert digest(name="another model") == digest()  # only the vocabulary counts
+    assert digest(tokens=("a", "bc", "dEf")) != digest()
+    assert digest(tokens=("a", "bc", "def", "g")) != digest()
 
 
 # ----------------------------------------------------------------------------- real models
