@@ -116,6 +116,23 @@ def test_cli_generate_json_on_the_default_pair():
     assert fixed["stats"]["acceptance_rate"] > 0.8
 
 
+def test_cli_generate_fits_its_context_to_the_prompt_and_answer():
+    """Without --ctx a one-prompt `generate` sizes its context from the prompt's bytes and
+    --max-tokens: never so small that the answer is cut short. A prompt of single-digit tokens
+    (about a token per two bytes) and ~1200 bytes, in a context of 1536 (not the default 4096)."""
+    import json
+    import subprocess
+
+    prompt = "Add these up: " + " ".join(str(i % 10) for i in range(600))
+    out = subprocess.run(["localspec", "--debug", "generate", prompt, "--json", "--max-tokens", "24", "--threads", "2"],
+                         capture_output=True, text=True, timeout=300, check=True)
+    result = json.loads(out.stdout)
+    assert result["stats"]["prompt_tokens"] > 600
+    assert result["finish_reason"] == "length" and result["stats"]["completion_tokens"] == 24
+    made = {int(line.rsplit("=", 1)[1]) for line in out.stderr.splitlines() if "llama_context: n_ctx  " in line}
+    assert made == {1536}  # llama.cpp's own report of the contexts it made (oracle and draft)
+
+
 def test_seeded_sampling_is_reproducible(engine):
     opts = dict(max_tokens=32, temperature=0.9, top_p=0.95, top_k=40, min_p=0.02)
     a = engine.generate(chat(PROMPTS[2]), seed=1234, **opts)

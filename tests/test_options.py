@@ -115,6 +115,15 @@ def test_help_text_reaches_the_command_line():
     assert "--json-schema" in out and "--max-tokens INTEGER RANGE" in out and "[default: 256; x>=1]" in out
 
 
+def test_a_one_prompt_generate_gets_a_context_its_size():
+    from localspec.cli import CTX_STEP, DEFAULT_CTX, TEMPLATE_ALLOWANCE, fitted_context
+
+    assert fitted_context(["hi", ""], 256) == 768  # 2 + 256 + 256 bytes' worth, rounded up to 256
+    n = fitted_context(["\u00e9" * 100, "be brief"], 10)  # 200 + 8 bytes: a token per byte at most
+    assert n >= 208 + TEMPLATE_ALLOWANCE + 10 and n % CTX_STEP == 0 and n - CTX_STEP < 208 + TEMPLATE_ALLOWANCE + 10
+    assert fitted_context(["x" * 10_000, ""], 256) == DEFAULT_CTX  # never more than the default
+
+
 # ---------------------------------------------------------------- one value, every interface
 
 # (option, a value its rule rejects, the CLI flag, the batch field, the server's field path or None)

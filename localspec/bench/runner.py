@@ -440,8 +440,12 @@ def one_shot_command(spec: SystemSpec, prompt: BenchPrompt, models: dict, thread
     """`localspec generate ... --json` for this system and prompt, as a user would type it; None for a
     prompt that one command line cannot express (chat messages other than an optional system message
     and one user message)."""
+    from ..cli import DEFAULT_CTX
+
     cmd = [sys.executable, "-m", "localspec.cli", "generate", "--json", "--max-tokens", str(prompt.max_tokens),
-           "--oracle", models["oracle"], "--threads", str(threads), "--ctx", str(n_ctx)]
+           "--oracle", models["oracle"], "--threads", str(threads)]
+    if n_ctx != DEFAULT_CTX:  # else the context `generate` sizes for the prompt, as a user gets it
+        cmd += ["--ctx", str(n_ctx)]
     if prompt.messages is not None:
         roles = [m["role"] for m in prompt.messages]
         if roles not in (["user"], ["system", "user"]):
