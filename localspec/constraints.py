@@ -25,12 +25,15 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-import llguidance
-from llguidance import LLMatcher, LLTokenizer
+if TYPE_CHECKING:
+    from llguidance import LLTokenizer
+
+# llguidance is imported where it is used, not here: the engine imports this module, and a
+# request without a schema or grammar (most of them) should not pay ~30 ms of every process's start
 
 # JSON is generated in one canonical layout: `{"a": 1, "b": [2, 3]}`. Without flexible whitespace a
 # small model cannot fill the output with newlines until max_tokens, and more of the text is forced
@@ -64,6 +67,8 @@ class Constraint:
             schema = {} if schema else {"not": {}}
         if not isinstance(schema, dict):
             raise ConstraintError(f"a JSON schema must be a JSON object, got {type(schema).__name__}")
+        from llguidance import LLMatcher
+
         try:
             grammar = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         except (ValueError, TypeError) as e:
@@ -85,8 +90,10 @@ class Constraint:
             raise ConstraintError(f"unknown grammar syntax {syntax!r} (expected one of {', '.join(GRAMMAR_SYNTAXES)})")
         if syntax == "auto":
             syntax = "gbnf" if "::=" in text else "lark"
+        import llguidance
+
         if syntax == "regex":
-            return cls._checked(LLMatcher.grammar_from_regex(text), "regex", "invalid regular expression")
+            return cls._checked(llguidance.LLMatcher.grammar_from_regex(text), "regex", "invalid regular expression")
         try:
             grammar = llguidance.grammar_from(syntax, text)
         except ValueError as e:
@@ -95,6 +102,8 @@ class Constraint:
 
     @classmethod
     def _checked(cls, grammar: str, kind: str, what: str) -> "Constraint":
+        from llguidance import LLMatcher
+
         error = LLMatcher.validate_grammar(grammar)
         if error:
             raise ConstraintError(f"{what}: {error.strip()}")
@@ -118,6 +127,8 @@ def tokenizer_for(model) -> LLTokenizer:
 
 
 def _build_tokenizer(model) -> LLTokenizer:
+    import llguidance
+
     eog = [t for t in range(model.n_vocab) if model.is_eog(t)] or [model.eos]
     vocab = getattr(model, "_vocab", None)
     if vocab is not None:  # a llama.cpp model: llguidance tokenizes through llama.cpp itself
@@ -137,7 +148,7 @@ def _build_tokenizer(model) -> LLTokenizer:
                 text = text.decode("utf-8", errors="replace")
             return model.tokenize(text, add_special=False, parse_special=False)
 
-    return LLTokenizer(llguidance.TokenizerWrapper(_Vocabulary()), n_vocab=model.n_vocab, eos_token=eog)
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocabulary()), n_vocab=model.n_vocab, eos_token=eog)
 
 
 def _llama_tokenizer(model, vocab, eog: list[int]) -> LLTokenizer:
@@ -147,6 +158,7 @@ def _llama_tokenizer(model, vocab, eog: list[int]) -> LLTokenizer:
     import ctypes
 
     import llama_cpp
+    from llguidance import LLTokenizer
 
     tokens = []
     for t in range(model.n_vocab):
@@ -174,6 +186,8 @@ class ConstraintWalk:
     def __init__(self, tokenizer: LLTokenizer, constraint: Constraint, n_vocab: int) -> None:
         self.constraint = constraint
         self.n_vocab = n_vocab
+        from llguidance import LLMatcher
+
         self._matcher = LLMatcher(tokenizer, constraint.grammar, log_level=0)
         if self._matcher.is_error():
             raise ConstraintError(f"cannot compile the {constraint.kind.replace('_', ' ')}: "
