@@ -47,14 +47,18 @@ class Parts:
     draft_rpc: tuple[str, ...] = ()
 
 
-def default_policy(proposer: Proposer | None, draft_max: int = DEFAULT_DRAFT_MAX) -> LengthPolicy:
+def default_policy(proposer: Proposer | None, draft_max: int = DEFAULT_DRAFT_MAX, *,
+                   lookup_max: int = LOOKUP_DRAFT_MAX, model_draft: bool = True,
+                   cost_ratio: float = 0.5) -> LengthPolicy:
     """None drafted without a proposer, else the cost-aware adaptive length (up to `draft_max`; a
-    hybrid proposer's lookup up to LOOKUP_DRAFT_MAX)."""
+    hybrid proposer's lookup up to `lookup_max`). `model_draft` / `cost_ratio`: see AdaptiveLength
+    (whether proposing runs a draft model; its first guess at a draft token's cost)."""
     if proposer is None:
         return FixedLength(0)
+    policy = AdaptiveLength(k_max=draft_max, model_draft=model_draft, draft_cost_ratio=cost_ratio)
     if isinstance(proposer, HybridProposer):
-        return hybrid_policy(proposer, AdaptiveLength(k_max=draft_max))
-    return AdaptiveLength(k_max=draft_max)
+        return hybrid_policy(proposer, policy, lookup_max=lookup_max)
+    return policy
 
 
 def hybrid_policy(proposer: HybridProposer, model: AdaptiveLength, *, lookup_max: int = LOOKUP_DRAFT_MAX) -> HybridLength:
@@ -123,16 +127,13 @@ def build(oracle: str | os.PathLike, draft: str | os.PathLike | None = None, *,
     if draft_max is None:
         draft_max = LOOKUP_DRAFT_MAX if draft == NGRAM else DEFAULT_DRAFT_MAX
     if policy is None:
-        if parts.proposer is None:
-            policy = FixedLength(0)
-        elif draft_length is not None:
+        if parts.proposer is not None and draft_length is not None:
             policy = FixedLength(min(draft_length, draft_max))
         else:
-            policy = AdaptiveLength(k_max=draft_max, model_draft=parts.draft is not None,
-                                    draft_cost_ratio=draft_cost_ratio(parts.oracle.model,
-                                                                      parts.draft.model if parts.draft else None))
-            if isinstance(parts.proposer, HybridProposer):
-                policy = hybrid_policy(parts.proposer, policy, lookup_max=lookup_max)
+            policy = default_policy(parts.proposer, draft_max, lookup_max=lookup_max,
+                                    model_draft=parts.draft is not None,
+                                    cost_ratio=draft_cost_ratio(parts.oracle.model,
+                                                                parts.draft.model if parts.draft else None))
     parts.policy = policy
     if loader.cost_store is not None and policy.learns:
         parts.costs = CostBook(loader.cost_store, loader.cost_identities(parts, gpu_layers=gpu_layers,
