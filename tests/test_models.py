@@ -813,11 +813,11 @@ def gguf_bytes(*, version: int = 3, n_elements: int = 8, data: bool = True, kv_t
     (gguf_bytes()[:16] + struct.pack("<Q", 1 << 40) + gguf_bytes()[24:], "implausible counts"),
 ])
 def test_gguf_header_problem(tmp_path, blob, problem):
-    from localspec.models.gguf import gguf_header_problem
+    from localspec.models.gguf import read_gguf_header
 
     path = tmp_path / "m.gguf"
     path.write_bytes(blob)
-    found = gguf_header_problem(path)
+    found = read_gguf_header(path).problem
     assert found == problem if problem is None else found.startswith(problem), found
 
 

@@ -34,11 +34,6 @@ class GgufHeader:
     vocab_digest: bytes | None = None
 
 
-def gguf_header_problem(path: Path) -> str | None:
-    """What is wrong with the GGUF header at `path`; None when it is sound (see read_gguf_header)."""
-    return read_gguf_header(path).problem
-
-
 def read_gguf_header(path: Path) -> GgufHeader:
     """Walk the GGUF header (version, key-value pairs, tensor infos) and check that every tensor's
     data lies inside the file: llama.cpp's own checks are not all there in every version, and its
