@@ -63,6 +63,16 @@ def _fits(report: dict) -> dict[str, tuple]:
     return fits
 
 
+def one_shot_walls(runs) -> dict[str, float]:
+    """Per prompt id, the median one-shot wall time over its runs' repetitions (a fresh process's
+    speed varies), from (prompt id, run) pairs; prompts without one are left out."""
+    walls: dict[str, list[float]] = defaultdict(list)
+    for pid, r in runs:
+        if r.get("one_shot_wall"):
+            walls[pid].append(r["one_shot_wall"])
+    return {pid: median(w) for pid, w in walls.items()}
+
+
 def _anchor_fit(system: dict, fits: dict[str, tuple]) -> tuple | None:
     """The cost model for an anchor run's ceiling: localspec's with the same K, else adaptive's."""
     for name in (f"k{system.get('params', {}).get('k')}", "model", "adaptive"):
@@ -134,8 +144,7 @@ def _row(system: dict, workload: str, runs: list[dict], base: dict[tuple[str, in
                                         lambda n: (one_token if round(n) <= 1 else verify)(max(1, round(n)), context))
     speedup = geomean(list(speedups.values())) if speedups else None
 
-    shots = {pid: median(walls) for pid, rs in by_prompt.items()
-             if (walls := [r["one_shot_wall"] for r in rs if r.get("one_shot_wall")])}
+    shots = one_shot_walls((pid, r) for pid, rs in by_prompt.items() for r in rs)
     shot_ratios = [one_shot_base[pid] / t for pid, t in shots.items() if one_shot_base.get(pid)]
 
     latencies = [x for r in runs for x in (r.get("latencies") or [])]
@@ -188,11 +197,7 @@ def aggregate(report: dict) -> list[dict]:
             if workload == ALL:  # prompt ids are unique per workload only
                 rs = [dict(r, prompt_id=f"{r['workload']}/{r['prompt_id']}") for r in rs]
                 wbase = {(f"{w}/{pid}", rep): b for (w, pid, rep), b in base.items()}
-            walls = defaultdict(list)  # a fresh process's speed varies: the median of its repetitions
-            for (pid, rep), b in wbase.items():
-                if b.get("one_shot_wall"):
-                    walls[pid].append(b["one_shot_wall"])
-            shot_base = {pid: median(w) for pid, w in walls.items()}
+            shot_base = one_shot_walls((pid, b) for (pid, _), b in wbase.items())
             rows.append(_row(system, workload, rs, wbase, fits, shot_base))
     return rows
 
