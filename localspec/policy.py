@@ -302,13 +302,16 @@ class AdaptiveLength:
             self._retry_wanted = False
             self._begin_retry()  # judge min_trials draft tokens afresh, on the whole text
             self._catch_up = True
-        if self._idle % self.recheck_every and self.fresh_trials >= self.min_trials:
+        resting = self._idle % self.recheck_every and self.fresh_trials >= self.min_trials
+        if resting:
             k = 0  # idle: only the oracle's cost moved since the last judgement (~0.1 ms saved per step)
         else:  # a re-try drafts at the length the prior guess of the draft's cost would choose, so
             # what it measures is the cost of the drafts the policy would go on with
             k = self.best_length(limit, optimistic=self._exploring)
         if k == 0 and self.fresh_trials < self.min_trials:
             k = min(self.probe_length, limit)  # one or two early rejections are not evidence enough
+        elif k == 0 and not resting and limit < self.k_max and self.best_length(self.k_max) > 0:
+            pass  # too few tokens left for a draft to pay (the generation's end is near): not an idle pair
         elif k == 0:
             self._idle += 1
             if self._idle >= self.probe_every and self.probe_time <= self.probe_budget * self.time_spent:

@@ -101,6 +101,20 @@ def test_probes_now_and_then_within_a_time_budget():
     assert p.best_length(16) == 0
 
 
+def test_the_end_of_a_generation_is_not_taken_for_a_pair_that_does_not_pay():
+    """With one token left to draft (max_tokens near), no draft pays; that says nothing of the pair:
+    the policy must not rest as if idle, so the next request drafts from its first step (it used to
+    sit out up to `recheck_every` - 1 steps of it)."""
+    verify = lambda n: 0.020 + 0.002 * (n - 1)  # noqa: E731
+    p = primed(verify, 0.008, prior_acceptance=0.95)
+    p.fresh_trials = p.trials = 50
+    assert p.best_length(1, CONTEXT) == 0 < p.best_length(16, CONTEXT)
+    assert p.draft_length(1, CONTEXT) == 0
+    p.update(step(0, 0, 0.0, verify(1)))
+    p.start_request()
+    assert p.draft_length(64, CONTEXT) == p.best_length(16, CONTEXT) > 0
+
+
 def test_recovers_when_acceptance_improves():
     verify = lambda n: 0.024 + 0.002 * n  # noqa: E731
     p = primed(verify, draft_cost=0.003, probe_every=4)
