@@ -293,10 +293,14 @@ class AdaptiveLength:
         """Another source drafted since this policy's last step: its next first token is a fresh one."""
         self._aligned = False
 
-    def draft_length(self, limit: int, context: int = 0) -> int:
+    def draft_length(self, limit: int, context: int = 0, *, offered: int | None = None) -> int:
+        """`offered`: the tokens the proposer has on offer, when it knows them before the length is
+        chosen (a lookup's match). Unlike `limit` (the generation's end, the context's), a short
+        offer that does not pay is a judgement on the source, and counts toward its idleness."""
         self._probing = False
         self.context = context
-        if limit <= 0:
+        available = limit if offered is None else min(limit, offered)
+        if available <= 0:
             return 0
         if self._retry_wanted:  # at once, while the text is easy; its cost delays the next probes
             self._retry_wanted = False
@@ -307,9 +311,9 @@ class AdaptiveLength:
             k = 0  # idle: only the oracle's cost moved since the last judgement (~0.1 ms saved per step)
         else:  # a re-try drafts at the length the prior guess of the draft's cost would choose, so
             # what it measures is the cost of the drafts the policy would go on with
-            k = self.best_length(limit, optimistic=self._exploring)
+            k = self.best_length(available, optimistic=self._exploring)
         if k == 0 and self.fresh_trials < self.min_trials:
-            k = min(self.probe_length, limit)  # one or two early rejections are not evidence enough
+            k = min(self.probe_length, available)  # one or two early rejections are not evidence enough
         elif k == 0 and not resting and limit < self.k_max and self.best_length(self.k_max) > 0:
             pass  # too few tokens left for a draft to pay (the generation's end is near): not an idle pair
         elif k == 0:
@@ -317,7 +321,7 @@ class AdaptiveLength:
             if self._idle >= self.probe_every and self.probe_time <= self.probe_budget * self.time_spent:
                 self._idle = 0
                 self._probing = True
-                k = min(self.probe_length, limit)
+                k = min(self.probe_length, available)
         else:
             self._idle = 0
         self.last_k = k
@@ -335,7 +339,25 @@ class AdaptiveLength:
         if self._probing:  # drafted from a window of the text: a biased sample, only a hint
             self._retry_wanted, self._aligned = self._aligned, False
             return
-        trials = n_accepted + (n_accepted < n_drafted)  # the accepted tokens and the first rejected one
+        self._judge(n_accepted + (n_accepted < n_drafted), n_accepted, aligned)
+        if n_drafted:
+            self._observe_continuation(n_drafted, n_accepted, allowance=max(self.last_k, n_drafted))
+
+    def score_unverified(self, matched: int, compared: int, *, aligned: bool | None = None) -> None:
+        """A draft this source offered but did not draft (the other source of a hybrid did), scored
+        against the tokens the step emitted: its first `compared` tokens were compared, the first
+        `matched` of them agreed. Its acceptance counts as a drafted step's would (nothing was
+        spent): a source that is not chosen still learns what the text is like now, so estimates
+        kept from other texts (a lookup's from prompts that did not repeat) cannot keep it unchosen
+        where it would pay, nor chosen where it would not. `aligned`: where the offer's first token
+        stood when it was made (default: where this policy's next one stands)."""
+        if compared <= 0:
+            return
+        aligned, self._aligned = self._aligned if aligned is None else aligned, matched == compared
+        self._judge(matched + (matched < compared), matched, aligned)
+
+    def _judge(self, trials: int, n_accepted: int, aligned: bool) -> None:
+        """Learn from `trials` draft tokens, the first `n_accepted` accepted (see the module docstring)."""
         for i in range(trials):
             ok = i < n_accepted
             self.trials += 1
@@ -352,8 +374,6 @@ class AdaptiveLength:
                 self.later_acceptance = self._blend(self.later_acceptance, ok, self._later_events)
         if self.fresh_trials >= self.min_trials:
             self._exploring = False
-        if n_drafted:
-            self._observe_continuation(n_drafted, n_accepted, allowance=max(self.last_k, n_drafted))
 
     def _observe_draft_cost(self, step: StepRecord) -> None:
         """A step's proposal is a sample of the draft's cost at the tokens it evaluated: its catch-up
@@ -473,6 +493,7 @@ class HybridLength:
         self._model_k = 0
         self.context = 0
         self._asked = False  # draft_length ran for the step being proposed
+        self._offer_aligned = False
 
     @property
     def idle(self) -> bool:
@@ -493,7 +514,8 @@ class HybridLength:
         k_model = min(self._model_k, allowance)
         if found <= 0:
             return "model", k_model
-        k_lookup = self.lookup.draft_length(min(found, allowance), self.context)
+        self._offer_aligned = self.lookup._aligned  # where the offer's first token stands, if it goes unused
+        k_lookup = self.lookup.draft_length(allowance, self.context, offered=found)
         if k_lookup <= 0:
             return "model", k_model
         if not self.model.verify_cost.ready:
@@ -501,6 +523,10 @@ class HybridLength:
         model_rate = self.model.rates(k_model, self.context)[k_model]
         lookup_rate = self.lookup.rates(k_lookup, self.context)[k_lookup]
         return ("lookup", k_lookup) if lookup_rate >= model_rate else ("model", k_model)
+
+    def score_lookup(self, matched: int, compared: int) -> None:
+        """The lookup's offer of a step it did not draft, scored against what the step emitted."""
+        self.lookup.score_unverified(matched, compared, aligned=self._offer_aligned)
 
     def update(self, step: StepRecord) -> None:
         used, other = (self.lookup, self.model) if step.source == "lookup" else (self.model, self.lookup)

@@ -314,6 +314,10 @@ class SourceChooser(Protocol):
         the `allowance` the length policy gave (see `policy.HybridLength`); None: it did not size
         this step (another policy runs the request), the proposer's plain rule applies."""
 
+    def score_lookup(self, matched: int, compared: int) -> None:
+        """The lookup offered tokens the step did not draft; once the step emitted its tokens, the
+        first `compared` of the offer were compared with them and the first `matched` agreed."""
+
     @property
     def idle(self) -> bool:
         """The draft model is not worth running now (it only probes)."""
@@ -327,21 +331,44 @@ class HybridProposer(_Wrapper):
 
     After a stretch of lookup drafts the draft model has not seen the tokens they added: when it
     drafts again it catches up on all of them (a copy of the oracle's cache where it can), not on
-    a window as after a pause in drafting, unless its policy is idle (a probe)."""
+    a window as after a pause in drafting, unless its policy is idle (a probe).
+
+    When the model drafts (or nothing does) while the lookup had found tokens, the next proposal
+    first scores that offer against the tokens the step emitted and tells the chooser
+    (`score_lookup`): the lookup's estimates follow the text even while it is not chosen."""
 
     def __init__(self, lookup: PromptLookupProposer, model: Proposer, *, chooser: SourceChooser | None = None) -> None:
         self.lookup = lookup
         self.model = self.drafter = model
         self.chooser = chooser
         self._last = "model"
+        self._offer: tuple[int, np.ndarray] | None = None  # (history length, tokens) of an offer not drafted
+
+    def start(self, *, catch_up: bool) -> None:
+        self._offer = None
+        super().start(catch_up=catch_up)
+
+    def _score_offer(self, history: Sequence[int]) -> None:
+        """Score the last step's unused lookup offer against the tokens that step emitted."""
+        offer, self._offer = self._offer, None
+        if offer is None or self.chooser is None or len(history) <= offer[0]:
+            return
+        start, tokens = offer
+        emitted = np.asarray(history[start:start + len(tokens)], dtype=np.int32)  # [compared]
+        agree = tokens[:len(emitted)] == emitted
+        matched = int(np.argmin(agree)) if not agree.all() else len(emitted)
+        self.chooser.score_lookup(matched, len(emitted))
 
     def propose(self, history: Sequence[int], max_len: int, sampling: SamplingParams,
                 rng: np.random.Generator, constraint=None) -> Draft:
+        self._score_offer(history)
         found = self.lookup.propose(history, max_len, sampling, rng, constraint)  # pushed onto the walk
         choice = self.chooser.choose(len(found), max_len) if self.chooser is not None else None
         source, k = choice or (("lookup", len(found)) if len(found) else ("model", max_len))
         if constraint is not None:
             constraint.pop(len(found) - (k if source == "lookup" else 0))
+        if source != "lookup" and len(found):
+            self._offer = (len(history), found.tokens)
         if source == "lookup":
             self._last = "lookup"
             return Draft(found.tokens[:k], None, source="lookup") if k else EMPTY_DRAFT

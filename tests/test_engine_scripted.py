@@ -249,6 +249,9 @@ class Alternating:
         self.sources.append(source)
         return source, k
 
+    def score_lookup(self, matched: int, compared: int) -> None:
+        assert 0 <= matched <= compared
+
 
 KINDS = ["draft40", "draft36", "draft44", "lookup", "cross-tokenizer", "hybrid"]
 

@@ -115,6 +115,16 @@ def test_the_end_of_a_generation_is_not_taken_for_a_pair_that_does_not_pay():
     assert p.draft_length(64, CONTEXT) == p.best_length(16, CONTEXT) > 0
 
 
+def test_a_lookups_short_offers_that_do_not_pay_count_toward_its_probes():
+    """A lookup's offer (a match of 3 tokens) too short to pay is a judgement on the lookup, unlike
+    the generation's end: its idle steps count, so it still probes now and then."""
+    verify = lambda n: 0.020 + 0.002 * (n - 1)  # noqa: E731
+    p = primed(verify, 0.0002, prior_acceptance=0.2, model_draft=False, probe_budget=1.0)
+    p.fresh_trials = p.trials = 50
+    lengths = [p.draft_length(64, CONTEXT, offered=3) for _ in range(p.probe_every)]
+    assert lengths[:-1] == [0] * (p.probe_every - 1) and lengths[-1] == min(p.probe_length, 3)
+
+
 def test_recovers_when_acceptance_improves():
     verify = lambda n: 0.024 + 0.002 * n  # noqa: E731
     p = primed(verify, draft_cost=0.003, probe_every=4)
@@ -401,6 +411,28 @@ def test_a_hybrid_step_teaches_the_policy_of_the_source_that_drafted_it():
         p.update(lookup_step(8, 0, verify(9)))
     p.draft_length(64, CONTEXT)
     assert p.choose(found=30, allowance=64)[0] == "model"
+
+
+def test_an_offer_that_was_not_drafted_teaches_the_lookup_what_the_text_is_like_now():
+    """Estimates kept from texts that did not repeat left the lookup unchosen on one that does (it
+    learned only from its own drafts); its unused offers, scored against the emitted tokens, now
+    teach it as drafts would, without touching the costs."""
+    verify = lambda n: 0.020 + 0.002 * (n - 1)  # noqa: E731
+    p = hybrid(verify, 0.003, model_acceptance=0.9, lookup_acceptance=0.15)
+    p.draft_length(64, CONTEXT)
+    assert p.choose(found=30, allowance=64)[0] == "model"
+    spent, draft_seen = p.lookup.time_spent, p.lookup.draft_cost.observations
+    sources = []
+    for _ in range(12):  # the model drafts; the lookup's offer agrees with all 9 tokens each step emits
+        p.update(step(8, 8, 0.03, verify(9)))
+        p.score_lookup(9, 9)
+        p.draft_length(64, CONTEXT)
+        sources.append(p.choose(found=30, allowance=64)[0])
+    assert sources[0] == "model" and sources[-1] == "lookup"
+    assert p.lookup.first_acceptance[True] > 0.5 and p.lookup.later_acceptance > 0.8
+    assert (p.lookup.time_spent, p.lookup.draft_cost.observations) == (spent, draft_seen)  # nothing spent
+    p.lookup.score_unverified(0, 3)  # an offer wrong from its first token: the next one is fresh
+    assert not p.lookup._aligned
 
 
 def test_the_hybrids_lookup_estimates_are_kept_beside_the_models():

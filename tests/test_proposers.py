@@ -109,6 +109,40 @@ def test_a_hybrid_whose_chooser_did_not_size_the_step_takes_the_plain_rule():
     assert hybrid.propose([1, 2, 3, 4], 2, GREEDY, rng).tokens.tolist() == [99, 99] and model.calls == 1
 
 
+class ModelFirst:
+    """A chooser that always lets the model draft; records how the lookup's unused offers scored."""
+
+    idle = False
+
+    def __init__(self):
+        self.scores = []
+
+    def choose(self, found, allowance):
+        return "model", allowance
+
+    def score_lookup(self, matched, compared):
+        self.scores.append((matched, compared))
+
+
+def test_a_lookup_offer_the_model_was_chosen_over_is_scored_against_what_the_step_emitted():
+    chooser = ModelFirst()
+    hybrid = HybridProposer(PromptLookupProposer(), CountingModel(), chooser=chooser)
+    hybrid.start(catch_up=True)
+    rng = np.random.default_rng(0)
+    text = [1, 2, 3, 4, 5, 1, 2]  # the lookup offers [3, 4, 5, 1, 2]
+    assert hybrid.propose(text, 5, GREEDY, rng).tokens.tolist() == [99] * 5  # the model drafts
+    assert chooser.scores == []  # nothing emitted yet
+    hybrid.propose(text + [3, 4, 7], 5, GREEDY, rng)  # the step emitted 3, 4, 7: two agreed, the third did not
+    assert chooser.scores == [(2, 3)]
+    hybrid.propose(text + [3, 4, 7, 8], 5, GREEDY, rng)  # "7, 8" was never seen: nothing offered, nothing scored
+    hybrid.propose(text + [3, 4, 7, 8, 9], 5, GREEDY, rng)
+    assert chooser.scores == [(2, 3)]
+    hybrid.propose([1, 2, 9, 1, 2], 5, GREEDY, rng)  # offers [9, 1, 2]
+    hybrid.start(catch_up=True)  # a new request: the last offer is dropped, not scored against another text
+    hybrid.propose([1, 2, 9, 1, 2, 9, 1], 5, GREEDY, rng)
+    assert chooser.scores == [(2, 3)]
+
+
 def test_empty_draft_constant():
     assert len(EMPTY_DRAFT) == 0 and EMPTY_DRAFT.probs is None
 
