@@ -125,6 +125,24 @@ def test_a_lookups_short_offers_that_do_not_pay_count_toward_its_probes():
     assert lengths[:-1] == [0] * (p.probe_every - 1) and lengths[-1] == min(p.probe_length, 3)
 
 
+def test_drafting_goes_on_at_a_smaller_predicted_gain_than_it_starts_at():
+    """A policy that drafts keeps drafting while the best k is predicted to beat the oracle alone
+    by keep_gain; an idle one starts only at min_gain. Between the two, the one judgement that
+    crossed min_gain downward on a pair that pays (the estimates under-predict a draft that stops
+    itself when unsure) used to idle it for good: idle, it no longer measured the draft."""
+    verify = lambda n: 0.020 + 0.002 * (n - 1)  # noqa: E731
+    drafting = primed(verify, 0.0095, prior_acceptance=0.9, keep_gain=0.05)  # predicted +7%
+    drafting.fresh_trials = drafting.trials = 50
+    rate = drafting.rates(16, CONTEXT)
+    assert 1.05 < rate.max() / rate[0] < 1.10
+    drafting.last_k = 4
+    assert drafting.draft_length(16, CONTEXT) > 0
+    idle = primed(verify, 0.0095, prior_acceptance=0.9, keep_gain=0.05)
+    idle.fresh_trials = idle.trials = 50
+    idle.last_k = 0
+    assert idle.draft_length(16, CONTEXT) == 0
+
+
 def test_recovers_when_acceptance_improves():
     verify = lambda n: 0.024 + 0.002 * n  # noqa: E731
     p = primed(verify, draft_cost=0.003, probe_every=4)
