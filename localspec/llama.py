@@ -322,6 +322,14 @@ def default_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest prefix two token sequences share."""
+    n = min(len(a), len(b))
+    if list(a[:n]) == list(b[:n]):  # the usual case, at C speed
+        return n
+    return int((np.asarray(a[:n]) != np.asarray(b[:n])).argmax())
+
+
 class LlamaContext(_Owner):
     """One llama.cpp context over a model, with one sequence and one reusable batch.
 
@@ -420,12 +428,7 @@ class LlamaContext(_Owner):
 
     def common_prefix(self, tokens: Sequence[int]) -> int:
         """Length of the longest prefix `tokens` shares with the cache."""
-        cached = self.tokens
-        n = min(len(cached), len(tokens))
-        if list(tokens[:n]) == cached[:n]:  # the usual case, at C speed
-            return n
-        diff = np.asarray(cached[:n]) != np.asarray(tokens[:n])
-        return int(diff.argmax())
+        return shared_prefix(self.tokens, tokens)
 
     # -- evaluation
     def decode(self, tokens: Sequence[int], *, n_logits: int = 1) -> np.ndarray:

@@ -20,7 +20,7 @@ from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
-from .llama import ContextFullError, LlamaContext
+from .llama import ContextFullError, LlamaContext, shared_prefix
 from .sampling import SamplingParams, coupled_choice, greedy_argmax, logits_to_probs, mask_logits, sample
 
 
@@ -354,10 +354,8 @@ class HybridProposer(_Wrapper):
         if offer is None or self.chooser is None or len(history) <= offer[0]:
             return
         start, tokens = offer
-        emitted = np.asarray(history[start:start + len(tokens)], dtype=np.int32)  # [compared]
-        agree = tokens[:len(emitted)] == emitted
-        matched = int(np.argmin(agree)) if not agree.all() else len(emitted)
-        self.chooser.score_lookup(matched, len(emitted))
+        emitted = history[start:start + len(tokens)]
+        self.chooser.score_lookup(shared_prefix(tokens, emitted), len(emitted))
 
     def propose(self, history: Sequence[int], max_len: int, sampling: SamplingParams,
                 rng: np.random.Generator, constraint=None) -> Draft:
