@@ -49,7 +49,13 @@ tokens are accepted less often than a draft that saw everything (measured on the
 accepted the policy re-tries drafting at once, with the draft caught up on the whole text
 (`consume_catch_up`), for `min_trials` draft tokens that are judged as usual. Probes are held to a
 small share of the time spent (`probe_budget`), and a re-try's cost counts against it, delaying
-the next probes: a badly matched draft costs next to nothing once the policy has stopped using it. It stops only after judging `min_trials` draft tokens: an unlucky first
+the next probes: a badly matched draft costs next to nothing once the policy has stopped using it.
+That account is kept between processes with the estimates: a probe of a cross-tokenizer draft
+costs 3-4 oracle steps (~70 ms), and a fresh process probing at its 16th step made a 128-token
+one-shot `generate` 3% slower on a pair known idle; now, after a probe, the next waits until the
+time spent, in this process or later ones, has paid for it (and unused budget carries over from
+the last `probe_bank` seconds only).
+The policy stops only after judging `min_trials` draft tokens: an unlucky first
 step is not evidence enough.
 
 The acceptance and continuation estimates are running means over trials that settle into an
@@ -166,7 +172,7 @@ class AdaptiveLength:
                  prior_weight: float = 4.0, draft_cost_ratio: float = 0.5, model_draft: bool = True,
                  decay: float = 0.97, probe_every: int = 16, probe_budget: float = 0.01, probe_length: int = 2,
                  min_trials: int = 8, min_gain: float = 0.10, keep_gain: float = 0.05,
-                 long_decay: float = 0.995) -> None:
+                 long_decay: float = 0.995, probe_bank: float = 30.0) -> None:
         self.k_max = k_max
         self.acceptance = prior_acceptance  # a: per drafted token, given the previous ones were accepted
         # the same split by place, for E(k): a step's first token after a step whose draft was wholly
@@ -188,6 +194,7 @@ class AdaptiveLength:
         self.catch_up = 1.5  # tokens a draft model catches up on before it drafts (the last step's accepted + 1)
         self.probe_every = probe_every  # idle (k = 0) steps before a probe
         self.probe_budget = probe_budget  # most of the time spent that probes may take
+        self.probe_bank = probe_bank  # seconds of steps whose unused probe budget carries over
         self.probe_length = probe_length
         self.min_trials = min_trials  # draft tokens judged before the policy may give up on drafting
         self.min_gain = min_gain  # predicted speedup over k = 0 below which drafting is not worth it
@@ -196,8 +203,8 @@ class AdaptiveLength:
         self.long_decay = long_decay
         self.trials = 0  # draft tokens judged, ever (in earlier processes too)
         self.fresh_trials = 0  # since the start or the last re-try
-        self.time_spent = 0.0  # seconds, every step
-        self.probe_time = 0.0  # seconds that probes took beyond a plain oracle step
+        self.time_spent = 0.0  # seconds, every step (in earlier processes too)
+        self.probe_time = 0.0  # seconds that probes took beyond a plain oracle step (the same)
         self._idle = 0  # consecutive k = 0 steps
         self.recheck_every = 8  # while idle, judge k afresh every this many steps
         self.retry_weight = 4.0  # on a re-try, the costs' history counts as this many steps
@@ -274,7 +281,7 @@ class AdaptiveLength:
 
     def start_request(self) -> None:
         self._aligned = False  # nothing drafted yet for this text
-        if not self.idle or self.probe_time > self.probe_budget * self.time_spent:
+        if not self.idle or not self._probe_budget_left():
             return
         # with the draft's cost at the lower of the fitted one and the prior guess: an idle policy
         # stops measuring the draft (a probe drafts from a window, at another rate), so a cost fitted
@@ -282,6 +289,15 @@ class AdaptiveLength:
         rate = self.rates(self.k_max, acceptance=self.long_acceptance, optimistic=True)  # [K+1]
         if rate[1:].max(initial=0.0) >= (1.0 + self.min_gain) * rate[0]:
             self._begin_retry()  # it pays in the long run: judge min_trials draft tokens on this prompt
+
+    def _probe_budget_left(self) -> bool:
+        return self.probe_time <= self.probe_budget * self.time_spent
+
+    def _cap_probe_bank(self) -> None:
+        """Unused probe budget carries over from the last `probe_bank` seconds only: after a long
+        stretch of drafting (or many processes' worth of it), an idle policy probes at the budget's
+        pace, not in a burst."""
+        self.probe_time = max(self.probe_time, self.probe_budget * (self.time_spent - self.probe_bank))
 
     def _begin_retry(self) -> None:
         """Judge drafting afresh: min_trials new draft tokens, on costs the re-try measures (not
@@ -326,7 +342,7 @@ class AdaptiveLength:
             pass  # too few tokens left for a draft to pay (the generation's end is near): not an idle pair
         elif k == 0:
             self._idle += 1
-            if self._idle >= self.probe_every and self.probe_time <= self.probe_budget * self.time_spent:
+            if self._idle >= self.probe_every and self._probe_budget_left():
                 self._idle = 0
                 self._probing = True
                 k = min(self.probe_length, available)
@@ -343,6 +359,7 @@ class AdaptiveLength:
         self._observe_draft_cost(step)
         if self._probing or self._exploring:  # beyond a plain oracle step, exploring cost this much
             self.probe_time += max(0.0, spent - self.verify_cost(1, step.context))
+        self._cap_probe_bank()
         aligned, self._aligned = self._aligned, n_drafted > 0 and n_accepted == n_drafted
         if self._probing:  # drafted from a window of the text: a biased sample, only a hint
             self._retry_wanted, self._aligned = self._aligned, False
@@ -455,6 +472,7 @@ class AdaptiveLength:
                 "later_events": self._later_events,
                 "continuation": self.continuation, "continuation_accepted": self.continuation_accepted,
                 "catch_up": self.catch_up, "trials": self.trials,
+                "time_spent": self.time_spent, "probe_time": self.probe_time,
                 "continuation_events": self._continuation_events,
                 "continuation_accepted_events": self._continuation_accepted_events}
 
@@ -476,6 +494,11 @@ class AdaptiveLength:
         self._later_events = max(0, int(state.get("later_events", 0)))
         self.catch_up = min(4.0, max(1.0, float(state.get("catch_up", self.catch_up))))
         self.trials = max(0, int(state.get("trials", 0)))
+        # the probe budget's account goes on too: a process shorter than a probe's cost / budget
+        # (a one-shot `generate` of a few seconds) must not probe every time on a pair known idle
+        self.time_spent = max(0.0, float(state.get("time_spent", 0.0)))
+        self.probe_time = min(self.time_spent, max(0.0, float(state.get("probe_time", 0.0))))
+        self._cap_probe_bank()
         self.fresh_trials = min(self.trials, self.min_trials)
         self._continuation_events = max(0, int(state.get("continuation_events", 0)))
         self._continuation_accepted_events = max(0, int(state.get("continuation_accepted_events", 0)))

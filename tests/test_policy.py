@@ -101,6 +101,54 @@ def test_probes_now_and_then_within_a_time_budget():
     assert p.best_length(16) == 0
 
 
+def idle_pair(verify, **kw):
+    """A primed policy that judged every draft token of 40 steps a rejection: idle."""
+    p = primed(verify, draft_cost=0.010, probe_every=5, probe_length=2, **kw)
+    for _ in range(40):
+        p.update(step(4, 0, 0.04, verify(5)))
+    assert p.idle
+    return p
+
+
+def run_idle(p, verify, n_steps, probe_cost=0.2):
+    """n_steps of an idle policy (each probe costing probe_cost to draft): the steps that probed."""
+    probes = []
+    for i in range(n_steps):
+        if p.draft_length(16, CONTEXT):
+            probes.append(i)
+            p.update(step(2, 0, probe_cost, verify(3)))
+        else:
+            p.update(step(0, 0, 0.0, verify(1)))
+    return probes
+
+
+def test_the_probe_budget_is_kept_between_processes():
+    """Short processes on a pair known idle (one-shot `generate`s of ~100 tokens): each fresh
+    policy used to probe at its `probe_every`th step, however short the process, so probes took
+    far more than their budget; with the account kept, they take about the budget over all."""
+    verify = lambda n: 0.024 + 0.002 * n  # noqa: E731
+    state = idle_pair(verify, probe_budget=0.02).acceptance_state()
+    n_probes = 0
+    for _ in range(30):  # 30 processes of 100 steps, ~2.6 s each
+        p = idle_pair(verify, probe_budget=0.02)
+        p.load_acceptance_state(state)
+        n_probes += len(run_idle(p, verify, 100))
+        state = p.acceptance_state()
+    assert 5 <= n_probes <= 10  # ~2% of ~80 s at ~0.2 s each; 30 when every process probed once
+    assert p.probe_time <= 0.02 * p.time_spent + 0.21  # over all the processes: one probe over at most
+
+
+def test_unused_probe_budget_does_not_pile_up():
+    """After a long stretch of drafting, an idle policy probes at the budget's pace, not in a
+    burst that spends all the budget the drafting steps left unused."""
+    verify = lambda n: 0.024 + 0.002 * n  # noqa: E731
+    p = idle_pair(verify, probe_budget=0.02, probe_bank=10.0)
+    p.time_spent += 1000.0  # e.g. hours of drafting in earlier processes: 20 s of budget unused
+    p._cap_probe_bank()
+    probes = run_idle(p, verify, 1000)  # ~26 s
+    assert 2 <= len(probes) <= 4  # ~2% of (10 + 26) s, 0.2 s each; ~100 (every 5th step) uncapped
+
+
 def test_the_end_of_a_generation_is_not_taken_for_a_pair_that_does_not_pay():
     """With one token left to draft (max_tokens near), no draft pays; that says nothing of the pair:
     the policy must not rest as if idle, so the next request drafts from its first step (it used to
