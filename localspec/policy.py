@@ -313,6 +313,12 @@ class AdaptiveLength:
         wanted, self._catch_up = self._catch_up, False
         return wanted
 
+    @property
+    def aligned(self) -> bool:
+        """The last step drafted something and all of it was accepted: the next step's first token
+        runs on (a lookup's copy going on) rather than starting afresh."""
+        return self._aligned
+
     def forget_alignment(self) -> None:
         """Another source drafted since this policy's last step: its next first token is a fresh one."""
         self._aligned = False
@@ -330,26 +336,34 @@ class AdaptiveLength:
             self._retry_wanted = False
             self._begin_retry()  # judge min_trials draft tokens afresh, on the whole text
             self._catch_up = True
+        # idle, k is judged afresh every recheck_every steps: meanwhile only the oracle's cost moved
         resting = self._idle % self.recheck_every and self.fresh_trials >= self.min_trials
-        if resting:
-            k = 0  # idle: only the oracle's cost moved since the last judgement (~0.1 ms saved per step)
-        else:  # a re-try drafts at the length the prior guess of the draft's cost would choose, so
-            # what it measures is the cost of the drafts the policy would go on with
-            k = self.best_length(available, optimistic=self._exploring)
-        if k == 0 and self.fresh_trials < self.min_trials:
-            k = min(self.probe_length, available)  # one or two early rejections are not evidence enough
-        elif k == 0 and not resting and limit < self.k_max and self.best_length(self.k_max) > 0:
-            pass  # too few tokens left for a draft to pay (the generation's end is near): not an idle pair
-        elif k == 0:
-            self._idle += 1
-            if self._idle >= self.probe_every and self._probe_budget_left():
-                self._idle = 0
-                self._probing = True
-                k = min(self.probe_length, available)
-        else:
+        # a re-try drafts at the length the prior guess of the draft's cost would choose, so what it
+        # measures is the cost of the drafts the policy would go on with
+        k = 0 if resting else self.best_length(available, optimistic=self._exploring)
+        if k > 0:
             self._idle = 0
+        elif self.fresh_trials < self.min_trials:
+            k = min(self.probe_length, available)  # one or two early rejections are not evidence enough
+        elif resting or not self._near_the_end(limit):
+            k = self._idle_step(available)
         self.last_k = k
         return k
+
+    def _near_the_end(self, limit: int) -> bool:
+        """Too few tokens left for a draft to pay (the generation's end), where a longer one would:
+        not a sign of an idle pair."""
+        return limit < self.k_max and self.best_length(self.k_max) > 0
+
+    def _idle_step(self, available: int) -> int:
+        """k for a step where no draft pays: 0, or a probe's short draft every `probe_every` such
+        steps while the probe budget allows."""
+        self._idle += 1
+        if self._idle < self.probe_every or not self._probe_budget_left():
+            return 0
+        self._idle = 0
+        self._probing = True
+        return min(self.probe_length, available)
 
     def update(self, step: StepRecord) -> None:
         n_drafted, n_accepted = step.drafted, step.accepted
@@ -545,7 +559,7 @@ class HybridLength:
         k_model = min(self._model_k, allowance)
         if found <= 0:
             return "model", k_model
-        self._offer_aligned = self.lookup._aligned  # where the offer's first token stands, if it goes unused
+        self._offer_aligned = self.lookup.aligned  # where the offer's first token stands, if it goes unused
         k_lookup = self.lookup.draft_length(allowance, self.context, offered=found)
         if k_lookup <= 0:
             return "model", k_model

@@ -468,10 +468,10 @@ def test_a_hybrid_step_teaches_the_policy_of_the_source_that_drafted_it():
     p.draft_length(64, CONTEXT)
     p.update(lookup_step(10, 10, verify(11)))
     assert p.lookup.acceptance > lookup_acceptance and p.model.trials == model_trials
-    assert p.lookup.first_acceptance[True] == 0.8 and p.lookup._aligned  # a fresh match, wholly accepted
+    assert p.lookup.first_acceptance[True] == 0.8 and p.lookup.aligned  # a fresh match, wholly accepted
     model_acceptance = p.model.acceptance
     p.update(step(4, 0, 0.04, verify(5)))  # the model's draft, rejected: the lookup's next match is fresh
-    assert p.model.acceptance < model_acceptance and not p.lookup._aligned
+    assert p.model.acceptance < model_acceptance and not p.lookup.aligned
     assert p.lookup.trials == 10
     for _ in range(60):  # the lookup's guesses now fail from their first token: it is no longer chosen
         p.update(lookup_step(8, 0, verify(9)))
@@ -498,7 +498,7 @@ def test_an_offer_that_was_not_drafted_teaches_the_lookup_what_the_text_is_like_
     assert p.lookup.first_acceptance[True] > 0.5 and p.lookup.later_acceptance > 0.8
     assert (p.lookup.time_spent, p.lookup.draft_cost.observations) == (spent, draft_seen)  # nothing spent
     p.lookup.score_unverified(0, 3)  # an offer wrong from its first token: the next one is fresh
-    assert not p.lookup._aligned
+    assert not p.lookup.aligned
 
 
 def test_the_hybrids_lookup_estimates_are_kept_beside_the_models():
