@@ -365,6 +365,19 @@ def test_one_shot_columns():
     assert "one-shot speedup" in report.markdown_table(rep) and "| 8.00 | 1.50× |" in report.markdown_table(rep)
 
 
+def test_time_to_first_token_against_the_oracle_alones_on_the_same_prompt():
+    """A row's TTFT median mixes prompts of every length; the ratio is per prompt and repetition."""
+    rep = _synthetic_report()
+    for r in rep["runs"]:  # p1 a short prompt, p2 a long one; k4 10% slower on p1, 20% faster on p2
+        short = r["prompt_id"] == "p1"
+        r["ttft"] = (0.1 if short else 0.4) * (1.0 if r["system"] == "baseline" else 1.1 if short else 0.8)
+    rows = {r["system"]: r for r in report.aggregate(rep)}
+    assert rows["baseline"]["ttft_ratio"] == pytest.approx(1.0)
+    assert rows["k4"]["ttft_ratio"] == pytest.approx(math.sqrt(1.1 * 0.8))
+    rep["results"] = report.aggregate(rep)
+    assert "TTFT vs alone" in report.markdown_table(rep) and "| 0.94× |" in report.markdown_table(rep)
+
+
 def test_ratio_interval():
     assert ceiling.ratio_interval([1.1, 0.9]) is None  # too few to say
     assert ceiling.ratio_interval([2.0, 2.0, 2.0]) == pytest.approx((2.0, 2.0))

@@ -21,6 +21,9 @@ Aggregates (one row per system and workload, plus an "all" row per system):
     one_shot_wall         with `--one-shot`: a fresh process's wall time per prompt (the median of the
                           repetitions), summed over prompts; one_shot_speedup: the baseline's over it, geometric mean
     ttft                  time to first token (prompt evaluation included), median over runs
+    ttft_ratio            TTFT over the baseline's in the same prompt and repetition: median per prompt,
+                          geometric mean over prompts (the median over runs of a row mixes short and long
+                          prompts, so it moves with which prompts' runs land in the middle)
     latency_p50/p95       per-token latency: chunk inter-arrival time / tokens in the chunk
     peak_rss              per system (see the systems' peak_rss_scope)
     greedy_match          output agreement with the baseline's in the same repetition (1.0 = identical)
@@ -45,7 +48,7 @@ RESULT_FIELDS = (
     "paired_speedup", "paired_interval",
     "acceptance_rate", "per_token_acceptance", "mean_accepted_length", "tokens_per_step", "mean_draft_length",
     "ceiling", "efficiency", "one_shot_wall", "one_shot_speedup",
-    "ttft", "latency_p50", "latency_p95", "peak_rss", "greedy_match", "mismatched_runs", "costs",
+    "ttft", "ttft_ratio", "latency_p50", "latency_p95", "peak_rss", "greedy_match", "mismatched_runs", "costs",
 )
 COST_SIZES = (1, 2, 5, 9, 17)  # pass sizes the report shows the fitted verify cost at
 
@@ -90,6 +93,7 @@ def _row(system: dict, workload: str, runs: list[dict], base: dict[tuple[str, in
 
     tokens = time = 0.0
     speedups: dict[str, float] = {}
+    ttft_ratios: dict[str, float] = {}
     paired: dict[str, float] = {}
     paired_ratios: list[float] = []  # every run's
     for pid, rs in by_prompt.items():
@@ -100,6 +104,10 @@ def _row(system: dict, workload: str, runs: list[dict], base: dict[tuple[str, in
                   if (b := base.get((pid, r["rep"]))) and b["tokens_per_second"] > 0]
         if ratios:
             speedups[pid] = median(ratios)
+        ratios = [r["ttft"] / b["ttft"] for r in rs
+                  if r.get("ttft") and (b := base.get((pid, r["rep"]))) and b.get("ttft")]
+        if ratios:
+            ttft_ratios[pid] = median(ratios)
         ratios = [r["tokens_per_second"] / r["paired_tokens_per_second"] for r in rs
                   if (r.get("paired_tokens_per_second") or 0) > 0]
         if ratios:
@@ -170,6 +178,7 @@ def _row(system: dict, workload: str, runs: list[dict], base: dict[tuple[str, in
         "one_shot_wall": sum(shots.values()) if shots else None,
         "one_shot_speedup": geomean(shot_ratios) if shot_ratios else None,
         "ttft": median(ttfts) if ttfts else None,
+        "ttft_ratio": geomean(list(ttft_ratios.values())) if ttft_ratios else None,
         "latency_p50": percentile(latencies, 50) if latencies else None,
         "latency_p95": percentile(latencies, 95) if latencies else None,
         "peak_rss": system.get("peak_rss"),
@@ -231,8 +240,8 @@ def markdown_table(report: dict) -> str:
     paired, shot = _has_paired(report), _has_one_shot(report)
     head = ("| workload | system | tok/s | speedup | " + ("paired speedup | " if paired else "")
             + "ceiling | efficiency | " + ("one-shot s | one-shot speedup | " if shot else "")
-            + "acceptance | accepted/step | TTFT ms | p50 ms/tok | p95 ms/tok | peak RSS MB | greedy match |")
-    lines = [head, "|---|---|" + "---:|" * (11 + paired + 2 * shot)]
+            + "acceptance | accepted/step | TTFT ms | TTFT vs alone | p50 ms/tok | p95 ms/tok | peak RSS MB | greedy match |")
+    lines = [head, "|---|---|" + "---:|" * (12 + paired + 2 * shot)]
     order = {s["name"]: i for i, s in enumerate(report["systems"])}
     wl = _workload_order(report) + [ALL]
     for r in sorted(report["results"], key=lambda r: (wl.index(r["workload"]), order.get(r["system"], 99))):
@@ -250,6 +259,7 @@ def markdown_table(report: dict) -> str:
             r["workload"], r["system"], _f(r["tokens_per_second"], ".1f"), *speedups,
             _f(r["ceiling"], ".2f") + ("×" if r["ceiling"] is not None else ""), _f(r["efficiency"], ".0%"),
             *(shots if shot else []), _f(r["acceptance_rate"], ".0%"), _f(r["mean_accepted_length"], ".2f"), _f(r["ttft"], ".0f", 1e3),
+            _f(r.get("ttft_ratio"), ".2f") + ("×" if r.get("ttft_ratio") is not None else ""),
             _f(r["latency_p50"], ".1f", 1e3), _f(r["latency_p95"], ".1f", 1e3),
             _f(r["peak_rss"], ".0f", 1 / 2**20), match]) + " |")
     return "\n".join(lines)
@@ -288,6 +298,8 @@ def headline(report: dict) -> list[str]:
             line += f" ({'; '.join(others)})"
         if adaptive.get("one_shot_speedup"):
             line += f"; one-shot {adaptive['one_shot_speedup']:.2f}x"
+        if adaptive.get("ttft_ratio"):
+            line += f"; time to first token {adaptive['ttft_ratio']:.2f}x the oracle alone's"
         lines.append(line)
     anchor = best_anchor(report)
     if anchor:
@@ -392,7 +404,9 @@ def results_document(report: dict, charts: dict[str, str] | None = None, command
            "the C++ anchor, its own process's wall time. **one-shot speedup**: the baseline's (`localspec "
            "generate --no-draft`) over it, geometric mean over prompts."] if _has_one_shot(report) else []),
         "- **acceptance**: accepted / drafted tokens; **accepted/step**: accepted draft tokens per verify pass.",
-        "- **TTFT**: time to first token, prompt evaluation included (not reported by the C++ anchor).",
+        "- **TTFT**: time to first token, prompt evaluation included (not reported by the C++ anchor); "
+        "**TTFT vs alone**: over the oracle alone's on the same prompt and repetition (median per prompt, "
+        "geometric mean over prompts; the TTFT ms of a row is a median over runs of prompts of every length).",
         "- **p50/p95 ms/tok**: per-token latency from chunk arrival times divided by tokens per chunk.",
         "- **peak RSS**: of each system's own process (model weights are mmapped, so the file pages it "
         "touched count too); for the anchor, the largest of its per-generation processes.",
