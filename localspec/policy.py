@@ -76,6 +76,7 @@ over the prompt: on a one-shot run of a badly matched pair that alone would cost
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping, Protocol, Sequence
 
 import numpy as np
@@ -510,8 +511,10 @@ class AdaptiveLength:
         self.trials = max(0, int(state.get("trials", 0)))
         # the probe budget's account goes on too: a process shorter than a probe's cost / budget
         # (a one-shot `generate` of a few seconds) must not probe every time on a pair known idle
-        self.time_spent = max(0.0, float(state.get("time_spent", 0.0)))
-        self.probe_time = min(self.time_spent, max(0.0, float(state.get("probe_time", 0.0))))
+        ledger = [float(state.get(k, 0.0)) for k in ("time_spent", "probe_time")]
+        if not all(math.isfinite(v) and v >= 0.0 for v in ledger):
+            raise ValueError("malformed acceptance state")
+        self.time_spent, self.probe_time = ledger[0], min(ledger)
         self._cap_probe_bank()
         self.fresh_trials = min(self.trials, self.min_trials)
         self._continuation_events = max(0, int(state.get("continuation_events", 0)))

@@ -138,6 +138,16 @@ def test_the_probe_budget_is_kept_between_processes():
     assert p.probe_time <= 0.02 * p.time_spent + 0.21  # over all the processes: one probe over at most
 
 
+def test_a_malformed_probe_account_is_refused():
+    state = AdaptiveLength().acceptance_state()
+    for bad in (float("inf"), float("nan"), -1.0):
+        with pytest.raises(ValueError):
+            AdaptiveLength().load_acceptance_state(dict(state, time_spent=bad))
+    p = AdaptiveLength()
+    p.load_acceptance_state(dict(state, time_spent=10.0, probe_time=50.0))
+    assert p.probe_time == 10.0  # probes cannot have taken more than all the time
+
+
 def test_unused_probe_budget_does_not_pile_up():
     """After a long stretch of drafting, an idle policy probes at the budget's pace, not in a
     burst that spends all the budget the drafting steps left unused."""
