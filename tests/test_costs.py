@@ -76,6 +76,24 @@ def test_a_fit_that_started_on_a_stall_comes_down_and_stalls_among_steps_barely_
     assert cost.predict(np.array([2, 9]), 50) == pytest.approx([0.012, 0.054], rel=0.3)
 
 
+def test_predictions_never_fall_with_a_longer_context():
+    """Steps at short contexts only, whose per-token cost happens to fall a little as the context
+    grows (a warming machine, the draft stopping earlier later on): the fit must not carry that to
+    long contexts, where attention only adds (the default pair's kept fit once predicted a 17-token
+    pass at 53 ms at 2048 tokens of context against 69 ms at 256)."""
+    cost = PassCost(VERIFY_SHAPE)
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        c = int(rng.integers(60, 400))
+        n = int(rng.choice([1, 2, 5, 9, 17]))
+        cost.observe(n, c, 0.017 + 0.006 * (n > 1) + 0.0024 * n * (1.0 - 0.3 * c / 1024))
+    w = cost.weights()
+    assert w[3] >= 0.0 and w[4] >= 0.0
+    for n in (1, 9, 17):
+        assert cost(n, 256) <= cost(n, 1024) <= cost(n, 2048)
+    assert cost(17, 256) == pytest.approx(0.017 + 0.006 + 0.0024 * 17 * (1 - 0.3 / 4), rel=0.05)  # in range: as seen
+
+
 def test_predictions_never_fall_with_more_tokens():
     cost = PassCost(VERIFY_SHAPE)
     for _ in range(5):  # noisy data that would fit a falling line
