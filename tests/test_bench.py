@@ -8,6 +8,7 @@ import json
 import math
 import stat
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -527,3 +528,37 @@ def test_real_anchor_if_built(pair_paths):
     lookup = anchor.run(binary, oracle=str(oracle), draft=None, prompt_text=prompt, prompt_echo=prompt,
                         n_predict=12, k=None, threads=1, n_ctx=512, spec_type="ngram-simple")
     assert lookup["completion_tokens"] > 0 and lookup["text"].strip()
+
+
+def test_repricing_compares_runs_by_the_steps_they_took_not_by_the_machines_speed_at_the_time():
+    """Two runs of the same steps, one on a machine 1.5x slower (every pass), reprice alike; a run
+    whose drafts were accepted more reprices higher, though its machine was slower too."""
+    import copy
+
+    same = _synthetic_report()
+    slow = copy.deepcopy(same)
+    better = copy.deepcopy(same)
+    for rep in (slow, better):
+        for r in rep["runs"]:
+            r["records"] = [x[:3] + [x[3] * 1.5, x[4] * 1.5] + x[5:] for x in r["records"]]
+    for r in better["runs"]:
+        if r["system"] == "k4":  # every draft wholly accepted: 20 steps of 5 tokens
+            r["records"] = [x[:2] + [x[1]] + x[3:] for x in r["records"]][:21]
+    table = report.repriced({"same": same, "slow": slow, "better": better})
+    assert table[("same", "chat", "k4")] == pytest.approx(table[("slow", "chat", "k4")])
+    assert table[("better", "chat", "k4")] > 1.2 * table[("same", "chat", "k4")]
+    assert table[("same", "chat", "baseline")] == pytest.approx(1.0, rel=0.02)
+    assert ("same", "chat", "llama.cpp") not in table
+
+
+def test_the_reprice_script_prints_a_table_of_two_reports(tmp_path):
+    import subprocess
+
+    paths = []
+    for label in ("before", "after"):
+        path = tmp_path / f"{label}.json"
+        path.write_text(json.dumps(_synthetic_report()))
+        paths.append(str(path))
+    script = Path(__file__).resolve().parent.parent / "scripts" / "reprice_bench.py"
+    out = subprocess.run([sys.executable, str(script), *paths], capture_output=True, text=True, check=True).stdout
+    assert "| workload | system | before | after |" in out and "| chat | k4 |" in out

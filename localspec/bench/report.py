@@ -36,7 +36,7 @@ import math
 import re
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from .ceiling import (acceptance_from_tokens_per_step, fit_costs, geomean, median, percentile, predicted_speedup,
                       ratio_interval, record_ceiling)
@@ -64,6 +64,40 @@ def _fits(report: dict) -> dict[str, tuple]:
         if fit is not None:
             fits[system["name"]] = fit
     return fits
+
+
+def repriced(reports: Mapping[str, dict]) -> dict[tuple[str, str, str], float]:
+    """(label, workload, system) -> the speedup of the steps each localspec system took, all of
+    them priced with ONE pass-cost fit made over every report's steps (the baseline's one-token
+    cost from every report's baseline steps). A shared VM's speed drifts by 5-15% between runs and
+    minutes, more than most changes of policy move a run: priced alike, two runs of two versions
+    differ only by the steps their policies chose (draft lengths, sources, acceptance), which is
+    what a change of policy changes. `reports`: bench reports (`--json`) by label."""
+    steps = [x for rep in reports.values() for r in rep["runs"] for x in (r.get("records") or [])]
+    fit = fit_costs(steps)
+    if fit is None:
+        return {}
+    verify, draft = fit
+    base = fit_costs([x for rep in reports.values() for r in rep["runs"] if r["system"] == "baseline"
+                      for x in (r.get("records") or [])])
+    alone = base[0] if base is not None else None
+    out = {}
+    for label, rep in reports.items():
+        kinds = {s["name"]: s for s in rep["systems"]}
+        rows: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0.0])  # tokens, predicted time
+        for r in rep["runs"]:
+            system = kinds.get(r["system"], {})
+            if system.get("kind", "localspec") == LLAMA_CPP or not r.get("records"):
+                continue
+            model_draft = draft if uses_draft_model(system.get("kind", ""), system.get("params", {})) else None
+            x = record_ceiling(r["records"], verify, model_draft, alone)
+            if x:
+                row = rows[(r["workload"], r["system"])]
+                row[0] += r["completion_tokens"]
+                row[1] += r["completion_tokens"] / x
+        for (workload, name), (tokens, spent) in rows.items():
+            out[(label, workload, name)] = tokens / spent
+    return out
 
 
 def one_shot_walls(runs) -> dict[str, float]:
