@@ -83,21 +83,31 @@ def repriced(reports: Mapping[str, dict]) -> dict[tuple[str, str, str], float]:
     alone = base[0] if base is not None else None
     out = {}
     for label, rep in reports.items():
-        kinds = {s["name"]: s for s in rep["systems"]}
-        rows: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0.0])  # tokens, predicted time
+        rows: dict[tuple[str, str], list[dict]] = defaultdict(list)
         for r in rep["runs"]:
-            system = kinds.get(r["system"], {})
-            if system.get("kind", "localspec") == LLAMA_CPP or not r.get("records"):
+            if r.get("records"):
+                rows[(r["workload"], r["system"])].append(r)
+        for system in rep["systems"]:
+            if system.get("kind") == LLAMA_CPP:
                 continue
             model_draft = draft if uses_draft_model(system.get("kind", ""), system.get("params", {})) else None
-            x = record_ceiling(r["records"], verify, model_draft, alone)
-            if x:
-                row = rows[(r["workload"], r["system"])]
-                row[0] += r["completion_tokens"]
-                row[1] += r["completion_tokens"] / x
-        for (workload, name), (tokens, spent) in rows.items():
-            out[(label, workload, name)] = tokens / spent
+            for workload in sorted({w for w, name in rows if name == system["name"]}):
+                x = pooled_ceiling(rows[(workload, system["name"])], verify, model_draft, alone)
+                if x is not None:
+                    out[(label, workload, system["name"])] = x
     return out
+
+
+def pooled_ceiling(runs: list[dict], verify, model_draft, alone) -> float | None:
+    """The speedup predicted for a row's runs: the oracle alone's time for all their tokens over
+    their steps' predicted times, pooled (a sum, not a mean of ratios)."""
+    base_time = spec_time = 0.0
+    for r in runs:
+        x = record_ceiling(r.get("records") or [], verify, model_draft, alone)
+        if x is not None:
+            spec_time += r["completion_tokens"] / x
+            base_time += r["completion_tokens"]
+    return base_time / spec_time if spec_time > 0 else None
 
 
 def one_shot_walls(runs) -> dict[str, float]:
@@ -161,13 +171,7 @@ def _row(system: dict, workload: str, runs: list[dict], base: dict[tuple[str, in
     if own is not None:
         verify, draft = own
         model_draft = draft if uses_draft_model(system.get("kind", ""), system.get("params", {})) else None
-        base_time = spec_time = 0.0
-        for r in runs:  # the row's steps, pooled: sum of predicted times
-            x = record_ceiling(r.get("records") or [], verify, model_draft, alone)
-            if x is not None:
-                spec_time += r["completion_tokens"] / x
-                base_time += r["completion_tokens"]
-        ceiling = base_time / spec_time if spec_time > 0 else None
+        ceiling = pooled_ceiling(runs, verify, model_draft, alone)
         if name == "baseline":
             ceiling = 1.0
         context = median([r["prompt_tokens"] + r["completion_tokens"] / 2 for r in runs])
