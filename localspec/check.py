@@ -21,7 +21,7 @@ from .compat import first_difference
 from .costs import fit_steps
 from .engine import Engine
 from .llama import LlamaContext
-from .policy import AdaptiveLength, FixedLength
+from .policy import FixedLength
 
 KERNEL_CONTEXTS = (256, 1024)  # where the attention kernels are compared
 KERNEL_PASS = 9  # a verify pass of 8 drafted tokens
@@ -95,7 +95,7 @@ def run_check(engine: Engine, prompts: list, *, oracle: str, draft: str,
             report.per_token_acceptance = acceptance_from_tokens_per_step(tokens / steps if steps else 0.0, k)
             report.context = int(statistics.median(
                 r.stats.prompt_tokens + r.stats.completion_tokens / 2 for r in results))
-    if isinstance(engine.policy, AdaptiveLength):
+    if engine.policy.learns:  # the adaptive policy (a hybrid's or prompt lookup's too)
         progress("measuring adaptive drafting ...")
         tps, results = _throughput(engine, prompts)
         records += [r for result in results for r in result.stats.records]

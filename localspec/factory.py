@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 from .compat import check_compatible, first_difference
 from .costs import CostBook, CostStore, file_fingerprint, machine_identity
 from .llama import LlamaContext, LlamaModel, default_threads, on_local_gpu, resolve_flash_attn
-from .policy import AdaptiveLength, FixedLength, HybridLength, LengthPolicy
+from .policy import LOOKUP_PRIORS, LOOKUP_RUNS, AdaptiveLength, FixedLength, HybridLength, LengthPolicy, LookupLength
 from .proposers import CrossTokenizerProposer, DraftModelProposer, HybridProposer, PromptLookupProposer, Proposer
 
 log = logging.getLogger("localspec.engine")
@@ -55,16 +55,30 @@ def default_policy(proposer: Proposer | None, draft_max: int = DEFAULT_DRAFT_MAX
     (whether proposing runs a draft model; its first guess at a draft token's cost)."""
     if proposer is None:
         return FixedLength(0)
+    if isinstance(proposer, PromptLookupProposer):
+        return lookup_policy(proposer, k_max=draft_max)
     policy = AdaptiveLength(k_max=draft_max, model_draft=model_draft, draft_cost_ratio=cost_ratio)
     if isinstance(proposer, HybridProposer):
         return hybrid_policy(proposer, policy, lookup_max=lookup_max)
     return policy
 
 
+def lookup_adaptive(k_max: int) -> AdaptiveLength:
+    """Prompt lookup's adaptive length: drafts that cost nothing to make, sized by their match."""
+    return AdaptiveLength(k_max=k_max, model_draft=False, runs=LOOKUP_RUNS, place_priors=LOOKUP_PRIORS,
+                          draft_cost_ratio=draft_cost_ratio(None, None))
+
+
+def lookup_policy(proposer: PromptLookupProposer, *, k_max: int = LOOKUP_DRAFT_MAX) -> LookupLength:
+    """The adaptive policy of prompt lookup alone, which then sizes each draft through it."""
+    policy = LookupLength(lookup_adaptive(k_max))
+    proposer.chooser = policy
+    return policy
+
+
 def hybrid_policy(proposer: HybridProposer, model: AdaptiveLength, *, lookup_max: int = LOOKUP_DRAFT_MAX) -> HybridLength:
     """The adaptive policy of a hybrid proposer, which then chooses its source through it."""
-    policy = HybridLength(model, AdaptiveLength(k_max=lookup_max, model_draft=False,
-                                                draft_cost_ratio=draft_cost_ratio(None, None)))
+    policy = HybridLength(model, lookup_adaptive(lookup_max))
     proposer.chooser = policy
     return policy
 

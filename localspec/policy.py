@@ -10,17 +10,19 @@ at the current context length. The draft may stop before k (its confidence cut-o
 match that runs out), so
 
     P(draft token i+1 is proposed | token i was)    = c       (the continuation rate)
-    P(tokens 1..i are all proposed and accepted)     = a_1 * a^(i-1) * c_acc^(i-1)
-    expected tokens per step   E(k) = 1 + a_1 * sum_{i=1..k} a^(i-1) * c_acc^(i-1)
+    P(tokens 1..i are all proposed and accepted)     = a_1 * a_2 * ... * a_i * c_acc^(i-1)
+    expected tokens per step   E(k) = 1 + sum_{i=1..k} a_1 * ... * a_i * c_acc^(i-1)
     time per step              T(k) = sum_l P(L = l | k) * (draft(l, ctx) + verify(l + 1, ctx)),  T(0) = verify(1, ctx)
 
 where L is the number of tokens drafted (P(L = l) = c^(l-1) * (1 - c) for l < k, c^(k-1) for l = k),
-a the running acceptance rate of a draft token given the ones before it were accepted (each drafted
-token up to the first rejection is one trial, so short drafts also teach what long ones would do),
-a_1 the same for a step's first token, kept apart after a step whose draft was wholly accepted and
-after one that was not (a prompt-lookup draft is right or wrong from its first token: on a copy that
-runs on, the first token is almost always accepted; after the text strayed from the source, a fresh
-match often is not, and a long draft on it costs a long verify pass for nothing),
+a_i the running acceptance rate of the i-th draft token given the ones before it were accepted (each
+drafted token up to the first rejection is one trial, so short drafts also teach what long ones
+would do), kept apart by place (`AcceptanceByPlace`): for a draft model, a step's first token after
+a step whose draft was wholly accepted, after one that was not, and the later ones; for prompt
+lookup, by the length of the match the token extends (the tokens before the draft's source that
+agree with the text's last ones, plus the token's place in the step: a copy that has held for a
+while almost always goes on, while a 2-token match often fails within a few tokens, and a long
+draft on it costs a long verify pass for nothing),
 c_acc the continuation rate after an accepted token (a confident draft is more often right), and
 draft(l, ctx) / verify(n, ctx) the draft's time to propose l tokens and the oracle's time for an
 n-token pass at a context of ctx tokens: `costs.PassCost` models, fitted from every step (nothing
@@ -76,12 +78,13 @@ over the prompt: on a one-shot run of a badly matched pair that alone would cost
 
 from __future__ import annotations
 
+import bisect
 import math
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from .costs import DRAFT_SHAPE, VERIFY_SHAPE, PassCost, expected_tokens
+from .costs import DRAFT_SHAPE, VERIFY_SHAPE, PassCost
 from .outputs import StepRecord
 
 
@@ -166,6 +169,85 @@ def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     return my - slope * mx, slope
 
 
+# prompt lookup's acceptance, kept apart by the length of the match a token extends: under 3, 3-5,
+# 6-11, 12-23, 24-47 and 48 or more tokens; and what to expect of each before anything is measured
+# (the bench's 26 prompts of chat, code, copy, grounded and long text, the default oracle's greedy
+# answers, every position a lookup matched: 52%, 65%, 88%, 95%, 97% and 97-100%)
+LOOKUP_RUNS = (3, 6, 12, 24, 48)
+LOOKUP_PRIORS = (0.5, 0.65, 0.88, 0.95, 0.97, 0.99)
+
+
+class AcceptanceByPlace:
+    """A draft token's acceptance (given the ones before it in its step were accepted), kept apart
+    by where the token stands. Two layouts:
+
+    - `runs=None` (a draft model): a step's first token after a step whose draft was wholly
+      accepted ("aligned"), a step's first token after one that was not ("fresh"), and every later
+      token: keys 0 = first fresh, 1 = first aligned, 2 = later.
+    - `runs=(e_1, e_2, ...)` (prompt lookup): by the length r of the match the token would extend:
+      the tokens before the step's source that agree with the text's last ones (`Draft.match_length`),
+      plus the token's place in the step; key b for e_b <= r < e_(b+1) (key 0: r < e_1). A 2-token
+      match is a poor bet and a copy that has held for 30 tokens a near-certain one (measured: see
+      LOOKUP_PRIORS); one rate for every token after a step's first priced a fresh 2-token match's
+      tokens as a long copy's, and it was drafted 64 tokens long where it held for 6.
+
+    Each estimate is a running mean that settles into an exponential average (`blend`), from
+    `prior` (or per key, `priors`)."""
+
+    def __init__(self, prior: float, runs: Sequence[int] | None = None, priors: Sequence[float] | None = None) -> None:
+        if runs is not None and (not runs or list(runs) != sorted(set(runs)) or runs[0] < 1):
+            raise ValueError("runs: increasing match lengths, the first >= 1")
+        self.runs = tuple(runs) if runs is not None else None
+        n = 3 if self.runs is None else len(self.runs) + 1
+        if priors is not None and len(priors) != n:
+            raise ValueError(f"priors: one per key ({n})")
+        self.estimates = [float(v) for v in priors] if priors is not None else [prior] * n
+        self.events = [0] * n
+
+    def key(self, place: int, run: int) -> int:
+        """The estimate for the draft token at `place` (0: a step's first) of a step whose first
+        token extends a match `run` tokens long (a draft model: the tokens its last steps had
+        accepted in a row, 0 after a rejection)."""
+        if self.runs is None:
+            return 2 if place else int(run > 0)
+        return bisect.bisect_right(self.runs, run + place)
+
+    def ahead(self, k: int, run: int) -> np.ndarray:
+        """The acceptance of each of the next step's k draft tokens [k]."""
+        return np.array([self.estimates[self.key(i, run)] for i in range(k)], dtype=np.float64)
+
+    def judge(self, place: int, run: int, ok: bool, blend: Callable[[float, bool, int], float]) -> None:
+        key = self.key(place, run)
+        self.events[key] += 1
+        self.estimates[key] = blend(self.estimates[key], ok, self.events[key])
+
+    def state(self) -> dict[str, Any]:
+        if self.runs is None:  # the keys kept since before the runs layout
+            return {"first_acceptance_fresh": self.estimates[0], "first_acceptance_aligned": self.estimates[1],
+                    "later_acceptance": self.estimates[2], "first_events_fresh": self.events[0],
+                    "first_events_aligned": self.events[1], "later_events": self.events[2]}
+        return {"runs": list(self.runs), "run_acceptance": list(self.estimates), "run_events": list(self.events)}
+
+    def load(self, state: Mapping[str, Any], overall: float) -> None:
+        """From `state()`. A draft model's state kept before the split by place seeds every place
+        with the `overall` rate; a lookup's kept in another layout is left out (the priors stay:
+        a flat rate learned over copies and coincidences alike would price both wrong)."""
+        if self.runs is None:
+            estimates = [float(state.get(k, overall)) for k in
+                         ("first_acceptance_fresh", "first_acceptance_aligned", "later_acceptance")]
+            events = [max(0, int(state.get(k, 0))) for k in ("first_events_fresh", "first_events_aligned", "later_events")]
+        elif list(state.get("runs", [])) == list(self.runs):
+            estimates = [float(v) for v in state["run_acceptance"]]
+            events = [max(0, int(v)) for v in state["run_events"]]
+        else:
+            return
+        if len(estimates) != len(self.estimates) or len(events) != len(self.events):
+            raise ValueError("malformed acceptance state")
+        if not all(0.0 <= v <= 1.0 for v in estimates):
+            raise ValueError("malformed acceptance state")
+        self.estimates, self.events = estimates, events
+
+
 class AdaptiveLength:
     """Cost-aware draft length (see the module docstring)."""
 
@@ -173,16 +255,13 @@ class AdaptiveLength:
                  prior_weight: float = 4.0, draft_cost_ratio: float = 0.5, model_draft: bool = True,
                  decay: float = 0.97, probe_every: int = 16, probe_budget: float = 0.01, probe_length: int = 2,
                  min_trials: int = 8, min_gain: float = 0.10, keep_gain: float = 0.05,
-                 long_decay: float = 0.995, probe_bank: float = 30.0) -> None:
+                 long_decay: float = 0.995, probe_bank: float = 30.0, runs: Sequence[int] | None = None,
+                 place_priors: Sequence[float] | None = None) -> None:
         self.k_max = k_max
         self.acceptance = prior_acceptance  # a: per drafted token, given the previous ones were accepted
-        # the same split by place, for E(k): a step's first token after a step whose draft was wholly
-        # accepted ("aligned": a lookup copy running on) or not, and the tokens after a first
-        self.first_acceptance = {True: prior_acceptance, False: prior_acceptance}
-        self.later_acceptance = prior_acceptance
-        self._first_events = {True: 0, False: 0}
-        self._later_events = 0
-        self._aligned = False  # the last step drafted something and all of it was accepted
+        # the same split by place, for E(k) (`AcceptanceByPlace`; `runs`, `place_priors`: a lookup's layout)
+        self.by_place = AcceptanceByPlace(prior_acceptance, runs, place_priors)
+        self._run = 0  # the match the next draft extends: a draft model's tokens accepted in a row; a lookup's, given
         self.continuation = prior_continuation  # c: the draft proposes one more token (allowance left)
         self.continuation_accepted = prior_continuation  # c_acc: the same, after a token that was accepted
         self._continuation_events = self._continuation_accepted_events = 0  # outcomes behind each
@@ -228,12 +307,13 @@ class AdaptiveLength:
         return float(self._step_times(k, self.context if context is None else context)[k])
 
     def _expected_tokens(self, k_top: int, acceptance: float | None = None) -> np.ndarray:
-        """E(k) for k = 0..k_top [k_top+1]: from the first token's acceptance after a step like the
-        last one and the later tokens' (`acceptance` given: that one for every token)."""
-        if acceptance is not None:
-            return expected_tokens(acceptance, np.arange(k_top + 1), self.continuation_accepted)
-        return expected_tokens(self.later_acceptance, np.arange(k_top + 1), self.continuation_accepted,
-                               first=self.first_acceptance[self._aligned])
+        """E(k) for k = 0..k_top [k_top+1]: each draft token at its place's acceptance after a step
+        like the last one (`acceptance` given: that one for every token)."""
+        ahead = (np.full(k_top, acceptance) if acceptance is not None
+                 else self.by_place.ahead(k_top, self._run))  # [k_top]
+        # P(draft token i is proposed, and accepted with every one before it)
+        reach = np.cumprod(ahead) * self.continuation_accepted ** np.arange(k_top)  # [k_top]
+        return 1.0 + np.concatenate(([0.0], np.cumsum(reach)))
 
     def evaluated(self, lengths: np.ndarray) -> np.ndarray:
         """Tokens the draft evaluates to propose each of `lengths` [m] (the draft cost's size)."""
@@ -281,7 +361,7 @@ class AdaptiveLength:
         return k if rate[k] >= (1.0 + gain) * rate[0] else 0
 
     def start_request(self) -> None:
-        self._aligned = False  # nothing drafted yet for this text
+        self._run = 0  # nothing drafted yet for this text
         if not self.idle or not self._probe_budget_left():
             return
         # with the draft's cost at the lower of the fitted one and the prior guess: an idle policy
@@ -318,17 +398,26 @@ class AdaptiveLength:
     def aligned(self) -> bool:
         """The last step drafted something and all of it was accepted: the next step's first token
         runs on (a lookup's copy going on) rather than starting afresh."""
-        return self._aligned
+        return self._run > 0
+
+    @property
+    def run(self) -> int:
+        """The length of the match the next draft extends (see `AcceptanceByPlace.key`)."""
+        return self._run
 
     def forget_alignment(self) -> None:
         """Another source drafted since this policy's last step: its next first token is a fresh one."""
-        self._aligned = False
+        self._run = 0
 
-    def draft_length(self, limit: int, context: int = 0, *, offered: int | None = None) -> int:
+    def draft_length(self, limit: int, context: int = 0, *, offered: int | None = None,
+                     run: int | None = None) -> int:
         """`offered`: the tokens the proposer has on offer, when it knows them before the length is
         chosen (a lookup's match). Unlike `limit` (the generation's end, the context's), a short
-        offer that does not pay is a judgement on the source, and counts toward its idleness."""
+        offer that does not pay is a judgement on the source, and counts toward its idleness.
+        `run`: the length of the match the offer extends (`Draft.match_length`)."""
         self._probing = False
+        if run is not None:
+            self._run = run
         self.context = context
         available = limit if offered is None else min(limit, offered)
         if available <= 0:
@@ -375,29 +464,31 @@ class AdaptiveLength:
         if self._probing or self._exploring:  # beyond a plain oracle step, exploring cost this much
             self.probe_time += max(0.0, spent - self.verify_cost(1, step.context))
         self._cap_probe_bank()
-        aligned, self._aligned = self._aligned, n_drafted > 0 and n_accepted == n_drafted
+        run, self._run = self._run, self._run + n_accepted if 0 < n_drafted == n_accepted else 0
         if self._probing:  # drafted from a window of the text: a biased sample, only a hint
-            self._retry_wanted, self._aligned = self._aligned, False
+            self._retry_wanted, self._run = self._run > 0, 0
             return
-        self._judge(n_accepted + (n_accepted < n_drafted), n_accepted, aligned)
+        self._judge(n_accepted + (n_accepted < n_drafted), n_accepted, run)
         if n_drafted:
             self._observe_continuation(n_drafted, n_accepted, allowance=max(self.last_k, n_drafted))
 
-    def score_unverified(self, matched: int, compared: int, *, aligned: bool | None = None) -> None:
+    def score_unverified(self, matched: int, compared: int, *, run: int | None = None) -> None:
         """A draft this source offered but did not draft (the other source of a hybrid did), scored
         against the tokens the step emitted: its first `compared` tokens were compared, the first
         `matched` of them agreed. Its acceptance counts as a drafted step's would (nothing was
         spent): a source that is not chosen still learns what the text is like now, so estimates
         kept from other texts (a lookup's from prompts that did not repeat) cannot keep it unchosen
-        where it would pay, nor chosen where it would not. `aligned`: where the offer's first token
-        stood when it was made (default: where this policy's next one stands)."""
+        where it would pay, nor chosen where it would not. `run`: where the offer's first token
+        stood when it was made (`run`; default: where this policy's next one stands)."""
         if compared <= 0:
             return
-        aligned, self._aligned = self._aligned if aligned is None else aligned, matched == compared
-        self._judge(matched + (matched < compared), matched, aligned)
+        run = self._run if run is None else run
+        self._run = run + matched if matched == compared else 0
+        self._judge(matched + (matched < compared), matched, run)
 
-    def _judge(self, trials: int, n_accepted: int, aligned: bool) -> None:
-        """Learn from `trials` draft tokens, the first `n_accepted` accepted (see the module docstring)."""
+    def _judge(self, trials: int, n_accepted: int, run: int) -> None:
+        """Learn from `trials` draft tokens of a step that began after `run` accepted ones (see
+        `AcceptanceByPlace`), the first `n_accepted` accepted."""
         for i in range(trials):
             ok = i < n_accepted
             self.trials += 1
@@ -405,13 +496,7 @@ class AdaptiveLength:
             self.acceptance = self._blend(self.acceptance, ok, self.fresh_trials)
             weight = max(1.0 - self.long_decay, 1.0 / (self.prior_weight + self.trials))
             self.long_acceptance += weight * (ok - self.long_acceptance)
-            if i == 0:
-                self._first_events[aligned] += 1
-                self.first_acceptance[aligned] = self._blend(self.first_acceptance[aligned], ok,
-                                                             self._first_events[aligned])
-            else:
-                self._later_events += 1
-                self.later_acceptance = self._blend(self.later_acceptance, ok, self._later_events)
+            self.by_place.judge(i, run, ok, self._blend)
         if self.fresh_trials >= self.min_trials:
             self._exploring = False
 
@@ -480,11 +565,7 @@ class AdaptiveLength:
             raise ValueError(f"unknown cost state {kind!r}")
 
     def acceptance_state(self) -> dict[str, Any]:
-        return {"acceptance": self.acceptance, "long_acceptance": self.long_acceptance,
-                "first_acceptance_aligned": self.first_acceptance[True],
-                "first_acceptance_fresh": self.first_acceptance[False], "later_acceptance": self.later_acceptance,
-                "first_events_aligned": self._first_events[True], "first_events_fresh": self._first_events[False],
-                "later_events": self._later_events,
+        return {"acceptance": self.acceptance, "long_acceptance": self.long_acceptance, **self.by_place.state(),
                 "continuation": self.continuation, "continuation_accepted": self.continuation_accepted,
                 "catch_up": self.catch_up, "trials": self.trials,
                 "time_spent": self.time_spent, "probe_time": self.probe_time,
@@ -498,15 +579,7 @@ class AdaptiveLength:
         if not all(0.0 <= v <= 1.0 for v in values):
             raise ValueError("malformed acceptance state")
         self.acceptance, self.long_acceptance, self.continuation, self.continuation_accepted = values
-        by_place = [float(state.get(k, self.acceptance))  # states kept before the split: the overall rate
-                    for k in ("first_acceptance_aligned", "first_acceptance_fresh", "later_acceptance")]
-        if not all(0.0 <= v <= 1.0 for v in by_place):
-            raise ValueError("malformed acceptance state")
-        self.first_acceptance = {True: by_place[0], False: by_place[1]}
-        self.later_acceptance = by_place[2]
-        self._first_events = {True: max(0, int(state.get("first_events_aligned", 0))),
-                              False: max(0, int(state.get("first_events_fresh", 0)))}
-        self._later_events = max(0, int(state.get("later_events", 0)))
+        self.by_place.load(state, self.acceptance)  # states kept before the split by place: the overall rate
         self.catch_up = min(4.0, max(1.0, float(state.get("catch_up", self.catch_up))))
         self.trials = max(0, int(state.get("trials", 0)))
         # the probe budget's account goes on too: a process shorter than a probe's cost / budget
@@ -541,7 +614,7 @@ class HybridLength:
         self._model_k = 0
         self.context = 0
         self._asked = False  # draft_length ran for the step being proposed
-        self._offer_aligned = False
+        self._offer_run = 0
 
     @property
     def idle(self) -> bool:
@@ -553,8 +626,9 @@ class HybridLength:
         self._asked = True
         return min(limit, max(self._model_k, self.lookup.k_max))
 
-    def choose(self, found: int, allowance: int) -> tuple[str, int] | None:
-        """(source, length) for this step; None for a step this policy did not size (another policy
+    def choose(self, found: int, allowance: int, match_length: int = 0) -> tuple[str, int] | None:
+        """(source, length) for this step, whose lookup found `found` tokens on a match
+        `match_length` tokens long; None for a step this policy did not size (another policy
         runs the request: `Engine.using_policy`): the proposer's plain rule applies."""
         asked, self._asked = self._asked, False
         if not asked:
@@ -562,8 +636,8 @@ class HybridLength:
         k_model = min(self._model_k, allowance)
         if found <= 0:
             return "model", k_model
-        self._offer_aligned = self.lookup.aligned  # where the offer's first token stands, if it goes unused
-        k_lookup = self.lookup.draft_length(allowance, self.context, offered=found)
+        self._offer_run = match_length  # where the offer's first token stands, if it goes unused
+        k_lookup = self.lookup.draft_length(allowance, self.context, offered=found, run=match_length)
         if k_lookup <= 0:
             return "model", k_model
         if not self.model.verify_cost.ready:
@@ -574,7 +648,7 @@ class HybridLength:
 
     def score_lookup(self, matched: int, compared: int) -> None:
         """The lookup's offer of a step it did not draft, scored against what the step emitted."""
-        self.lookup.score_unverified(matched, compared, aligned=self._offer_aligned)
+        self.lookup.score_unverified(matched, compared, run=self._offer_run)
 
     def update(self, step: StepRecord) -> None:
         used, other = (self.lookup, self.model) if step.source == "lookup" else (self.model, self.lookup)
@@ -606,3 +680,54 @@ class HybridLength:
             self.lookup.load_acceptance_state(state)
         else:
             self.model.load_cost_state(kind, state)
+
+
+class LookupLength:
+    """The length policy of prompt lookup alone (`--draft ngram`): an `AdaptiveLength` in the
+    lookup's layout (`LOOKUP_RUNS`), which sizes each draft once the proposer has found its match
+    and knows how long it is (`choose`, as `HybridLength` does for the hybrid's lookup);
+    `draft_length` hands the proposer an allowance."""
+
+    learns = True
+
+    def __init__(self, lookup: AdaptiveLength) -> None:
+        self.lookup = lookup
+        self.context = 0
+        self._asked = False
+
+    @property
+    def idle(self) -> bool:
+        return self.lookup.idle
+
+    def draft_length(self, limit: int, context: int = 0) -> int:
+        self.context, self._asked = context, limit > 0
+        return min(limit, self.lookup.k_max)
+
+    def choose(self, found: int, allowance: int, match_length: int = 0) -> tuple[str, int] | None:
+        asked, self._asked = self._asked, False
+        if not asked:
+            return None
+        if found <= 0:
+            return "lookup", 0
+        return "lookup", self.lookup.draft_length(allowance, self.context, offered=found, run=match_length)
+
+    def score_lookup(self, matched: int, compared: int) -> None:
+        pass  # every offer is drafted, in part or whole
+
+    def update(self, step: StepRecord) -> None:
+        self.lookup.update(step)
+
+    def start_request(self) -> None:
+        self.lookup.start_request()
+
+    def consume_catch_up(self) -> bool:
+        return False  # nothing to catch up on
+
+    def describe(self) -> str:
+        return f"LookupLength (prompt lookup up to {self.lookup.k_max}, chosen per step from the match)"
+
+    def cost_state(self) -> dict[str, dict[str, Any]]:
+        return self.lookup.cost_state()
+
+    def load_cost_state(self, kind: str, state: Mapping[str, Any]) -> None:
+        self.lookup.load_cost_state(kind, state)

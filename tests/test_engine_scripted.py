@@ -243,7 +243,7 @@ class Alternating:
         self.calls = 0
         self.sources: list[str] = []
 
-    def choose(self, found: int, allowance: int) -> tuple[str, int]:
+    def choose(self, found: int, allowance: int, match_length: int = 0) -> tuple[str, int]:
         self.calls += 1
         source, k = ("lookup", min(found, allowance)) if found and self.calls % 2 else ("model", allowance)
         self.sources.append(source)

@@ -3,9 +3,10 @@
 import pytest
 
 from localspec.outputs import StepRecord
-from localspec.policy import AdaptiveLength, FixedLength, HybridLength
+from localspec.policy import LOOKUP_PRIORS, LOOKUP_RUNS, AdaptiveLength, FixedLength, HybridLength, LookupLength
 
 CONTEXT = 100
+FRESH, ALIGNED, LATER = 0, 1, 2  # AcceptanceByPlace's keys for a draft model
 
 
 def primed(verify, draft_cost, k_max=16, **kw):
@@ -379,18 +380,18 @@ def test_the_first_tokens_acceptance_is_learned_apart_after_an_accepted_draft_an
     p = AdaptiveLength(k_max=16, prior_acceptance=0.5, prior_weight=4.0, model_draft=False)
     p.start_request()
     p.update(step(4, 0, 0.0, 0.03))  # a fresh match, wrong from its first token
-    assert p.first_acceptance[False] == pytest.approx(0.5 - 0.5 / 5) and p.first_acceptance[True] == 0.5
-    assert p.later_acceptance == 0.5  # only the first token was judged
+    assert p.by_place.estimates[FRESH] == pytest.approx(0.5 - 0.5 / 5) and p.by_place.estimates[ALIGNED] == 0.5
+    assert p.by_place.estimates[LATER] == 0.5  # only the first token was judged
     p.update(step(4, 4, 0.0, 0.03))  # after a rejection: the first right, then three more
-    assert p.first_acceptance[False] == pytest.approx(0.4 + 0.6 / 6)
-    assert p.later_acceptance == pytest.approx(0.5 + 0.5 / 5 + 0.4 / 6 + (1 - 0.5 - 0.5 / 5 - 0.4 / 6) / 7)
+    assert p.by_place.estimates[FRESH] == pytest.approx(0.4 + 0.6 / 6)
+    assert p.by_place.estimates[LATER] == pytest.approx(0.5 + 0.5 / 5 + 0.4 / 6 + (1 - 0.5 - 0.5 / 5 - 0.4 / 6) / 7)
     p.update(step(4, 4, 0.0, 0.03))  # after a wholly accepted draft
-    assert p.first_acceptance[True] == pytest.approx(0.5 + 0.5 / 5)
-    r = p.later_acceptance * p.continuation_accepted
-    assert p.expected_tokens(4) == pytest.approx(1 + p.first_acceptance[True] * (1 - r ** 4) / (1 - r))
+    assert p.by_place.estimates[ALIGNED] == pytest.approx(0.5 + 0.5 / 5)
+    r = p.by_place.estimates[LATER] * p.continuation_accepted
+    assert p.expected_tokens(4) == pytest.approx(1 + p.by_place.estimates[ALIGNED] * (1 - r ** 4) / (1 - r))
     p.update(step(4, 1, 0.0, 0.03))  # strays: the next step starts from a fresh match
-    r = p.later_acceptance * p.continuation_accepted
-    assert p.expected_tokens(4) == pytest.approx(1 + p.first_acceptance[False] * (1 - r ** 4) / (1 - r))
+    r = p.by_place.estimates[LATER] * p.continuation_accepted
+    assert p.expected_tokens(4) == pytest.approx(1 + p.by_place.estimates[FRESH] * (1 - r ** 4) / (1 - r))
 
 
 def test_the_first_token_estimates_are_kept_between_processes():
@@ -399,11 +400,61 @@ def test_the_first_token_estimates_are_kept_between_processes():
     p.update(step(4, 2, 0.0, 0.03))
     again = AdaptiveLength()
     again.load_acceptance_state(p.acceptance_state())
-    assert (again.first_acceptance, again.later_acceptance) == (p.first_acceptance, p.later_acceptance)
+    assert again.by_place.estimates == p.by_place.estimates and again.by_place.events == p.by_place.events
     old = {k: v for k, v in p.acceptance_state().items() if "first" not in k and "later" not in k}
     older = AdaptiveLength()
     older.load_acceptance_state(old)  # kept before the split: every place starts from the overall rate
-    assert older.first_acceptance == {True: p.acceptance, False: p.acceptance} and older.later_acceptance == p.acceptance
+    assert older.by_place.estimates == [p.acceptance] * 3
+
+
+def test_a_lookups_acceptance_is_learned_by_the_length_of_the_match_each_token_extends():
+    """Prompt lookup's layout: a token's estimate is chosen by the match its step's draft extends
+    (`Draft.match_length`) plus its place in the step."""
+    p = AdaptiveLength(k_max=64, prior_acceptance=0.5, prior_weight=4.0, model_draft=False, runs=(3, 6, 12))
+    p.start_request()
+    assert p.draft_length(64, CONTEXT, offered=10, run=2) > 0 and p.run == 2
+    p.update(step(6, 2, 0.0, 0.03))  # matches of 2, 3 accepted; 4 rejected
+    assert p.by_place.events == [1, 2, 0, 0]
+    p.draft_length(64, CONTEXT, offered=30, run=10)
+    p.update(step(5, 5, 0.0, 0.03))  # matches of 10..14, all accepted
+    assert p.by_place.events == [1, 2, 2, 3]
+    p.score_unverified(3, 3, run=2)  # an unused offer, scored where it stood when it was made
+    assert p.by_place.events == [2, 4, 2, 3]
+
+
+def test_a_fresh_match_is_drafted_short_and_a_copy_that_held_long():
+    """At the lookup's priors (measured on the bench's prompts), a 2-token match is drafted a few
+    tokens long (a 64-token verify pass for 6 right tokens cost 150 ms where 7 tokens cost 40), a
+    copy that has held for 48 tokens several times as long."""
+    verify = lambda n: 0.020 + 0.002 * (n - 1)  # noqa: E731
+    p = AdaptiveLength(k_max=64, model_draft=False, runs=LOOKUP_RUNS, place_priors=LOOKUP_PRIORS,
+                       draft_cost_ratio=0.01)
+    for _ in range(3):
+        for n in (1, 8, 32, 64):
+            p.verify_cost.observe(n, CONTEXT, verify(n))
+    p.fresh_trials = p.min_trials
+    fresh = p.draft_length(64, CONTEXT, offered=64, run=2)
+    held = p.draft_length(64, CONTEXT, offered=64, run=48)
+    assert 2 <= fresh <= 8 and held >= 32
+
+
+def test_a_lookups_match_estimates_are_kept_and_an_older_layouts_left_out():
+    p = AdaptiveLength(model_draft=False, runs=LOOKUP_RUNS, place_priors=LOOKUP_PRIORS)
+    p.draft_length(64, CONTEXT, offered=30, run=4)
+    p.update(step(20, 20, 0.0, 0.03))
+    again = AdaptiveLength(model_draft=False, runs=LOOKUP_RUNS, place_priors=LOOKUP_PRIORS)
+    again.load_acceptance_state(p.acceptance_state())
+    assert again.by_place.estimates == p.by_place.estimates and again.by_place.events == p.by_place.events
+    assert again.acceptance == p.acceptance
+    flat = AdaptiveLength(prior_acceptance=0.6, model_draft=False)  # a lookup's state kept before the layout
+    flat.update(step(4, 1, 0.0, 0.03))
+    upgraded = AdaptiveLength(model_draft=False, runs=LOOKUP_RUNS, place_priors=LOOKUP_PRIORS)
+    upgraded.load_acceptance_state(flat.acceptance_state())
+    assert upgraded.by_place.estimates == list(LOOKUP_PRIORS) and upgraded.acceptance == flat.acceptance
+    with pytest.raises(ValueError):
+        AdaptiveLength(runs=(4, 1))
+    with pytest.raises(ValueError):
+        AdaptiveLength(runs=(4, 8), place_priors=(0.5, 0.9))
 
 
 def test_a_draft_cost_learned_on_a_busy_machine_does_not_keep_the_policy_idle_for_good():
@@ -438,7 +489,8 @@ def test_a_draft_cost_learned_on_a_busy_machine_does_not_keep_the_policy_idle_fo
 
 def hybrid(verify, draft_cost, *, model_acceptance, lookup_acceptance):
     model = primed(verify, draft_cost, prior_acceptance=model_acceptance)
-    lookup = AdaptiveLength(k_max=64, model_draft=False, prior_acceptance=lookup_acceptance, draft_cost_ratio=0.01)
+    lookup = AdaptiveLength(k_max=64, model_draft=False, prior_acceptance=lookup_acceptance, draft_cost_ratio=0.01,
+                            runs=LOOKUP_RUNS)
     policy = HybridLength(model, lookup)
     lookup.fresh_trials = model.fresh_trials = model.min_trials  # judged already: no early probes
     return policy
@@ -478,7 +530,7 @@ def test_a_hybrid_step_teaches_the_policy_of_the_source_that_drafted_it():
     p.draft_length(64, CONTEXT)
     p.update(lookup_step(10, 10, verify(11)))
     assert p.lookup.acceptance > lookup_acceptance and p.model.trials == model_trials
-    assert p.lookup.first_acceptance[True] == 0.8 and p.lookup.aligned  # a fresh match, wholly accepted
+    assert p.lookup.by_place.events == [3, 3, 4, 0, 0, 0] and p.lookup.aligned  # matches of 0..9 tokens, all accepted
     model_acceptance = p.model.acceptance
     p.update(step(4, 0, 0.04, verify(5)))  # the model's draft, rejected: the lookup's next match is fresh
     assert p.model.acceptance < model_acceptance and not p.lookup.aligned
@@ -503,9 +555,9 @@ def test_an_offer_that_was_not_drafted_teaches_the_lookup_what_the_text_is_like_
         p.update(step(8, 8, 0.03, verify(9)))
         p.score_lookup(9, 9)
         p.draft_length(64, CONTEXT)
-        sources.append(p.choose(found=30, allowance=64)[0])
+        sources.append(p.choose(found=30, allowance=64, match_length=16)[0])
     assert sources[0] == "model" and sources[-1] == "lookup"
-    assert p.lookup.first_acceptance[True] > 0.5 and p.lookup.later_acceptance > 0.8
+    assert p.lookup.by_place.estimates[3] > 0.8  # matches of 16-23 tokens: these offers' ones
     assert (p.lookup.time_spent, p.lookup.draft_cost.observations) == (spent, draft_seen)  # nothing spent
     p.lookup.score_unverified(0, 3)  # an offer wrong from its first token: the next one is fresh
     assert not p.lookup.aligned

@@ -3,7 +3,9 @@
 import numpy as np
 import pytest
 
-from localspec.proposers import EMPTY_DRAFT, Draft, DraftModelProposer, HybridProposer, PromptLookupProposer
+from localspec.factory import lookup_policy
+from localspec.proposers import (EMPTY_DRAFT, MATCH_CAP, Draft, DraftModelProposer, HybridProposer,
+                                  PromptLookupProposer)
 from localspec.sampling import SamplingParams, logits_to_probs
 from scripted import ScriptedContext, ScriptedModel, hashed_logits, related_logits
 
@@ -69,6 +71,42 @@ def test_bad_ngram_bounds():
         PromptLookupProposer(max_ngram=1, min_ngram=2)
 
 
+def test_a_lookup_draft_says_how_far_back_its_match_goes():
+    #           the source: 5 6 7 8 9 ...          the text's end: 3 7 8
+    history = [5, 6, 7, 8, 9, 1, 2, 3, 7, 8]
+    d = PromptLookupProposer().propose(history, 4, GREEDY, np.random.default_rng(0))
+    assert d.tokens.tolist() == [9, 1, 2, 3] and d.match_length == 2  # "7 8": then 6 against 3
+    copy = list(range(100, 140))
+    d = PromptLookupProposer().propose(copy + [0] + copy[:30], 64, GREEDY, np.random.default_rng(0))
+    assert d.tokens.tolist() == copy[30:] + [0] + copy[:30] and d.match_length == 30  # the whole copy so far
+    d = PromptLookupProposer().propose(copy * 3, 4, GREEDY, np.random.default_rng(0))
+    assert d.match_length == MATCH_CAP  # measured back so far only
+
+
+def test_prompt_lookup_alone_sizes_each_draft_by_its_match():
+    """`--draft ngram`: the adaptive policy sizes a draft once the match is found (`LookupLength`):
+    a 2-token coincidence short, a copy that has held for 40 tokens long."""
+    proposer = PromptLookupProposer()
+    policy = lookup_policy(proposer)
+    assert proposer.chooser is policy
+    adaptive = policy.lookup
+    for _ in range(3):
+        for n in (1, 8, 32, 64):
+            adaptive.verify_cost.observe(n, 100, 0.020 + 0.002 * (n - 1))
+    adaptive.fresh_trials = adaptive.min_trials
+    source = list(range(100, 200))
+    rng = np.random.default_rng(0)
+    coincidence = source + [7, 150, 151]  # "150 151" occurs in the source, by chance
+    allowance = policy.draft_length(64, 100)
+    assert allowance == 64
+    fresh = proposer.propose(coincidence, allowance, GREEDY, rng)
+    policy.draft_length(64, 100)
+    held = proposer.propose(source + [7] + source[:40], allowance, GREEDY, rng)
+    assert fresh.match_length == 2 and 1 <= len(fresh) <= 8
+    assert held.match_length == 40 and len(held) >= 32
+    assert len(proposer.propose(coincidence, 64, GREEDY, rng)) == 51  # not sized by this policy: all it found
+
+
 class CountingModel:
     def __init__(self):
         self.calls = 0
@@ -117,7 +155,7 @@ class ModelFirst:
     def __init__(self):
         self.scores = []
 
-    def choose(self, found, allowance):
+    def choose(self, found, allowance, match_length=0):
         return "model", allowance
 
     def score_lookup(self, matched, compared):
