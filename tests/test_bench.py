@@ -562,3 +562,21 @@ def test_the_reprice_script_prints_a_table_of_two_reports(tmp_path):
     script = Path(__file__).resolve().parent.parent / "scripts" / "reprice_bench.py"
     out = subprocess.run([sys.executable, str(script), *paths], capture_output=True, text=True, check=True).stdout
     assert "| workload | system | before | after |" in out and "| chat | k4 |" in out
+
+
+def test_lookup_priors_counts_each_guess_by_the_match_it_extends(tmp_path):
+    """scripts/lookup_priors.py on kept answers (no model): an answer that copies its prompt is right
+    at every guess; one that departs from it is wrong where it departs."""
+    import subprocess
+
+    source = list(range(100, 140))
+    texts = {"copy-x": {"workload": "copy", "prompt": source + [7], "out": source[:30]},
+             "chat-x": {"workload": "chat", "prompt": source + [7], "out": source[:3] + [9, 9, 9]}}
+    kept = tmp_path / "answers.json"
+    kept.write_text(json.dumps(texts))
+    script = Path(__file__).resolve().parent.parent / "scripts" / "lookup_priors.py"
+    out = subprocess.run([sys.executable, str(script), "--json", str(kept)], capture_output=True, text=True,
+                         check=True).stdout
+    rows = {line.split(" | ")[0].strip("| "): line for line in out.splitlines() if line.startswith("| ")}
+    assert "0%" not in rows["copy"].replace("100%", "") and "100% (" in rows["copy"]  # every guess held
+    assert " 0% (" in rows["chat"]  # the guess after "100 101 102" says 103 where the answer says 9
