@@ -478,8 +478,8 @@ class AdaptiveLength:
         `matched` of them agreed. Its acceptance counts as a drafted step's would (nothing was
         spent): a source that is not chosen still learns what the text is like now, so estimates
         kept from other texts (a lookup's from prompts that did not repeat) cannot keep it unchosen
-        where it would pay, nor chosen where it would not. `run`: where the offer's first token
-        stood when it was made (`run`; default: where this policy's next one stands)."""
+        where it would pay, nor chosen where it would not. `run`: the match the offer's first token
+        extended when it was made (default: the one this policy's next draft extends)."""
         if compared <= 0:
             return
         run = self._run if run is None else run
@@ -487,8 +487,8 @@ class AdaptiveLength:
         self._judge(matched + (matched < compared), matched, run)
 
     def _judge(self, trials: int, n_accepted: int, run: int) -> None:
-        """Learn from `trials` draft tokens of a step that began after `run` accepted ones (see
-        `AcceptanceByPlace`), the first `n_accepted` accepted."""
+        """Learn from `trials` draft tokens of a step whose first one extended a match `run` tokens
+        long (see `AcceptanceByPlace.key`), the first `n_accepted` accepted."""
         for i in range(trials):
             ok = i < n_accepted
             self.trials += 1
