@@ -288,28 +288,35 @@ def _prompt_catch_up(step: "StepRecord", max_draft_size: int = MAX_STEP_DRAFT_SI
 # alone's time for the same tokens over the time spent.
 
 
-def expected_tokens(a: float, k, continuation: float = 1.0, first: float | None = None):
-    """Tokens a step drafting up to k is expected to yield (the accepted draft tokens and the
-    oracle's own): E = 1 + sum_{i=1..k} a^i c^(i-1), with a the acceptance of a draft token given
-    the ones before it were accepted and c the chance the draft goes on after an accepted token;
-    = 1 + a (1 - r^k) / (1 - r), r = a c (the standard model, c = 1: (1 - a^(k+1)) / (1 - a)).
-    `first`: the first draft token's own acceptance where it differs from the later ones' (a
-    prompt-lookup draft is right or wrong from its first token): E = 1 + first (1 - r^k) / (1 - r).
-    `k`: a number, fractional too (a mean draft length), or an array of them (then an array)."""
-    if not 0.0 <= a <= 1.0 or (first is not None and not 0.0 <= first <= 1.0):
+def expected_tokens(a: float, k):
+    """Tokens a step drafting k is expected to yield (the accepted draft tokens and the oracle's
+    own) in the standard model, every draft token accepted with probability a given the ones before
+    it were: E = 1 + sum_{i=1..k} a^i = (1 - a^(k+1)) / (1 - a). `k`: a number, fractional too (a
+    mean draft length), or an array of them (then an array). `expected_tokens_by_place`: the same
+    with an acceptance per place and a draft that may stop early."""
+    if not 0.0 <= a <= 1.0:
         raise ValueError("the acceptance a must be in [0, 1]")
     ks = np.asarray(k, dtype=np.float64)
     if np.any(ks < 0):
         raise ValueError("the draft length k must be >= 0")
-    d = (1.0 - a) + a * (1.0 - continuation)  # 1 - r, without the rounding of forming r near 1
+    d = 1.0 - a  # without the rounding of forming a near 1
     if d <= 0.0:
         series = ks  # every token accepted
     elif d >= 1.0:
-        series = (ks > 0).astype(np.float64)  # r = 0: at most the first token
+        series = (ks > 0).astype(np.float64)  # a = 0: nothing accepted
     else:
-        series = -np.expm1(ks * np.log1p(-d)) / d  # (1 - r^k) / (1 - r), accurate for r near 1
-    e = 1.0 + (a if first is None else first) * series
+        series = -np.expm1(ks * np.log1p(-d)) / d  # (1 - a^k) / (1 - a), accurate for a near 1
+    e = 1.0 + a * series
     return float(e) if e.ndim == 0 else e
+
+
+def expected_tokens_by_place(ahead: np.ndarray, continuation: float = 1.0) -> np.ndarray:
+    """E(k) for k = 0..K [K+1], each draft token i (of K) accepted with probability ahead[i] given
+    the ones before it were, and the draft going on after an accepted token with probability
+    `continuation`: E(k) = 1 + sum_{i=1..k} ahead[0] * ... * ahead[i-1] * continuation^(i-1)."""
+    ahead = np.asarray(ahead, dtype=np.float64)  # [K]
+    reach = np.cumprod(ahead) * continuation ** np.arange(len(ahead))  # [K] P(token i proposed, it and all before accepted)
+    return 1.0 + np.concatenate(([0.0], np.cumsum(reach)))
 
 
 def speedup(oracle_alone: float | None, *spent: float) -> float | None:

@@ -84,7 +84,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from .costs import DRAFT_SHAPE, VERIFY_SHAPE, PassCost
+from .costs import DRAFT_SHAPE, VERIFY_SHAPE, PassCost, expected_tokens_by_place
 from .outputs import StepRecord
 
 
@@ -311,9 +311,7 @@ class AdaptiveLength:
         like the last one (`acceptance` given: that one for every token)."""
         ahead = (np.full(k_top, acceptance) if acceptance is not None
                  else self.by_place.ahead(k_top, self._run))  # [k_top]
-        # P(draft token i is proposed, and accepted with every one before it)
-        reach = np.cumprod(ahead) * self.continuation_accepted ** np.arange(k_top)  # [k_top]
-        return 1.0 + np.concatenate(([0.0], np.cumsum(reach)))
+        return expected_tokens_by_place(ahead, self.continuation_accepted)
 
     def evaluated(self, lengths: np.ndarray) -> np.ndarray:
         """Tokens the draft evaluates to propose each of `lengths` [m] (the draft cost's size)."""
