@@ -157,8 +157,9 @@ def _llama_tokenizer(model, vocab, eog: list[int]) -> LLTokenizer:
     look like them) prefixed with 0xFF as llguidance marks special tokens, llama_tokenize for text."""
     import ctypes
 
-    import llama_cpp
     from llguidance import LLTokenizer
+
+    from .bindings import llama_cpp
 
     tokens = []
     for t in range(model.n_vocab):
@@ -168,7 +169,7 @@ def _llama_tokenizer(model, vocab, eog: list[int]) -> LLTokenizer:
                 attr & llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED and piece.startswith(b"<") and piece.endswith(b">")):
             piece = b"\xff" + piece
         tokens.append(piece)
-    tokenize = ctypes.cast(llama_cpp.llama_cpp._lib.llama_tokenize, ctypes.c_void_p).value
+    tokenize = ctypes.cast(llama_cpp._lib.llama_tokenize, ctypes.c_void_p).value
     return LLTokenizer.from_llamacpp(tokens=tokens, vocab_ptr=vocab, tokenize_fptr=tokenize, eos_token=eog, slices=None)
 
 

@@ -372,7 +372,7 @@ def file_fingerprint(path: str | os.PathLike) -> str:
 @lru_cache(maxsize=1)
 def machine_identity() -> dict[str, str]:
     """The CPU model and llama.cpp's build and backends: what a cost depends on beyond the model."""
-    import llama_cpp
+    from .bindings import VERSION, llama_cpp
 
     cpu = platform.processor() or platform.machine()
     try:
@@ -386,7 +386,7 @@ def machine_identity() -> dict[str, str]:
         system = llama_cpp.llama_print_system_info().decode("utf-8", errors="replace").strip()
     except Exception:  # pragma: no cover - every binding has it; the key then just says less
         system = ""
-    return {"cpu": cpu, "llama_cpp_python": getattr(llama_cpp, "__version__", "?"), "system": system}
+    return {"cpu": cpu, "llama_cpp_python": VERSION, "system": system}
 
 
 class CostStore:

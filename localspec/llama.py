@@ -22,8 +22,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-import llama_cpp
-
+from .bindings import PACKAGE_DIR, VERSION, llama_cpp
 from .models.gguf import GGUF_MAGIC, GgufHeader, read_gguf_header
 
 log = logging.getLogger("localspec.llama")
@@ -508,14 +507,11 @@ class Ggml:
     libraries the loaded llama_cpp uses. Get the process's one instance with `ggml()`."""
 
     def __init__(self) -> None:
-        from llama_cpp import llama_cpp as bindings
-        from llama_cpp._ctypes_extensions import load_shared_library
-
-        base = Path(getattr(bindings, "_base_path", Path(llama_cpp.__file__).parent / "lib"))
+        base = Path(getattr(llama_cpp, "_base_path", PACKAGE_DIR / "lib"))
         self._libs = []
         for name in ("ggml", "ggml-base"):  # already loaded by libllama: the same instances
             try:
-                self._libs.append(load_shared_library(name, base))
+                self._libs.append(llama_cpp.load_shared_library(name, base))
             except (OSError, RuntimeError) as e:
                 log.debug("lib%s not loadable from %s: %s", name, base, e)
         vp, size, text = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p
@@ -540,7 +536,7 @@ class Ggml:
             if fn is not None:
                 fn.restype, fn.argtypes = restype, list(argtypes)
                 return fn
-        raise LlamaError(f"llama.cpp's ggml library has no {name} (llama-cpp-python {llama_cpp.__version__})")
+        raise LlamaError(f"llama.cpp's ggml library has no {name} (llama-cpp-python {VERSION})")
 
     def device(self, handle: int) -> "Device":
         reg = self.dev_backend_reg(handle)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-import llama_cpp
+from .bindings import PACKAGE_DIR, VERSION, llama_cpp
 
 from .llama import Device, LlamaError, ggml, local_gpus, model_n_layer
 
@@ -70,7 +70,7 @@ def require_rpc() -> None:
 
     version = llama_cpp_python_version()
     raise RPCError(
-        f"RPC was asked for, but the installed llama-cpp-python {version} ({Path(llama_cpp.__file__).parent}) was "
+        f"RPC was asked for, but the installed llama-cpp-python {version} ({PACKAGE_DIR}) was "
         f"built without llama.cpp's RPC backend. Rebuild it with RPC: CMAKE_ARGS=\"-DGGML_RPC=on\" pip install "
         f"--force-reinstall --no-deps --no-cache-dir llama-cpp-python=={version} ; or run {BUILD_SCRIPT} (it builds "
         f"an RPC-enabled copy and rpc-server into {build_dir(version)}) and put its site/ directory first on "
@@ -152,7 +152,7 @@ def probe(endpoint: str, timeout: float | None = None) -> ServerInfo:
                 raise RPCError(
                     f"RPC server {endpoint} speaks RPC protocol {major}.{minor}.{patch}, this llama.cpp "
                     f"{'.'.join(map(str, client))}: build rpc-server from the same llama.cpp as llama-cpp-python "
-                    f"{llama_cpp.__version__} ({BUILD_SCRIPT} does)")
+                    f"{VERSION} ({BUILD_SCRIPT} does)")
             sock.sendall(struct.pack("<BQ", _CMD_DEVICE_COUNT, 0))
             if struct.unpack("<Q", _recv_exact(sock, 8))[0] != 4:
                 raise ValueError("a malformed device count")
@@ -171,7 +171,7 @@ def probe(endpoint: str, timeout: float | None = None) -> ServerInfo:
 def client_protocol() -> tuple[int, int, int] | None:
     """The RPC protocol version of the loaded llama.cpp, from the ggml-rpc.h installed beside it (None
     when it is not there: llama.cpp then checks it itself, by aborting)."""
-    base = Path(llama_cpp.__file__).parent
+    base = PACKAGE_DIR
     for header in (base / "include" / "ggml-rpc.h", base.parent / "include" / "ggml-rpc.h"):
         try:
             text = header.read_text()

@@ -49,3 +49,25 @@ def test_default_threads_is_the_cpus_this_process_may_use():
     assert n >= 1
     if hasattr(os, "sched_getaffinity"):
         assert n == len(os.sched_getaffinity(0))
+
+
+def test_bindings_load_without_the_high_level_layer_and_leave_the_package_whole():
+    """localspec loads llama_cpp's low-level module alone (the package's __init__ would import its
+    high-level Llama, chat formats and jinja2 too); a later `import llama_cpp` still gets the whole
+    package, over the same loaded module."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, importlib.metadata\n"
+        "import localspec.llama, localspec.rpc\n"
+        "from localspec.bindings import VERSION, llama_cpp as low\n"
+        "assert 'llama_cpp.llama' not in sys.modules, 'the high-level layer was imported'\n"
+        "assert 'llama_cpp' not in sys.modules\n"
+        "assert VERSION == importlib.metadata.version('llama-cpp-python'), VERSION\n"
+        "import llama_cpp\n"
+        "assert llama_cpp.Llama and llama_cpp.__version__ == VERSION\n"
+        "assert llama_cpp.llama_decode is low.llama_decode and llama_cpp.llama_cpp is low\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

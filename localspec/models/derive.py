@@ -34,7 +34,7 @@ def derive_gguf(src: Path, dest: Path, ftype: str, *, label: str | None = None, 
     if ftype not in FTYPES:
         raise ModelError(f"{label}: unknown ftype {ftype!r} (known: {', '.join(FTYPES)})")
     try:
-        import llama_cpp
+        from ..bindings import llama_cpp
 
         from ..llama import captured_log, default_threads
     except ImportError as e:
