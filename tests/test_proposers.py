@@ -83,6 +83,15 @@ def test_a_lookup_draft_says_how_far_back_its_match_goes():
     assert d.match_length == MATCH_CAP  # measured back so far only
 
 
+def test_a_lookup_draws_from_the_occurrence_that_agrees_longest():
+    #          earlier: 1 2 3 4 -> 5        later: 9 9 3 4 -> 6      the text's end: 1 2 3 4
+    history = [1, 2, 3, 4, 5, 0, 9, 9, 3, 4, 6, 0, 1, 2, 3, 4]
+    d = PromptLookupProposer(max_ngram=2).propose(history, 2, GREEDY, np.random.default_rng(0))
+    assert d.tokens.tolist() == [5, 0] and d.match_length == 4  # not the latest "3 4" (then 6)
+    tie = [7, 3, 4, 5, 8, 3, 4, 6, 9, 3, 4]  # both "3 4" agree for 2 tokens only: the latest
+    assert PromptLookupProposer(max_ngram=2).propose(tie, 1, GREEDY, np.random.default_rng(0)).tokens.tolist() == [6]
+
+
 def test_prompt_lookup_alone_sizes_each_draft_by_its_match():
     """`--draft ngram`: the adaptive policy sizes a draft once the match is found (`LookupLength`):
     a 2-token coincidence short, a copy that has held for 40 tokens long."""
