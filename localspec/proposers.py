@@ -21,7 +21,8 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 
 from .llama import ContextFullError, LlamaContext, shared_prefix
-from .sampling import SamplingParams, coupled_choice, greedy_argmax, logits_to_probs, mask_logits, sample
+from .sampling import (SamplingParams, coupled_choice, greedy_argmax, logits_to_probs, mask_logits, sample,
+                       top_probability)
 
 
 @dataclass(frozen=True)
@@ -236,8 +237,7 @@ class DraftModelProposer:
             token = int(greedy_argmax(row))
             if self.p_min <= 0:
                 return token, True
-            top = 1.0 / np.exp(row.astype(np.float64) - row[token]).sum()  # softmax at the argmax
-            return token, top >= self.p_min
+            return token, top_probability(row, token) >= self.p_min
         dist = logits_to_probs(row, sampling)  # [vocab]
         if sampling.coupled:  # the oracle will check its own pick with the same noise
             token = coupled_choice(dist, sampling.seed, position)

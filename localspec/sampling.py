@@ -192,6 +192,15 @@ def _softmax_into(x: np.ndarray, temperature: float, ftype: np.dtype, out: np.nd
     out /= out.sum()
 
 
+def top_probability(row: np.ndarray, token: int) -> float:
+    """softmax(row)[token] for the row's maximal `token`, row [vocab] (a greedy draft's confidence):
+    exp in the row's precision, at least float32 (row - row[token] <= 0 cannot overflow; what
+    underflows adds nothing), the sum in float64. ~45 us for 49k logits, against ~380 us in float64:
+    it runs once per drafted token."""
+    shifted = np.subtract(row, row[token], dtype=np.result_type(row.dtype, np.float32))  # [vocab], <= 0
+    return 1.0 / float(np.exp(shifted, out=shifted).sum(dtype=np.float64))
+
+
 def logits_to_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """logits: [n, vocab] or [vocab], any real dtype; never written to (read-only views are fine).
 

@@ -7,7 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from localspec.sampling import SamplingParams, greedy_argmax, log_softmax, logits_to_probs, sample, top_ids
+from localspec.sampling import (SamplingParams, greedy_argmax, log_softmax, logits_to_probs, sample, top_ids,
+                                top_probability)
 from scripted import ScriptedRng
 
 
@@ -420,3 +421,16 @@ def test_top_ids_are_largest_first_and_ties_in_id_order():
             order = sorted(range(row.size), key=lambda t: (-row[t], t))[:n]  # value descending, then id
             assert top_ids(row, n).tolist() == order
     assert top_ids(np.array([0.0, 1.0]), 0).size == 0
+
+
+@pytest.mark.parametrize("scale", [0.1, 3.0, 40.0])
+def test_top_probability_is_the_softmax_at_the_argmax(scale):
+    rng = np.random.default_rng(7)
+    row = (rng.standard_normal(49152) * scale).astype(np.float32)  # [vocab]
+    row[5] = -np.inf  # a masked id adds nothing
+    token = int(np.argmax(row))
+    x = row.astype(np.float64)
+    reference = np.exp(x[token] - x.max()) / np.exp(x - x.max()).sum()
+    assert top_probability(row, token) == pytest.approx(reference, rel=1e-6)
+    assert row.dtype == np.float32 and row[5] == -np.inf  # not written
+    assert top_probability(np.array([0.0, -np.inf], dtype=np.float32), 0) == 1.0
