@@ -15,7 +15,6 @@ Acceptance is a property of the text and the model, not of the machine: no timin
 from __future__ import annotations
 
 import argparse
-import bisect
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -26,7 +25,7 @@ from localspec.bench import workloads
 from localspec.engine import Engine
 from localspec.models import Registry
 from localspec.options import GenerationOptions
-from localspec.policy import LOOKUP_RUNS
+from localspec.policy import LOOKUP_RUNS, AcceptanceByPlace
 from localspec.proposers import PromptLookupProposer
 
 WORKLOADS = ("chat", "code", "copy", "grounded", "long")
@@ -47,6 +46,7 @@ def answers(pair: str | None, prompts: int, max_tokens: int, threads: int | None
 def trials(texts: dict[str, dict], edges=LOOKUP_RUNS) -> dict[tuple[str, int], list[int]]:
     """{(workload, bucket): [trials, accepted]}."""
     lookup = PromptLookupProposer()
+    place = AcceptanceByPlace(0.0, edges)  # the length policy's own buckets
     counts: dict[tuple[str, int], list[int]] = defaultdict(lambda: [0, 0])
     for text in texts.values():
         prompt, answer = text["prompt"], text["out"]
@@ -54,7 +54,7 @@ def trials(texts: dict[str, dict], edges=LOOKUP_RUNS) -> dict[tuple[str, int], l
             guess = lookup.propose(prompt + answer[:t], 64)
             for i, token in enumerate(guess.tokens.tolist()[:len(answer) - t]):
                 ok = token == answer[t + i]
-                cell = counts[(text["workload"], bisect.bisect_right(edges, guess.match_length + i))]
+                cell = counts[(text["workload"], place.key(i, guess.match_length))]
                 cell[0] += 1
                 cell[1] += ok
                 if not ok:
