@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import re
 import sys
 import traceback
@@ -54,6 +55,33 @@ def friendly_errors(fn: Callable) -> Callable:
             raise UserError(str(e)) from e
 
     return wrapper
+
+
+_PROGRAM = False  # set by `entry`, the program's start; not when click's test runner calls `main` in-process
+
+
+def entry() -> None:
+    """The `localspec` program (pyproject's script; `python -m localspec.cli`)."""
+    global _PROGRAM
+    _PROGRAM = True
+    main()
+
+
+def exit_now() -> None:
+    """End the program here, its output flushed, without tearing anything down: freeing the models
+    and contexts and finalizing the interpreter cost a fresh `localspec generate` ~35-50 ms (the
+    default pair, `--max-tokens 1 --json`, median of 15 processes: 0.668 s against 0.701 s), work
+    the system does anyway when the process ends. mypy ends its runs this way (`mypy.util.hard_exit`). Only where nothing is left
+    to write but what is flushed here; a no-op inside another program (a test calling `main`)."""
+    if not _PROGRAM:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe (`| head`): nothing more can reach it
+            pass
+    logging.shutdown()
+    os._exit(0)
 
 
 def progress(message: str) -> None:
@@ -259,6 +287,7 @@ def generate(prompt: str | None, system: str | None, raw: bool, as_json: bool, i
         if as_json:
             result = engine.generate(request, options)
             click.echo(json.dumps(result.to_dict(), ensure_ascii=False))
+            exit_now()
             return
         final = None
         for final in engine.stream(request, options):
@@ -272,6 +301,7 @@ def generate(prompt: str | None, system: str | None, raw: bool, as_json: bool, i
             f"[{s.completion_tokens} tokens, {s.tokens_per_second:.1f} tok/s, acceptance "
             f"{s.acceptance_rate:.0%}, {s.mean_accepted_length:.2f} accepted/step, finish: {final.finish_reason}"
             f"{incomplete}]", dim=True), err=True)
+        exit_now()
 
 
 @main.command()
@@ -509,4 +539,4 @@ def bench(**kw) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    entry()

@@ -116,6 +116,22 @@ def test_cli_generate_json_on_the_default_pair():
     assert fixed["stats"]["acceptance_rate"] > 0.8
 
 
+def test_cli_generate_output_is_whole_when_the_program_ends_at_once():
+    """`localspec generate` ends without tearing the models down (`cli.exit_now`): what it printed,
+    streamed text on stdout and the stats line on stderr, is all there, through pipes, and the exit
+    status is 0. The same reply as `--json` gives."""
+    import json
+    import subprocess
+
+    args = ["localspec", "generate", "Name three colours.", "--max-tokens", "20", "--threads", "2"]
+    streamed = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    as_json = subprocess.run(args + ["--json"], capture_output=True, text=True, timeout=300)
+    assert streamed.returncode == 0 and as_json.returncode == 0, streamed.stderr + as_json.stderr
+    result = json.loads(as_json.stdout)
+    assert streamed.stdout == result["text"] + "\n"
+    assert f"[{result['stats']['completion_tokens']} tokens," in streamed.stderr
+
+
 def test_cli_generate_fits_its_context_to_the_prompt_and_answer():
     """Without --ctx a one-prompt `generate` sizes its context from the prompt's bytes and
     --max-tokens: never so small that the answer is cut short. A prompt of single-digit tokens
