@@ -47,8 +47,8 @@ def friendly_errors(fn: Callable) -> Callable:
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except click.ClickException:
-            raise
+        except (click.ClickException, BrokenPipeError):
+            raise  # a reader that went away (`| head`): click ends quietly, status 1
         except _expected_errors() as e:
             if logging.getLogger("localspec").isEnabledFor(logging.DEBUG):
                 traceback.print_exc()

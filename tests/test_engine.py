@@ -132,6 +132,21 @@ def test_cli_generate_output_is_whole_when_the_program_ends_at_once():
     assert f"[{result['stats']['completion_tokens']} tokens," in streamed.stderr
 
 
+def test_cli_generate_into_a_reader_that_goes_away_ends_quietly():
+    """`localspec generate ... | head -c 20`: once the reader has gone, the program stops with
+    status 1 and no error message (as other Unix programs do), not 'error: [Errno 32] Broken pipe'."""
+    import subprocess
+
+    p = subprocess.Popen(["localspec", "generate", "Write a long story about a lighthouse keeper.",
+                          "--max-tokens", "300", "--threads", "2", "--no-lookup"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert len(p.stdout.read(20)) == 20
+    p.stdout.close()
+    stderr = p.stderr.read().decode()
+    assert p.wait(timeout=300) == 1, stderr
+    assert "error" not in stderr.lower() and "Traceback" not in stderr
+
+
 def test_cli_generate_fits_its_context_to_the_prompt_and_answer():
     """Without --ctx a one-prompt `generate` sizes its context from the prompt's bytes and
     --max-tokens: never so small that the answer is cut short. A prompt of single-digit tokens
