@@ -22,6 +22,7 @@ from .proposers import CrossTokenizerProposer, DraftModelProposer, HybridPropose
 log = logging.getLogger("localspec.engine")
 
 DEFAULT_DRAFT_MAX = 16
+LOOKUP_TEXT_WEIGHT = 4.0  # a lookup's estimates count as this many tokens of the text at hand (AdaptiveLength.text_weight)
 LOOKUP_DRAFT_MAX = 64  # prompt lookup drafts for free: a copied passage may be accepted 30+ tokens at a time
 DEFAULT_P_MIN = 0.3  # measured on the default pair: acceptance 0.80 -> 0.91 at k=8, fewer wasted drafts
 NGRAM = "ngram"  # draft=NGRAM: prompt lookup instead of a draft model
@@ -66,7 +67,7 @@ def default_policy(proposer: Proposer | None, draft_max: int = DEFAULT_DRAFT_MAX
 def lookup_adaptive(k_max: int) -> AdaptiveLength:
     """Prompt lookup's adaptive length: drafts that cost nothing to make, sized by their match."""
     return AdaptiveLength(k_max=k_max, model_draft=False, runs=LOOKUP_RUNS, place_priors=LOOKUP_PRIORS,
-                          draft_cost_ratio=draft_cost_ratio(None, None))
+                          draft_cost_ratio=draft_cost_ratio(None, None), text_weight=LOOKUP_TEXT_WEIGHT)
 
 
 def lookup_policy(proposer: PromptLookupProposer, *, k_max: int = LOOKUP_DRAFT_MAX) -> LookupLength:

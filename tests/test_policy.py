@@ -1,5 +1,6 @@
 """Draft-length policies on synthetic costs and acceptance."""
 
+import numpy as np
 import pytest
 
 from localspec.outputs import StepRecord
@@ -420,6 +421,47 @@ def test_a_lookups_acceptance_is_learned_by_the_length_of_the_match_each_token_e
     assert p.by_place.events == [1, 2, 2, 3]
     p.score_unverified(3, 3, run=2)  # an unused offer, scored where it stood when it was made
     assert p.by_place.events == [2, 4, 2, 3]
+
+
+def test_a_lookups_estimates_are_read_as_growing_with_the_match():
+    """A longer match goes on at least as often as a shorter one: estimates learned otherwise (a
+    few recent texts' failures on 6-11-token matches) are read pooled with their neighbours, each
+    weighted by its events (at most POOL_EVENTS); estimates already in order are read as they are."""
+    from localspec.policy import AcceptanceByPlace
+
+    ordered = AcceptanceByPlace(0.5, LOOKUP_RUNS, LOOKUP_PRIORS)
+    assert ordered.monotone() == list(LOOKUP_PRIORS)
+    learned = AcceptanceByPlace(0.5, LOOKUP_RUNS, [0.6, 0.75, 0.5, 0.9, 1.0, 1.0])
+    learned.events = [10, 31, 100, 5, 5, 5]  # weights 1 + min(events, 32): 11, 32, 33, ...
+    read = learned.monotone()
+    assert read == sorted(read)
+    assert read[0] == 0.6 and read[1] == read[2] == pytest.approx((0.75 * 32 + 0.5 * 33) / 65)
+    assert read[3:] == [0.9, 1.0, 1.0]
+    assert learned.ahead(3, 6).tolist() == [read[2]] * 3  # matches of 6, 7, 8
+    assert learned.estimates == [0.6, 0.75, 0.5, 0.9, 1.0, 1.0]  # what is learned and kept is unchanged
+
+
+def test_a_lookups_estimates_follow_the_text_at_hand():
+    """Within a request the lookup's failure probabilities are scaled by how its tokens in this
+    text failed against what the estimates predicted for them: a code edit whose matches keep
+    failing is drafted less from, a copy that keeps holding more; a new request starts level."""
+    p = AdaptiveLength(k_max=64, prior_acceptance=0.5, model_draft=False, runs=LOOKUP_RUNS,
+                       place_priors=LOOKUP_PRIORS, text_weight=4.0)
+    level = p.in_this_text(np.array([0.52, 0.89]))
+    assert level.tolist() == [0.52, 0.89]
+    p.start_request()
+    for _ in range(4):  # four fresh matches, each wrong from its first token
+        p.draft_length(64, CONTEXT, offered=6, run=2)
+        p.update(step(6, 0, 0.0, 0.03))
+    failed = p.in_this_text(np.array([0.52, 0.89]))
+    assert failed[0] < 0.45 and failed[1] < 0.88  # four failures where ~2 were predicted: ~1.3x as likely
+    p.start_request()
+    assert p.in_this_text(np.array([0.52, 0.89])).tolist() == [0.52, 0.89]
+    p.draft_length(64, CONTEXT, offered=30, run=2)
+    p.update(step(30, 30, 0.0, 0.05))  # a copy: all held
+    held = p.in_this_text(np.array([0.52, 0.89]))
+    assert 0.52 < held[0] < 1.0 and 0.89 < held[1] < 1.0
+    assert AdaptiveLength(k_max=8).in_this_text(np.array([0.3])).tolist() == [0.3]  # a draft model's: as learned
 
 
 def test_a_fresh_match_is_drafted_short_and_a_copy_that_held_long():
