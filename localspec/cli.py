@@ -71,8 +71,9 @@ def exit_now() -> None:
     """End the program here, its output flushed, without tearing anything down: freeing the models
     and contexts and finalizing the interpreter cost a fresh `localspec generate` ~35-50 ms (the
     default pair, `--max-tokens 1 --json`, median of 15 processes: 0.668 s against 0.701 s), work
-    the system does anyway when the process ends. mypy ends its runs this way (`mypy.util.hard_exit`). Only where nothing is left
-    to write but what is flushed here; a no-op inside another program (a test calling `main`)."""
+    the system does anyway when the process ends. mypy ends its runs this way (`mypy.util.hard_exit`).
+    Only where nothing is left to write but what is flushed here; a no-op inside another program (a
+    test calling `main`)."""
     if not _PROGRAM:
         return
     for stream in (sys.stdout, sys.stderr):
