@@ -36,7 +36,6 @@ import json
 import logging
 import os
 import platform
-import secrets
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
@@ -423,13 +422,13 @@ class CostStore:
     def save(self, kind: str, identity: Mapping[str, Any], state: Mapping[str, Any]) -> None:
         """Write atomically (a reader never sees half a file); a failure is logged, never raised:
         a cost model is worth keeping, not worth failing a generation for."""
+        from .models.cache import write_text_atomically
+
         path = self.path(kind, identity)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(3)}.tmp")
-            tmp.write_text(json.dumps({"version": STATE_VERSION, "identity": dict(identity), "state": dict(state)}),
-                           "utf-8")
-            os.replace(tmp, path)
+            write_text_atomically(path, json.dumps({"version": STATE_VERSION, "identity": dict(identity),
+                                                    "state": dict(state)}))
         except OSError as e:
             log.debug("could not save %s: %s", path, e)
 

@@ -80,6 +80,19 @@ def temp_beside(dest: Path) -> Path:
             continue
 
 
+def write_text_atomically(dest: Path, text: str) -> None:
+    """Write `text` (UTF-8) to dest through a temporary file beside it, renamed into place: a reader
+    sees the old file or the whole new one, never part of it. On failure the temporary file is
+    removed and the error raised."""
+    tmp = temp_beside(dest)
+    try:
+        tmp.write_text(text, "utf-8")
+        os.replace(tmp, dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 @contextlib.contextmanager
 def locked(path: Path, label: str, progress: Progress | None) -> Iterator[None]:
     """Exclusive lock on ``<path>.lock`` (across processes and threads) while fetching ``path``."""
@@ -157,7 +170,4 @@ def sidecar_stamp(path: Path) -> tuple[int, int] | None:
 def write_sidecar(path: Path, sha: str) -> None:
     """Record that path (as it is now) has this sha256.  sha256sum skips the '#' line."""
     st = path.stat()
-    side = sidecar(path)
-    tmp = side.with_name(f".{side.name}.{os.getpid()}.{secrets.token_hex(2)}.tmp")
-    tmp.write_text(f"{sha}  {path.name}\n# verified size={st.st_size} mtime_ns={st.st_mtime_ns}\n", "utf-8")
-    os.replace(tmp, side)
+    write_text_atomically(sidecar(path), f"{sha}  {path.name}\n# verified size={st.st_size} mtime_ns={st.st_mtime_ns}\n")

@@ -11,12 +11,12 @@ from __future__ import annotations
 import hashlib
 import json
 import mmap
-import os
-import secrets
 import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+
+from .cache import write_text_atomically
 
 GGUF_MAGIC = b"GGUF"
 
@@ -171,14 +171,9 @@ def _read_memo(memo: Path) -> dict:
 
 
 def _write_memo(memo: Path, entries: dict) -> None:
-    """Atomically (a reader sees the old file or the new one); a failure only costs the next walk.
-    Two processes writing at once keep one's entries: the other's file is walked again next time."""
-    tmp = memo.with_name(f".{memo.name}.{os.getpid()}.{secrets.token_hex(3)}.tmp")
+    """Atomically; a failure only costs the next walk. Two processes writing at once keep one's
+    entries: the other's file is walked again next time."""
     try:
-        tmp.write_text(json.dumps({"files": entries}), "utf-8")
-        os.replace(tmp, memo)
+        write_text_atomically(memo, json.dumps({"files": entries}))
     except OSError:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
+        pass
