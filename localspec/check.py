@@ -50,6 +50,8 @@ class CheckReport:
     predicted_best_k: int = 0
     baseline_tokens_per_second: float = 0.0
     measured: dict[str, float] = field(default_factory=dict)  # system -> speedup over the baseline
+    adaptive_idle: dict[str, Any] = field(default_factory=dict)  # the adaptive run's idle steps and why
+    regimes: list[dict[str, Any]] = field(default_factory=list)  # what the policy knows per sampling regime
     recommendation: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -100,6 +102,11 @@ def run_check(engine: Engine, prompts: list, *, oracle: str, draft: str,
         tps, results = _throughput(engine, prompts)
         records += [r for result in results for r in result.stats.records]
         report.measured["adaptive"] = tps / base_tps if base_tps else 0.0
+        idle = [r.stats for r in results if r.stats.idle_steps]
+        report.adaptive_idle = {"idle_steps": sum(s.idle_steps for s in idle),
+                                "steps": sum(r.stats.steps for r in results),
+                                "reason": idle[-1].idle_reason if idle else None}
+        report.regimes = engine.policy.known_regimes()
 
     fit = fit_steps(records)
     if fit is not None:
@@ -190,6 +197,15 @@ def format_report(r: CheckReport) -> str:
         lines.append(f"attention kernel (ms, pass of n tokens @ context): {timed}")
         lines.append(f"  faster here: flash attention {r.kernel['chosen']} (--flash-attn auto uses it from now on)")
     lines.append("measured: " + ", ".join(f"{name} {x:.2f}x" for name, x in r.measured.items()))
+    if r.adaptive_idle.get("idle_steps"):
+        lines.append(f"  adaptive drafting was idle for {r.adaptive_idle['idle_steps']} of {r.adaptive_idle['steps']} "
+                     f"steps: {r.adaptive_idle['reason']}")
+    if r.regimes:
+        lines.append("what the adaptive policy knows, per sampling regime (kept between runs):")
+        for g in r.regimes:
+            state = "drafts" if g["drafting"] else f"idle: {g['why_idle']}"
+            lines.append(f"  {g['source']}, {g['regime']}: acceptance {g['acceptance']:.0%} "
+                         f"({g['trials']} draft tokens judged); {state}")
     lines.append(f"recommendation: {r.recommendation}")
     return "\n".join(lines)
 

@@ -302,6 +302,9 @@ def generate(prompt: str | None, system: str | None, raw: bool, as_json: bool, i
             f"[{s.completion_tokens} tokens, {s.tokens_per_second:.1f} tok/s, acceptance "
             f"{s.acceptance_rate:.0%}, {s.mean_accepted_length:.2f} accepted/step, finish: {final.finish_reason}"
             f"{incomplete}]", dim=True), err=True)
+        if s.idle_reason:
+            click.echo(click.style(f"[drafting idle for {s.idle_steps} of {s.steps} steps: {s.idle_reason}]",
+                                   dim=True), err=True)
         exit_now()
 
 

@@ -37,7 +37,7 @@ from .factory import (DEFAULT_DRAFT_MAX, DEFAULT_P_MIN, LOOKUP_DRAFT_MAX, NGRAM,
 from .llama import Detokenizer, LlamaContext, LlamaModel
 from .options import OPTIONS, GenerationOptions
 from .outputs import Chunk, Result, Stats, StepRecord, TokenLogprob, TopLogprob
-from .policy import LengthPolicy
+from .policy import LengthPolicy, Regime
 from .proposers import EMPTY_DRAFT, Draft, Proposer, propose
 from .sampling import (SamplingParams, coupled_choice, greedy_argmax, log_softmax, logits_to_probs, mask_logits,
                        seed_key, top_ids)
@@ -255,7 +255,9 @@ class Engine:
         text = TextStream(detok.feed, detok.flush, request.stop)
         speculative = request.speculative and self.proposer is not None
         if speculative:
-            policy.start_request()
+            regime = Regime.of(request.sampling, constrained=request.constraint is not None)
+            stats.regime = regime.describe()
+            policy.start_request(regime)
         self._prefill(history, stats, policy if speculative else None)
         stats.prompt_time = time.perf_counter() - t_start
 
@@ -280,6 +282,8 @@ class Engine:
                 piece = text.finish()
                 stats.total_time = time.perf_counter() - t_start
                 if speculative:
+                    if stats.idle_steps:
+                        stats.idle_reason = policy.explain()
                     self.save_costs(policy)
                 yield Chunk(piece, emitted, logprobs, finish_reason=finish, stats=stats, structure=structure)
             elif emitted:
@@ -369,6 +373,7 @@ class Engine:
                           source=draft.source)
         if request.speculative:  # a request that does not draft teaches the policy nothing
             policy.update(step)
+            stats.idle_steps += limit > 0 and not step.drafted
         stats.add_step(step)
         return out.tolist(), logprobs
 

@@ -52,8 +52,10 @@ tokens are accepted less often than a draft that saw everything (measured on the
 62-84% against 95-100%): a probe teaches the estimates nothing, but when all of its tokens are
 accepted the policy re-tries drafting at once, with the draft caught up on the whole text
 (`consume_catch_up`), for `min_trials` draft tokens that are judged as usual. Probes are held to a
-small share of the time spent (`probe_budget`), and a re-try's cost counts against it, delaying
-the next probes: a badly matched draft costs next to nothing once the policy has stopped using it.
+small share of the time spent (`probe_budget`), and what probes and re-tries cost beyond the
+oracle alone's time for the tokens they yielded counts against it, delaying the next probes: a
+badly matched draft costs next to nothing once the policy has stopped using it, and a probe or
+re-try whose drafts are accepted costs the budget nothing.
 That account is kept between processes with the estimates: a probe of a cross-tokenizer draft
 costs 3-4 oracle steps (~70 ms), and a fresh process probing at its 16th step made a 128-token
 one-shot `generate` 3% slower on a pair known idle; now, after a probe, the next waits until the
@@ -62,32 +64,44 @@ the last `probe_bank` seconds only).
 The policy stops only after judging `min_trials` draft tokens: an unlucky first
 step is not evidence enough.
 
+Everything learned of acceptance is kept per sampling regime (`Regime`: greedy, or sampled in a
+temperature band, with top-k/p/min-p filters and grammars apart; `Estimates`), and each request is
+priced with its own regime's, which its steps alone teach: a draft is accepted far less often when
+the oracle samples than when it takes its argmax, and one estimate for all had 40 short requests at
+temperature 1 switch drafting off for the greedy requests after them. Each regime has its own probe
+account. The costs of passes are shared: they do not depend on how the tokens are chosen.
+
 The acceptance and continuation estimates are running means over trials that settle into an
 exponential average (each trial weighs at least 1 - `decay`): quick to learn from a fresh start,
 steady afterwards; they too are kept between processes (`acceptance_state`). A slower estimate,
 `long_acceptance` (each trial weighs 1 - `long_decay`: the last few hundred count), says whether
-the pair pays in the long run: when the policy is idle but the long run says drafting pays by
-`min_gain` (and the probe budget allows), a new request re-tries drafting with the draft on its
-whole prompt, for `min_trials` draft tokens that count as fresh evidence; their cost counts as
-probing. That judgement, and the re-try's draft lengths, take the draft's cost at the lower of its
-fitted value and the prior guess, and a re-try measures that cost afresh: an idle policy no longer
-measures the draft, so a cost fitted while another program slowed the machine (2-3x on a 2-core
-VM) would otherwise keep drafting off for good, in later processes too (the costs are kept).
-One hard prompt does not end drafting on a pair that
-usually pays, and a pair that does not pay is not re-tried (each re-try costs the draft a pass
-over the prompt: on a one-shot run of a badly matched pair that alone would cost a few percent).
+the regime pays in the long run: when the policy is idle but the long run says drafting pays by
+`min_gain`, a new request re-tries drafting with the draft on its whole prompt, for `min_trials`
+draft tokens that count as fresh evidence; their cost counts as probing. That judgement, and the
+re-try's draft lengths, take the draft's cost at the lower of its fitted value and the prior guess,
+and a re-try measures that cost afresh: an idle policy no longer measures the draft, so a cost
+fitted while another program slowed the machine (2-3x on a 2-core VM) would otherwise keep drafting
+off for good, in later processes too (the costs are kept). Such a re-try runs when the probe budget
+allows, and otherwise at the next request after a wait that doubles with each re-try that found
+drafting not paying (`retry_wait`, up to MAX_RETRY_WAIT requests; reset by one that found it
+paying): the probes of one stalled request spent a paying regime's budget for minutes to come. One
+hard prompt (or a stall) does not end drafting on a regime that usually pays, and one that does
+not pay in the long run is not re-tried (each re-try costs the draft a pass over the prompt: on a
+one-shot run of a badly matched pair that alone would cost a few percent).
 """
 
 from __future__ import annotations
 
 import bisect
 import math
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
 from .costs import DRAFT_SHAPE, VERIFY_SHAPE, PassCost, expected_tokens_by_place
 from .outputs import StepRecord
+from .sampling import SamplingParams
 
 
 class LengthPolicy(Protocol):
@@ -98,8 +112,16 @@ class LengthPolicy(Protocol):
     def update(self, step: StepRecord) -> None:
         """The outcome of the step just verified."""
 
-    def start_request(self) -> None:
-        """A new request begins (before its prompt is evaluated)."""
+    def start_request(self, regime: "Regime | None" = None) -> None:
+        """A new request begins (before its prompt is evaluated), sampling as `regime` says
+        (None: greedy); a policy that learns prices it with what it learned of that regime."""
+
+    def explain(self) -> str | None:
+        """Why the policy drafts nothing now, for people (its estimate against its threshold);
+        None when it has nothing to say."""
+
+    def known_regimes(self) -> list[dict[str, Any]]:
+        """What the policy knows of each sampling regime it met, for people (`localspec check`)."""
 
     def consume_catch_up(self) -> bool:
         """Whether the draft should first catch up on all the text it has not seen (asked once)."""
@@ -142,8 +164,14 @@ class FixedLength:
     def update(self, step: StepRecord) -> None:
         pass
 
-    def start_request(self) -> None:
+    def start_request(self, regime: "Regime | None" = None) -> None:
         pass
+
+    def explain(self) -> str | None:
+        return "a fixed draft length of 0" if self.k == 0 else None
+
+    def known_regimes(self) -> list[dict[str, Any]]:
+        return []  # learns nothing
 
     def consume_catch_up(self) -> bool:
         return False
@@ -248,24 +276,137 @@ class AcceptanceByPlace:
                     "first_events_aligned": self.events[1], "later_events": self.events[2]}
         return {"runs": list(self.runs), "run_acceptance": list(self.estimates), "run_events": list(self.events)}
 
-    def load(self, state: Mapping[str, Any], overall: float) -> None:
-        """From `state()`. A draft model's state kept before the split by place seeds every place
-        with the `overall` rate; a lookup's kept in another layout is left out (the priors stay:
-        a flat rate learned over copies and coincidences alike would price both wrong)."""
+    def load(self, state: Mapping[str, Any]) -> None:
+        """From `state()`. One kept in another layout (a draft model's for a lookup, other spans of
+        match length) is left out: the priors stay, rather than rates learned over other places."""
+        if list(state.get("runs") or []) != list(self.runs or []):
+            return
         if self.runs is None:
-            estimates = [float(state.get(k, overall)) for k in
-                         ("first_acceptance_fresh", "first_acceptance_aligned", "later_acceptance")]
-            events = [max(0, int(state.get(k, 0))) for k in ("first_events_fresh", "first_events_aligned", "later_events")]
-        elif list(state.get("runs", [])) == list(self.runs):
+            estimates = [float(state[k]) for k in ("first_acceptance_fresh", "first_acceptance_aligned", "later_acceptance")]
+            events = [max(0, int(state[k])) for k in ("first_events_fresh", "first_events_aligned", "later_events")]
+        else:
             estimates = [float(v) for v in state["run_acceptance"]]
             events = [max(0, int(v)) for v in state["run_events"]]
-        else:
-            return
         if len(estimates) != len(self.estimates) or len(events) != len(self.events):
             raise ValueError("malformed acceptance state")
         if not all(0.0 <= v <= 1.0 for v in estimates):
             raise ValueError("malformed acceptance state")
         self.estimates, self.events = estimates, events
+
+
+# sampling regimes: greedy, or sampled at a temperature in one of these bands (edges inclusive above)
+TEMPERATURE_EDGES = (0.25, 0.55, 0.85, 1.15)
+ACCEPTANCE_LAYOUT = 2  # the acceptance state's layout: estimates per regime (1: one for every regime)
+MAX_RETRY_WAIT = 64  # requests an idle regime that pays in the long run waits at most between re-tries
+
+
+@dataclass(frozen=True)
+class Regime:
+    """How a request samples, as far as its drafts' acceptance goes. A draft's tokens are accepted
+    far less often when the oracle samples than when it takes its argmax (the default pair: ~95%
+    greedy, 76-84% at temperature 1), more often when top-k / top-p / min-p cut the distribution's
+    tail, and more under a grammar (its forced tokens are drafted for free): estimates learned in one
+    regime price another wrong. One estimate for all had 40 short requests at temperature 1 (what
+    an OpenAI client sends when it sets none) switch drafting off for the greedy ones after them.
+
+    `band`: 0 greedy (seeded sampling too is at a temperature), else 1 + the index of the first of
+    TEMPERATURE_EDGES at or above the temperature (len(TEMPERATURE_EDGES) + 1 above them all)."""
+
+    band: int = 0
+    filtered: bool = False  # a top-k, top-p or min-p filter (sampled only)
+    constrained: bool = False  # a JSON schema or grammar
+
+    @classmethod
+    def of(cls, sampling: SamplingParams, *, constrained: bool = False) -> "Regime":
+        if sampling.greedy:
+            return cls(0, False, constrained)
+        band = 1 + bisect.bisect_left(TEMPERATURE_EDGES, sampling.temperature)
+        filtered = sampling.top_k > 0 or sampling.top_p < 1.0 or sampling.min_p > 0.0
+        return cls(band, filtered, constrained)
+
+    def describe(self) -> str:
+        """For people: "greedy", "temperature 0.85-1.15, top-k/p/min-p", "greedy, grammar"."""
+        if self.band == 0:
+            text = "greedy"
+        else:
+            edges = (0.0,) + TEMPERATURE_EDGES
+            text = (f"temperature {edges[self.band - 1]:g}-{edges[self.band]:g}" if self.band < len(edges)
+                    else f"temperature > {edges[-1]:g}")
+            if self.filtered:
+                text += ", top-k/p/min-p"
+        return text + (", grammar" if self.constrained else "")
+
+    def state(self) -> dict[str, Any]:
+        return {"band": self.band, "filtered": self.filtered, "constrained": self.constrained}
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> "Regime":
+        band = int(state["band"])
+        if not 0 <= band <= len(TEMPERATURE_EDGES) + 1:
+            raise ValueError("malformed regime")
+        return cls(band, bool(state["filtered"]) and band > 0, bool(state["constrained"]))
+
+
+GREEDY = Regime()
+
+
+class Estimates:
+    """What a length policy learned of one regime's drafts: the acceptance (overall, by place, and
+    over the long run), the continuation, the trials behind them, and the regime's probe account
+    (each regime probes and re-tries within its own budget: another's history cannot switch it off,
+    and an idle one cannot spend a drafting one's budget)."""
+
+    def __init__(self, prior_acceptance: float, prior_continuation: float,
+                 runs: Sequence[int] | None = None, place_priors: Sequence[float] | None = None) -> None:
+        self.acceptance = prior_acceptance  # a: per drafted token, given the previous ones were accepted
+        # the same split by place, for E(k) (`AcceptanceByPlace`)
+        self.by_place = AcceptanceByPlace(prior_acceptance, runs, place_priors)
+        self.long_acceptance = prior_acceptance  # a over the last few hundred trials: does drafting pay at all?
+        self.continuation = prior_continuation  # c: the draft proposes one more token (allowance left)
+        self.continuation_accepted = prior_continuation  # c_acc: the same, after a token that was accepted
+        self.continuation_events = self.continuation_accepted_events = 0  # outcomes behind each
+        self.trials = 0  # draft tokens judged, ever (in earlier processes too)
+        self.fresh_trials = 0  # since the start or the last re-try
+        self.time_spent = 0.0  # seconds, every step (in earlier processes too)
+        self.probe_time = 0.0  # seconds that probes took beyond a plain oracle step (the same)
+        self.exploring = False  # re-trying: until min_trials are judged, what drafting costs is probe time
+        # requests to wait, and waited, before an idle regime re-tries whatever its probe budget says
+        self.retry_wait, self.since_retry = 1, 0
+        self.idle_steps = 0  # consecutive k = 0 steps
+
+    def cap_probe_bank(self, budget: float, bank: float) -> None:
+        """Unused probe budget carries over from the last `bank` seconds only: after a long stretch
+        of drafting (or many processes' worth of it), an idle policy probes at the budget's pace,
+        not in a burst."""
+        self.probe_time = max(self.probe_time, budget * (self.time_spent - bank))
+
+    def state(self) -> dict[str, Any]:
+        return {"acceptance": self.acceptance, "long_acceptance": self.long_acceptance, **self.by_place.state(),
+                "continuation": self.continuation, "continuation_accepted": self.continuation_accepted,
+                "trials": self.trials, "time_spent": self.time_spent, "probe_time": self.probe_time,
+                "continuation_events": self.continuation_events,
+                "continuation_accepted_events": self.continuation_accepted_events,
+                "retry_wait": self.retry_wait, "since_retry": self.since_retry}
+
+    def load(self, state: Mapping[str, Any], *, min_trials: int) -> None:
+        """From `state()`; its trials count as evidence up to `min_trials` of it."""
+        values = [float(state[k]) for k in ("acceptance", "long_acceptance", "continuation", "continuation_accepted")]
+        if not all(0.0 <= v <= 1.0 for v in values):
+            raise ValueError("malformed acceptance state")
+        self.acceptance, self.long_acceptance, self.continuation, self.continuation_accepted = values
+        self.by_place.load(state)
+        self.trials = max(0, int(state.get("trials", 0)))
+        # the probe budget's account goes on too: a process shorter than a probe's cost / budget
+        # (a one-shot `generate` of a few seconds) must not probe every time on a pair known idle
+        ledger = [float(state.get(k, 0.0)) for k in ("time_spent", "probe_time")]
+        if not all(math.isfinite(v) and v >= 0.0 for v in ledger):
+            raise ValueError("malformed acceptance state")
+        self.time_spent, self.probe_time = ledger[0], min(ledger)
+        self.fresh_trials = min(self.trials, min_trials)
+        self.continuation_events = max(0, int(state.get("continuation_events", 0)))
+        self.continuation_accepted_events = max(0, int(state.get("continuation_accepted_events", 0)))
+        self.retry_wait = min(MAX_RETRY_WAIT, max(1, int(state.get("retry_wait", 1))))
+        self.since_retry = max(0, int(state.get("since_retry", 0)))
 
 
 class AdaptiveLength:
@@ -278,13 +419,14 @@ class AdaptiveLength:
                  long_decay: float = 0.995, probe_bank: float = 30.0, runs: Sequence[int] | None = None,
                  place_priors: Sequence[float] | None = None, text_weight: float | None = None) -> None:
         self.k_max = k_max
-        self.acceptance = prior_acceptance  # a: per drafted token, given the previous ones were accepted
-        # the same split by place, for E(k) (`AcceptanceByPlace`; `runs`, `place_priors`: a lookup's layout)
-        self.by_place = AcceptanceByPlace(prior_acceptance, runs, place_priors)
+        # what is learned of each sampling regime's drafts (`Estimates`), each from these priors
+        # (`runs`, `place_priors`: a lookup's layout, see `AcceptanceByPlace`)
+        self.prior_acceptance, self.prior_continuation = prior_acceptance, prior_continuation
+        self.runs, self.place_priors = runs, place_priors
+        self.estimates: dict[Regime, Estimates] = {}
+        self.regime = GREEDY  # the running request's
+        self.est = self.estimates_of(GREEDY)  # ... and what is known of it
         self._run = 0  # the match the next draft extends: a draft model's tokens accepted in a row; a lookup's, given
-        self.continuation = prior_continuation  # c: the draft proposes one more token (allowance left)
-        self.continuation_accepted = prior_continuation  # c_acc: the same, after a token that was accepted
-        self._continuation_events = self._continuation_accepted_events = 0  # outcomes behind each
         self.prior_weight = prior_weight  # the prior (or, on a re-try, the old estimate) counts as this many trials
         self.decay = decay
         self.verify_cost = PassCost(VERIFY_SHAPE)  # seconds for an oracle pass of n tokens at a context
@@ -299,19 +441,12 @@ class AdaptiveLength:
         self.min_trials = min_trials  # draft tokens judged before the policy may give up on drafting
         self.min_gain = min_gain  # predicted speedup over k = 0 below which drafting is not worth it
         self.keep_gain = keep_gain  # the same for going on drafting (at most min_gain)
-        self.long_acceptance = prior_acceptance  # a over the last few hundred trials: does the pair pay at all?
         self.long_decay = long_decay
-        self.trials = 0  # draft tokens judged, ever (in earlier processes too)
-        self.fresh_trials = 0  # since the start or the last re-try
-        self.time_spent = 0.0  # seconds, every step (in earlier processes too)
-        self.probe_time = 0.0  # seconds that probes took beyond a plain oracle step (the same)
-        self._idle = 0  # consecutive k = 0 steps
         self.recheck_every = 8  # while idle, judge k afresh every this many steps
         self.retry_weight = 4.0  # on a re-try, the costs' history counts as this many steps
         self._probing = False
         self._retry_wanted = False  # a probe was fully accepted: re-try drafting on the whole text
         self._catch_up = False  # the draft must catch up on everything before the next proposal
-        self._exploring = False  # re-trying: until min_trials are judged, what drafting costs is probe time
         self.last_k = 0
         self.context = 0  # the context length of the last step asked about
         # this text's own failures against what the estimates predicted for the same tokens: a
@@ -320,9 +455,17 @@ class AdaptiveLength:
         self.text_weight = text_weight
         self._text_failed = self._text_predicted = 0.0
 
+    def estimates_of(self, regime: "Regime") -> "Estimates":
+        """What is known of `regime`'s drafts (the priors, for one not met before)."""
+        est = self.estimates.get(regime)
+        if est is None:
+            est = self.estimates[regime] = Estimates(self.prior_acceptance, self.prior_continuation,
+                                                     self.runs, self.place_priors)
+        return est
+
     @property
     def idle(self) -> bool:
-        return (self.verify_cost.ready and self.fresh_trials >= self.min_trials
+        return (self.verify_cost.ready and self.est.fresh_trials >= self.min_trials
                 and self.best_length(self.k_max) == 0)
 
     def expected_tokens(self, k: int) -> float:
@@ -335,8 +478,8 @@ class AdaptiveLength:
         """E(k) for k = 0..k_top [k_top+1]: each draft token at its place's acceptance after a step
         like the last one (`acceptance` given: that one for every token)."""
         ahead = (np.full(k_top, acceptance) if acceptance is not None
-                 else self.in_this_text(self.by_place.ahead(k_top, self._run)))  # [k_top]
-        return expected_tokens_by_place(ahead, self.continuation_accepted)
+                 else self.in_this_text(self.est.by_place.ahead(k_top, self._run)))  # [k_top]
+        return expected_tokens_by_place(ahead, self.est.continuation_accepted)
 
     def in_this_text(self, acceptance: np.ndarray) -> np.ndarray:
         """Acceptance estimates [m] corrected for the text at hand: each failure probability times
@@ -372,7 +515,7 @@ class AdaptiveLength:
         lengths = np.arange(1, k_top + 1)  # [K] tokens drafted
         verify = self.verify_cost.predict(np.arange(1, k_top + 2), context)  # [K+1] passes of 1..K+1 tokens
         cost = self.draft_times(lengths, context, optimistic=optimistic) + verify[1:]  # [K]
-        c = self.continuation
+        c = self.est.continuation
         at_least = c ** (lengths - 1)  # [K] P(L >= l)
         stopped = np.concatenate(([0.0], np.cumsum(at_least * (1.0 - c) * cost)))[:-1]  # [K] drafts ending before l
         return np.concatenate((verify[:1], stopped + at_least * cost))
@@ -394,34 +537,73 @@ class AdaptiveLength:
         gain = self.keep_gain if self.last_k > 0 else self.min_gain  # drafting goes on more easily than it starts
         return k if rate[k] >= (1.0 + gain) * rate[0] else 0
 
-    def start_request(self) -> None:
+    def start_request(self, regime: Regime | None = None) -> None:
+        """A new request begins, sampling as `regime` says (None: greedy): it is priced with that
+        regime's estimates, and teaches them alone."""
+        regime = GREEDY if regime is None else regime
+        if regime != self.regime:  # what the last steps said was of another regime
+            self.regime, self.est = regime, self.estimates_of(regime)
+            self._retry_wanted = False
+            self.last_k = 0
         self._run = 0  # nothing drafted yet for this text
         self._text_failed = self._text_predicted = 0.0
-        if not self.idle or not self._probe_budget_left():
+        self.est.since_retry += 1
+        if not self.idle or not (self._probe_budget_left() or self.est.since_retry >= self.est.retry_wait):
             return
         # with the draft's cost at the lower of the fitted one and the prior guess: an idle policy
         # stops measuring the draft (a probe drafts from a window, at another rate), so a cost fitted
         # while the machine was busy would otherwise keep it idle for good, in later processes too
-        rate = self.rates(self.k_max, acceptance=self.long_acceptance, optimistic=True)  # [K+1]
+        rate = self.rates(self.k_max, acceptance=self.est.long_acceptance, optimistic=True)  # [K+1]
         if rate[1:].max(initial=0.0) >= (1.0 + self.min_gain) * rate[0]:
             self._begin_retry()  # it pays in the long run: judge min_trials draft tokens on this prompt
 
-    def _probe_budget_left(self) -> bool:
-        return self.probe_time <= self.probe_budget * self.time_spent
+    @property
+    def judged(self) -> bool:
+        """Whether a draft token was judged in any regime (there is something to keep)."""
+        return any(est.trials for est in self.estimates.values())
 
-    def _cap_probe_bank(self) -> None:
-        """Unused probe budget carries over from the last `probe_bank` seconds only: after a long
-        stretch of drafting (or many processes' worth of it), an idle policy probes at the budget's
-        pace, not in a burst."""
-        self.probe_time = max(self.probe_time, self.probe_budget * (self.time_spent - self.probe_bank))
+    def explain(self, source: str = "the draft") -> str | None:
+        """Why this policy drafts nothing now, for people: what the running regime's estimates
+        predict at the best draft length against the gain drafting needs (None before a pass
+        was measured)."""
+        if not self.verify_cost.ready or self.k_max < 1:
+            return None
+        rate = self.rates(self.k_max)  # [K+1]
+        k = 1 + int(np.argmax(rate[1:]))
+        need = 1.0 + (self.keep_gain if self.last_k > 0 else self.min_gain)
+        costs = f"an oracle pass {1000 * self.verify_cost(1, self.context):.0f} ms"
+        if self.model_draft:
+            one, nine = self.draft_times(np.array([1, 9]), self.context)
+            costs += f", a draft token {1000 * (nine - one) / 8:.0f} ms"
+        return (f"{source}'s estimated acceptance {self.est.acceptance:.0%} ({self.regime.describe()}; {costs}) "
+                f"predicts {rate[k] / rate[0]:.2f}x the oracle alone at best (k={k}); drafting needs {need:.2f}x")
+
+    def known_regimes(self) -> list[dict[str, Any]]:
+        """What is known of each regime met (here or in earlier processes), for people (`localspec
+        check`): its acceptance, the draft tokens judged, and whether it drafts now (if not, why)."""
+        own = self.regime, self.est
+        out = []
+        try:
+            for regime, est in self.estimates.items():
+                self.regime, self.est = regime, est
+                idle = self.idle
+                out.append({"source": "draft model" if self.model_draft else "prompt lookup",
+                            "regime": regime.describe(), "acceptance": round(est.acceptance, 3),
+                            "trials": est.trials, "drafting": not idle, "why_idle": self.explain() if idle else None})
+        finally:
+            self.regime, self.est = own
+        return out
+
+    def _probe_budget_left(self) -> bool:
+        return self.est.probe_time <= self.probe_budget * self.est.time_spent
 
     def _begin_retry(self) -> None:
         """Judge drafting afresh: min_trials new draft tokens, on costs the re-try measures (not
         the ones that made the policy idle): the draft's history is dropped (its prior's scale
         stays), the oracle's counts as only `retry_weight` steps (its one-token passes went on
         being measured meanwhile)."""
-        self.fresh_trials = 0
-        self._exploring = True
+        self.est.fresh_trials = self.est.since_retry = 0
+        self.est.exploring = True
         self.draft_cost.soften(0.0)
         self.verify_cost.soften(self.retry_weight)
 
@@ -462,13 +644,13 @@ class AdaptiveLength:
             self._begin_retry()  # judge min_trials draft tokens afresh, on the whole text
             self._catch_up = True
         # idle, k is judged afresh every recheck_every steps: meanwhile only the oracle's cost moved
-        resting = self._idle % self.recheck_every and self.fresh_trials >= self.min_trials
+        resting = self.est.idle_steps % self.recheck_every and self.est.fresh_trials >= self.min_trials
         # a re-try drafts at the length the prior guess of the draft's cost would choose, so what it
         # measures is the cost of the drafts the policy would go on with
-        k = 0 if resting else self.best_length(available, optimistic=self._exploring)
+        k = 0 if resting else self.best_length(available, optimistic=self.est.exploring)
         if k > 0:
-            self._idle = 0
-        elif self.fresh_trials < self.min_trials:
+            self.est.idle_steps = 0
+        elif self.est.fresh_trials < self.min_trials:
             k = min(self.probe_length, available)  # one or two early rejections are not evidence enough
         elif resting or not self._near_the_end(limit):
             k = self._idle_step(available)
@@ -483,22 +665,22 @@ class AdaptiveLength:
     def _idle_step(self, available: int) -> int:
         """k for a step where no draft pays: 0, or a probe's short draft every `probe_every` such
         steps while the probe budget allows."""
-        self._idle += 1
-        if self._idle < self.probe_every or not self._probe_budget_left():
+        self.est.idle_steps += 1
+        if self.est.idle_steps < self.probe_every or not self._probe_budget_left():
             return 0
-        self._idle = 0
+        self.est.idle_steps = 0
         self._probing = True
         return min(self.probe_length, available)
 
     def update(self, step: StepRecord) -> None:
         n_drafted, n_accepted = step.drafted, step.accepted
         spent = step.draft_time + step.verify_time
-        self.time_spent += spent
+        self.est.time_spent += spent
         self.verify_cost.observe(n_drafted + 1, step.context, step.verify_time)
         self._observe_draft_cost(step)
-        if self._probing or self._exploring:  # beyond a plain oracle step, exploring cost this much
-            self.probe_time += max(0.0, spent - self.verify_cost(1, step.context))
-        self._cap_probe_bank()
+        if self._probing or self.est.exploring:  # exploring's price: beyond the oracle alone's time for its tokens
+            self.est.probe_time += max(0.0, spent - (n_accepted + 1) * self.verify_cost(1, step.context))
+        self.est.cap_probe_bank(self.probe_budget, self.probe_bank)
         run, self._run = self._run, self._run + n_accepted if 0 < n_drafted == n_accepted else 0
         if self._probing:  # drafted from a window of the text: a biased sample, only a hint
             self._retry_wanted, self._run = self._run > 0, 0
@@ -525,18 +707,21 @@ class AdaptiveLength:
         """Learn from `trials` draft tokens of a step whose first one extended a match `run` tokens
         long (see `AcceptanceByPlace.key`), the first `n_accepted` accepted."""
         if self.text_weight is not None and trials:
-            self._text_predicted += float(np.sum(1.0 - self.by_place.ahead(trials, run)))
+            self._text_predicted += float(np.sum(1.0 - self.est.by_place.ahead(trials, run)))
             self._text_failed += float(trials - n_accepted)
         for i in range(trials):
             ok = i < n_accepted
-            self.trials += 1
-            self.fresh_trials += 1
-            self.acceptance = self._blend(self.acceptance, ok, self.fresh_trials)
-            weight = max(1.0 - self.long_decay, 1.0 / (self.prior_weight + self.trials))
-            self.long_acceptance += weight * (ok - self.long_acceptance)
-            self.by_place.judge(i, run, ok, self._blend)
-        if self.fresh_trials >= self.min_trials:
-            self._exploring = False
+            self.est.trials += 1
+            self.est.fresh_trials += 1
+            self.est.acceptance = self._blend(self.est.acceptance, ok, self.est.fresh_trials)
+            weight = max(1.0 - self.long_decay, 1.0 / (self.prior_weight + self.est.trials))
+            self.est.long_acceptance += weight * (ok - self.est.long_acceptance)
+            self.est.by_place.judge(i, run, ok, self._blend)
+        if self.est.fresh_trials >= self.min_trials and self.est.exploring:  # the re-try is judged
+            self.est.exploring = False
+            # found paying: the next idle stretch may re-try at the next request; not: wait twice as long
+            paid = self.best_length(self.k_max) > 0
+            self.est.retry_wait = 1 if paid else min(2 * self.est.retry_wait, MAX_RETRY_WAIT)
 
     def _observe_draft_cost(self, step: StepRecord) -> None:
         """A step's proposal is a sample of the draft's cost at the tokens it evaluated: its catch-up
@@ -563,12 +748,12 @@ class AdaptiveLength:
             went_on = i < n_drafted
             if not went_on and n_drafted == allowance:
                 break
-            self._continuation_events += 1
-            self.continuation = self._blend(self.continuation, went_on, self._continuation_events)
+            self.est.continuation_events += 1
+            self.est.continuation = self._blend(self.est.continuation, went_on, self.est.continuation_events)
             if i <= n_accepted:
-                self._continuation_accepted_events += 1
-                self.continuation_accepted = self._blend(self.continuation_accepted, went_on,
-                                                         self._continuation_accepted_events)
+                self.est.continuation_accepted_events += 1
+                self.est.continuation_accepted = self._blend(self.est.continuation_accepted, went_on,
+                                                         self.est.continuation_accepted_events)
 
     def _blend(self, estimate: float, outcome: bool, n: int) -> float:
         """A running mean over the n outcomes so far (the prior counting as prior_weight of them)
@@ -590,7 +775,7 @@ class AdaptiveLength:
             state["verify"] = self.verify_cost.state()
         if self.draft_cost.ready:
             state["draft"] = self.draft_cost.state()
-        if self.trials:
+        if self.judged:
             state["acceptance"] = self.acceptance_state()
         return state
 
@@ -603,33 +788,26 @@ class AdaptiveLength:
             raise ValueError(f"unknown cost state {kind!r}")
 
     def acceptance_state(self) -> dict[str, Any]:
-        return {"acceptance": self.acceptance, "long_acceptance": self.long_acceptance, **self.by_place.state(),
-                "continuation": self.continuation, "continuation_accepted": self.continuation_accepted,
-                "catch_up": self.catch_up, "trials": self.trials,
-                "time_spent": self.time_spent, "probe_time": self.probe_time,
-                "continuation_events": self._continuation_events,
-                "continuation_accepted_events": self._continuation_accepted_events}
+        """Each regime's estimates that a draft token was judged in, and the draft's catch-up."""
+        return {"layout": ACCEPTANCE_LAYOUT, "catch_up": self.catch_up,
+                "regimes": [{**regime.state(), **est.state()} for regime, est in self.estimates.items() if est.trials]}
 
     def load_acceptance_state(self, state: Mapping[str, Any]) -> None:
         """Go on from an earlier process's estimates: they count as evidence (up to `min_trials`
-        of it), so a pair known not to pay starts idle and one known to pay drafts at once."""
-        values = [float(state[k]) for k in ("acceptance", "long_acceptance", "continuation", "continuation_accepted")]
-        if not all(0.0 <= v <= 1.0 for v in values):
-            raise ValueError("malformed acceptance state")
-        self.acceptance, self.long_acceptance, self.continuation, self.continuation_accepted = values
-        self.by_place.load(state, self.acceptance)  # states kept before the split by place: the overall rate
+        of it), so a regime known not to pay starts idle and one known to pay drafts at once. A
+        state of an older layout raises ValueError (its one estimate for every regime was learned
+        from greedy and sampled requests alike: it is dropped, not guessed apart)."""
+        if state.get("layout") != ACCEPTANCE_LAYOUT:
+            raise ValueError("an acceptance state of an older layout")
+        loaded = {}
+        for entry in state["regimes"]:
+            est = Estimates(self.prior_acceptance, self.prior_continuation, self.runs, self.place_priors)
+            est.load(entry, min_trials=self.min_trials)
+            est.cap_probe_bank(self.probe_budget, self.probe_bank)
+            loaded[Regime.from_state(entry)] = est
         self.catch_up = min(4.0, max(1.0, float(state.get("catch_up", self.catch_up))))
-        self.trials = max(0, int(state.get("trials", 0)))
-        # the probe budget's account goes on too: a process shorter than a probe's cost / budget
-        # (a one-shot `generate` of a few seconds) must not probe every time on a pair known idle
-        ledger = [float(state.get(k, 0.0)) for k in ("time_spent", "probe_time")]
-        if not all(math.isfinite(v) and v >= 0.0 for v in ledger):
-            raise ValueError("malformed acceptance state")
-        self.time_spent, self.probe_time = ledger[0], min(ledger)
-        self._cap_probe_bank()
-        self.fresh_trials = min(self.trials, self.min_trials)
-        self._continuation_events = max(0, int(state.get("continuation_events", 0)))
-        self._continuation_accepted_events = max(0, int(state.get("continuation_accepted_events", 0)))
+        self.estimates = loaded
+        self.est = self.estimates_of(self.regime)
 
 
 class HybridLength:
@@ -694,9 +872,15 @@ class HybridLength:
         if step.drafted:
             other.forget_alignment()
 
-    def start_request(self) -> None:
-        self.model.start_request()
-        self.lookup.start_request()
+    def start_request(self, regime: "Regime | None" = None) -> None:
+        self.model.start_request(regime)
+        self.lookup.start_request(regime)
+
+    def explain(self) -> str | None:
+        return self.model.explain("the draft model")
+
+    def known_regimes(self) -> list[dict[str, Any]]:
+        return self.model.known_regimes() + self.lookup.known_regimes()
 
     def consume_catch_up(self) -> bool:
         return self.model.consume_catch_up()
@@ -709,7 +893,7 @@ class HybridLength:
 
     def cost_state(self) -> dict[str, dict[str, Any]]:
         state = self.model.cost_state()
-        if self.lookup.trials:
+        if self.lookup.judged:
             state["lookup_acceptance"] = self.lookup.acceptance_state()
         return state
 
@@ -755,8 +939,14 @@ class LookupLength:
     def update(self, step: StepRecord) -> None:
         self.lookup.update(step)
 
-    def start_request(self) -> None:
-        self.lookup.start_request()
+    def start_request(self, regime: "Regime | None" = None) -> None:
+        self.lookup.start_request(regime)
+
+    def explain(self) -> str | None:
+        return "prompt lookup found no earlier text to copy that was worth drafting"
+
+    def known_regimes(self) -> list[dict[str, Any]]:
+        return self.lookup.known_regimes()
 
     def consume_catch_up(self) -> bool:
         return False  # nothing to catch up on

@@ -387,7 +387,8 @@ class Chat:
         if s.drafted:
             summary += f"acceptance {s.acceptance_rate:.0%}"
         else:
-            summary += "nothing drafted" if self.speculative else "oracle alone"
+            summary += ("nothing drafted" + (" (/stats says why)" if s.idle_reason else "")) if self.speculative \
+                else "oracle alone"
         if final.finish_reason == "length":
             summary += " · stopped at max_tokens"
         c.info(summary + "]")
@@ -425,6 +426,10 @@ class Chat:
             f"  prompt tokens evaluated: {t.prompt_tokens_evaluated} of {t.prompt_tokens}",
             f"draft length: {draft}",
         ]
+        if self.speculative and s.regime:
+            lines.append(f"  sampling regime: {s.regime} (the policy's estimates are kept per regime)")
+        if self.speculative and s.idle_reason:
+            lines.append(f"  drafting idle for {s.idle_steps} of {s.steps} steps of the last reply: {s.idle_reason}")
         if not self.speculative:
             lines.append("speedup vs oracle alone: 1.00x (this is the oracle alone)")
             return lines

@@ -178,6 +178,36 @@ def copying(logits: Logits, *, bonus: float = 3.0) -> Logits:
     return at
 
 
+def favoured(logits: Logits, n_vocab: int, *, seed: int, bonus: float) -> Logits:
+    """`logits` plus `bonus` on one token a hash of the history picks (with `seed`): models built on
+    the same seed share their favourite at every position, so their argmaxes mostly agree while the
+    rest of their distributions need not (a draft accepted far more often greedy than sampled)."""
+    memo: dict[tuple[int, ...], np.ndarray] = {}
+
+    def at(history: tuple[int, ...]) -> np.ndarray:
+        row = memo.get(history)
+        if row is None:
+            key = zlib.crc32(np.asarray(history, dtype=np.int64).tobytes())
+            row = logits(history).copy()
+            row[int(np.random.default_rng([seed, key]).integers(2, n_vocab))] += bonus  # never BOS or EOS
+            row.flags.writeable = False
+            memo[history] = row
+        return row
+
+    return at
+
+
+class VirtualClock:
+    """Stands in for time.perf_counter: time passes only while a `TimedContext` decodes, so what a
+    policy measures is exactly the simulated costs."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 class ScriptedContext:
     """LlamaContext's interface over a scripted model: `tokens` is exactly what the "cache" holds;
     the logits at each position are `logits(history up to and including that token)`. Like
@@ -238,3 +268,17 @@ class ScriptedContext:
         self.rollback(n_keep)
         todo = list(tokens[n_keep:])
         return self.decode(todo, n_logits=n_logits), len(todo)
+
+
+class TimedContext(ScriptedContext):
+    """A scripted context whose every pass takes `fixed + per_token * n` seconds of `clock`."""
+
+    def __init__(self, model: ScriptedModel, logits: Logits, *, clock: VirtualClock, fixed: float,
+                 per_token: float, n_ctx: int = 512) -> None:
+        super().__init__(model, logits, n_ctx=n_ctx)
+        self.clock, self.fixed, self.per_token = clock, fixed, per_token
+
+    def decode(self, tokens: Sequence[int], *, n_logits: int = 1) -> np.ndarray:
+        if len(tokens):
+            self.clock.now += self.fixed + self.per_token * len(tokens)
+        return super().decode(tokens, n_logits=n_logits)

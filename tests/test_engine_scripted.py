@@ -14,7 +14,8 @@ from localspec.engine import Engine, Request
 from localspec.policy import FixedLength
 from localspec.proposers import CrossTokenizerProposer, DraftModelProposer, HybridProposer, PromptLookupProposer
 from localspec.sampling import SamplingParams, logits_to_probs
-from scripted import EOS, PAIR_PIECES, ScriptedContext, ScriptedModel, copying, hashed_logits, related_logits
+from scripted import (EOS, PAIR_PIECES, ScriptedContext, ScriptedModel, TimedContext, VirtualClock, copying, favoured,
+                      hashed_logits, related_logits)
 
 ORACLE_VOCAB = 40
 
@@ -422,8 +423,8 @@ def test_an_adaptive_policys_learned_state_is_kept_between_engines(tmp_path):
     fresh = AdaptiveLength(k_max=4)
     Engine.from_parts(oracle=engine.oracle, proposer=engine.proposer, policy=fresh, draft=engine.draft_ctx,
                       costs=book)
-    assert fresh.trials == learner.trials > 0
-    assert fresh.acceptance == pytest.approx(learner.acceptance)
+    assert fresh.est.trials == learner.est.trials > 0
+    assert fresh.est.acceptance == pytest.approx(learner.est.acceptance)
     assert fresh.verify_cost(3, 10) == pytest.approx(learner.verify_cost(3, 10), rel=1e-6)
 
 
@@ -439,7 +440,7 @@ def test_a_malformed_saved_state_is_ignored(tmp_path):
     policy = AdaptiveLength()
     engine = draft_engine()
     Engine.from_parts(oracle=engine.oracle, proposer=engine.proposer, policy=policy, costs=CostBook(store, keys))
-    assert not policy.verify_cost.ready and policy.trials == 0 and policy.acceptance == 0.9
+    assert not policy.verify_cost.ready and policy.est.trials == 0 and policy.est.acceptance == 0.9
 
 
 def test_policies_describe_how_they_choose():
@@ -456,3 +457,66 @@ def test_contexts_are_the_oracles_then_the_drafts():
     assert engine.contexts == [engine.oracle, engine.draft_ctx]
     lookup = proposer_engine("lookup")
     assert lookup.contexts == [lookup.oracle]
+
+
+# --- what a policy learns of one sampling regime, priced for another ----------------------------
+
+
+def timed_pair(clock):
+    """An oracle and a same-vocabulary draft that agree on their argmax ~97% of the time but
+    overlap only ~65% at temperature 1, on simulated costs: an oracle pass 20 ms + 2 ms a token, a
+    draft token 8 ms. Greedy, drafting pays ~1.5x; at temperature 1 it does not pay (~1.0x)."""
+    model = ScriptedModel.sized(ORACLE_VOCAB, "oracle")
+    oracle = TimedContext(model, favoured(hashed_logits(1, ORACLE_VOCAB, scale=1.0), ORACLE_VOCAB, seed=7, bonus=5.0),
+                          clock=clock, fixed=0.020, per_token=0.002)
+    draft = TimedContext(ScriptedModel.sized(ORACLE_VOCAB, "draft"),
+                         favoured(hashed_logits(2, ORACLE_VOCAB, scale=1.0), ORACLE_VOCAB, seed=7, bonus=5.0),
+                         clock=clock, fixed=0.0, per_token=0.008)
+    return oracle, draft
+
+
+def test_sampled_requests_leave_greedy_ones_drafting(monkeypatch, fixed_entropy):
+    """40 short requests at temperature 1, where this draft does not pay, then a greedy request:
+    it drafts as much as before them (one estimate for every request had switched drafting off for
+    greedy ones), and its stats say why the sampled ones stopped drafting."""
+    from localspec.factory import default_policy
+
+    clock = VirtualClock()
+    monkeypatch.setattr("time.perf_counter", clock)
+    oracle, draft = timed_pair(clock)
+    proposer = DraftModelProposer(draft, n_vocab=ORACLE_VOCAB)
+    engine = Engine.from_parts(oracle=oracle, proposer=proposer, policy=default_policy(proposer), draft=draft)
+    first = engine.generate("the", max_tokens=60)
+    assert first.stats.drafted >= 40 and first.stats.regime == "greedy"
+    sampled = [engine.generate(f"{word} ", max_tokens=24, temperature=1.0)
+               for word in ("a", "he", "in", "on", "at", "re", "th", "an")
+               for _ in range(5)]
+    tail = sampled[-10:]
+    assert sum(r.stats.drafted for r in tail) <= 10 * 4  # idle but for the odd probe
+    assert all(r.stats.regime == "temperature 0.85-1.15" for r in sampled)
+    idle = next(r for r in reversed(sampled) if r.stats.idle_steps)
+    assert idle.stats.idle_reason.startswith("the draft's estimated acceptance ")
+    assert "(temperature 0.85-1.15; an oracle pass" in idle.stats.idle_reason
+    after = engine.generate("the", max_tokens=60)
+    assert after.stats.drafted >= 0.8 * first.stats.drafted
+    assert after.text == first.text and after.stats.idle_reason is None
+
+
+def test_a_stall_that_idles_a_paying_regime_is_re_tried_at_the_next_request(monkeypatch):
+    """The draft 7x slower for one request (another program on the machine) idles greedy drafting,
+    its probes spending the regime's probe budget for minutes to come; the next request re-tries
+    (measuring the draft's cost afresh) and drafts again."""
+    from localspec.factory import default_policy
+
+    clock = VirtualClock()
+    monkeypatch.setattr("time.perf_counter", clock)
+    oracle, draft = timed_pair(clock)
+    proposer = DraftModelProposer(draft, n_vocab=ORACLE_VOCAB)
+    engine = Engine.from_parts(oracle=oracle, proposer=proposer, policy=default_policy(proposer), draft=draft)
+    draft.per_token = 0.060
+    stalled = engine.generate("the", max_tokens=60)
+    assert stalled.stats.idle_steps > 30 and "a draft token 6" in stalled.stats.idle_reason
+    draft.per_token = 0.008
+    after = engine.generate("the", max_tokens=60)
+    assert after.stats.drafted >= 40 and after.stats.idle_steps == 0
+    assert after.text == stalled.text

@@ -1,10 +1,13 @@
 """Draft-length policies on synthetic costs and acceptance."""
 
+import re
+
 import numpy as np
 import pytest
 
 from localspec.outputs import StepRecord
-from localspec.policy import LOOKUP_PRIORS, LOOKUP_RUNS, AdaptiveLength, FixedLength, HybridLength, LookupLength
+from localspec.policy import (ACCEPTANCE_LAYOUT, GREEDY, LOOKUP_PRIORS, LOOKUP_RUNS, AdaptiveLength, Estimates, FixedLength,
+                              HybridLength, LookupLength, Regime)
 
 CONTEXT = 100
 FRESH, ALIGNED, LATER = 0, 1, 2  # AcceptanceByPlace's keys for a draft model
@@ -99,7 +102,7 @@ def test_probes_now_and_then_within_a_time_budget():
             p.update(step(0, 0, 0.0, verify(1)))
     assert probes[0] == 4  # the first after probe_every idle steps
     assert 3 <= len(probes) <= 10  # then as often as the budget allows: ~2% of ~80 s, 0.2 s each
-    assert p.probe_time <= 0.02 * p.time_spent + 0.21
+    assert p.est.probe_time <= 0.02 * p.est.time_spent + 0.21
     assert p.best_length(16) == 0
 
 
@@ -137,17 +140,22 @@ def test_the_probe_budget_is_kept_between_processes():
         n_probes += len(run_idle(p, verify, 100))
         state = p.acceptance_state()
     assert 5 <= n_probes <= 10  # ~2% of ~80 s at ~0.2 s each; 30 when every process probed once
-    assert p.probe_time <= 0.02 * p.time_spent + 0.21  # over all the processes: one probe over at most
+    assert p.est.probe_time <= 0.02 * p.est.time_spent + 0.21  # over all the processes: one probe over at most
+
+
+def greedy_state(**changes):
+    """An acceptance state holding the greedy regime's prior estimates, with `changes`."""
+    return {"layout": ACCEPTANCE_LAYOUT, "catch_up": 1.5,
+            "regimes": [{**GREEDY.state(), **Estimates(0.9, 1.0).state(), **changes}]}
 
 
 def test_a_malformed_probe_account_is_refused():
-    state = AdaptiveLength().acceptance_state()
     for bad in (float("inf"), float("nan"), -1.0):
         with pytest.raises(ValueError):
-            AdaptiveLength().load_acceptance_state(dict(state, time_spent=bad))
+            AdaptiveLength().load_acceptance_state(greedy_state(time_spent=bad))
     p = AdaptiveLength()
-    p.load_acceptance_state(dict(state, time_spent=10.0, probe_time=50.0))
-    assert p.probe_time == 10.0  # probes cannot have taken more than all the time
+    p.load_acceptance_state(greedy_state(time_spent=10.0, probe_time=50.0))
+    assert p.est.probe_time == 10.0  # probes cannot have taken more than all the time
 
 
 def test_unused_probe_budget_does_not_pile_up():
@@ -155,8 +163,8 @@ def test_unused_probe_budget_does_not_pile_up():
     burst that spends all the budget the drafting steps left unused."""
     verify = lambda n: 0.024 + 0.002 * n  # noqa: E731
     p = idle_pair(verify, probe_budget=0.02, probe_bank=10.0)
-    p.time_spent += 1000.0  # e.g. hours of drafting in earlier processes: 20 s of budget unused
-    p._cap_probe_bank()
+    p.est.time_spent += 1000.0  # e.g. hours of drafting in earlier processes: 20 s of budget unused
+    p.est.cap_probe_bank(p.probe_budget, p.probe_bank)
     probes = run_idle(p, verify, 1000)  # ~26 s
     assert 2 <= len(probes) <= 4  # ~2% of (10 + 26) s, 0.2 s each; ~100 (every 5th step) uncapped
 
@@ -167,7 +175,7 @@ def test_the_end_of_a_generation_is_not_taken_for_a_pair_that_does_not_pay():
     sit out up to `recheck_every` - 1 steps of it)."""
     verify = lambda n: 0.020 + 0.002 * (n - 1)  # noqa: E731
     p = primed(verify, 0.008, prior_acceptance=0.95)
-    p.fresh_trials = p.trials = 50
+    p.est.fresh_trials = p.est.trials = 50
     assert p.best_length(1, CONTEXT) == 0 < p.best_length(16, CONTEXT)
     assert p.draft_length(1, CONTEXT) == 0
     p.update(step(0, 0, 0.0, verify(1)))
@@ -180,7 +188,7 @@ def test_a_lookups_short_offers_that_do_not_pay_count_toward_its_probes():
     the generation's end: its idle steps count, so it still probes now and then."""
     verify = lambda n: 0.020 + 0.002 * (n - 1)  # noqa: E731
     p = primed(verify, 0.0002, prior_acceptance=0.2, model_draft=False, probe_budget=1.0)
-    p.fresh_trials = p.trials = 50
+    p.est.fresh_trials = p.est.trials = 50
     lengths = [p.draft_length(64, CONTEXT, offered=3) for _ in range(p.probe_every)]
     assert lengths[:-1] == [0] * (p.probe_every - 1) and lengths[-1] == min(p.probe_length, 3)
 
@@ -192,13 +200,13 @@ def test_drafting_goes_on_at_a_smaller_predicted_gain_than_it_starts_at():
     itself when unsure) used to idle it for good: idle, it no longer measured the draft."""
     verify = lambda n: 0.020 + 0.002 * (n - 1)  # noqa: E731
     drafting = primed(verify, 0.0095, prior_acceptance=0.9, keep_gain=0.05)  # predicted +7%
-    drafting.fresh_trials = drafting.trials = 50
+    drafting.est.fresh_trials = drafting.est.trials = 50
     rate = drafting.rates(16, CONTEXT)
     assert 1.05 < rate.max() / rate[0] < 1.10
     drafting.last_k = 4
     assert drafting.draft_length(16, CONTEXT) > 0
     idle = primed(verify, 0.0095, prior_acceptance=0.9, keep_gain=0.05)
-    idle.fresh_trials = idle.trials = 50
+    idle.est.fresh_trials = idle.est.trials = 50
     idle.last_k = 0
     assert idle.draft_length(16, CONTEXT) == 0
 
@@ -223,7 +231,7 @@ def test_an_early_rejection_does_not_end_drafting():
     p.update(step(1, 0, 0.050, 0.055))
     assert p.best_length(16) == 0 and not p.idle
     ks = []
-    while p.trials < 8:
+    while p.est.trials < 8:
         k = p.draft_length(16, CONTEXT)
         ks.append(k)
         p.update(step(k, 0, 0.050, 0.062))
@@ -242,21 +250,21 @@ def test_grows_k_from_a_short_start_when_drafts_keep_being_accepted():
         k = p.draft_length(16, CONTEXT)
         p.update(step(k, k, 0.0106 * k, 0.0236 + 0.0024 * k))
     assert p.draft_length(16, CONTEXT) >= 6
-    assert p.acceptance > 0.9
+    assert p.est.acceptance > 0.9
 
 
 def test_acceptance_learns_fast_from_the_prior_then_holds_steady():
     p = AdaptiveLength(prior_acceptance=0.9)
     p.update(step(8, 0, 0.0, 0.01))  # one trial: the first rejected
-    assert p.acceptance == pytest.approx(0.9 - 0.9 / 5)  # the prior counts as 4 trials
+    assert p.est.acceptance == pytest.approx(0.9 - 0.9 / 5)  # the prior counts as 4 trials
     for _ in range(8):
         p.update(step(1, 0, 0.0, 0.01))
-    assert p.acceptance < 0.5  # nine rejections in a row outweigh the prior
+    assert p.est.acceptance < 0.5  # nine rejections in a row outweigh the prior
     for _ in range(200):
         p.update(step(4, 4, 0.0, 0.01))
-    settled = p.acceptance
+    settled = p.est.acceptance
     p.update(step(4, 0, 0.0, 0.01))
-    assert settled - p.acceptance == pytest.approx(0.03 * settled)  # later, one rejection moves it by 1 - decay
+    assert settled - p.est.acceptance == pytest.approx(0.03 * settled)  # later, one rejection moves it by 1 - decay
 
 
 def test_a_new_request_retries_drafting_only_on_a_pair_that_pays_in_the_long_run():
@@ -268,12 +276,12 @@ def test_a_new_request_retries_drafting_only_on_a_pair_that_pays_in_the_long_run
         usually_pays.update(step(4, 4, 0.040, verify(5)))
     for _ in range(12):  # ... then a hard prompt
         usually_pays.update(step(2, 0, 0.024, verify(3)))
-    assert usually_pays.idle and usually_pays.long_acceptance > 0.9
+    assert usually_pays.idle and usually_pays.est.long_acceptance > 0.9
     usually_pays.start_request()
     assert not usually_pays.idle and usually_pays.draft_length(16, CONTEXT) == 2  # judged afresh
-    before = usually_pays.acceptance
+    before = usually_pays.est.acceptance
     usually_pays.update(step(2, 2, 0.024, verify(3)))
-    assert usually_pays.acceptance == pytest.approx(before + (1 - before) / 5 + (1 - before - (1 - before) / 5) / 6)
+    assert usually_pays.est.acceptance == pytest.approx(before + (1 - before) / 5 + (1 - before - (1 - before) / 5) / 6)
 
     close_call = primed(verify, 0.008, prior_acceptance=0.68)  # +3% predicted: never worth a re-try
     for i in range(300):  # two drafts in three accepted, after an accepted one and after a rejected one alike
@@ -286,7 +294,7 @@ def test_a_new_request_retries_drafting_only_on_a_pair_that_pays_in_the_long_run
 def test_a_draft_that_stops_early_is_charged_for_what_it_drafts():
     """E(k) and T(k) with the continuation rates: c for the draft's length, c_acc after an accepted token."""
     p = primed(lambda n: 0.02 + 0.01 * n, draft_cost=0.005, prior_acceptance=0.8)
-    p.continuation, p.continuation_accepted = 0.5, 0.6
+    p.est.continuation, p.est.continuation_accepted = 0.5, 0.6
     # drafting l tokens evaluates l + 1 (a catch-up of two, then a decode per drafted token but the last)
     cost = {l: p.draft_cost(l + 1, CONTEXT) + p.verify_cost(l + 1, CONTEXT) for l in (1, 2)}
     assert p.step_time(0) == pytest.approx(p.verify_cost(1, CONTEXT))
@@ -300,12 +308,12 @@ def test_continuation_is_learned_from_where_drafts_stop():
     p.last_k = 8  # the allowance granted
     p.update(step(3, 1, 0.0, 0.01))  # went on, went on, stopped
     went_on = 1.0 + (1 - 1.0) / 5
-    assert p.continuation == pytest.approx(went_on + (0 - went_on) / 7)
-    assert p.continuation_accepted == 1.0  # the one accepted token was followed by another
-    before = p.continuation
+    assert p.est.continuation == pytest.approx(went_on + (0 - went_on) / 7)
+    assert p.est.continuation_accepted == 1.0  # the one accepted token was followed by another
+    before = p.est.continuation
     p.last_k = 2
     p.update(step(2, 2, 0.0, 0.01))  # the allowance used up: one event
-    assert p.continuation == pytest.approx(before + (1 - before) / 8)
+    assert p.est.continuation == pytest.approx(before + (1 - before) / 8)
 
 
 def test_a_draft_that_stops_itself_when_unsure_gets_a_long_allowance():
@@ -317,7 +325,7 @@ def test_a_draft_that_stops_itself_when_unsure_gets_a_long_allowance():
         k = p.draft_length(16, CONTEXT)
         n = min(k, 3)
         p.update(step(n, n, 0.0106 * n, 0.0236 + 0.0024 * n))
-    assert 0.6 < p.continuation < 0.8
+    assert 0.6 < p.est.continuation < 0.8
     assert p.draft_length(16, CONTEXT) == 16
 
 
@@ -330,25 +338,26 @@ def test_probes_teach_nothing_but_a_fully_accepted_one_retries_on_the_whole_text
     for _ in range(40):
         p.update(step(4, 0, 0.04, verify(5)))
     assert p.idle
-    estimates = (p.acceptance, p.long_acceptance, p.continuation, p.trials)
+    estimates = (p.est.acceptance, p.est.long_acceptance, p.est.continuation, p.est.trials)
     probes = 0
     for _ in range(200):
         k = p.draft_length(16, CONTEXT)
         assert not p.consume_catch_up()
         p.update(step(k, 0, 0.05 if k else 0.0, verify(k + 1)))  # probes rejected
         probes += k > 0
-    assert probes > 0 and (p.acceptance, p.long_acceptance, p.continuation, p.trials) == estimates
+    assert probes > 0 and (p.est.acceptance, p.est.long_acceptance, p.est.continuation, p.est.trials) == estimates
     while not p.draft_length(16, CONTEXT):
         p.update(step(0, 0, 0.0, verify(1)))
     p.update(step(2, 2, 0.05, verify(3)))  # a probe fully accepted
-    assert p.trials == estimates[3]  # still no evidence, but ...
+    assert p.est.trials == estimates[3]  # still no evidence, but ...
     k = p.draft_length(16, CONTEXT)
     assert k == p.probe_length and p.consume_catch_up() and not p.consume_catch_up()  # ... a re-try
-    assert p.fresh_trials == 0
-    spent = p.probe_time
-    p.update(step(2, 2, 0.3, verify(3), k=k))  # its catch-up is dear: charged to the probe budget
-    assert p.probe_time == pytest.approx(spent + 0.3 + verify(3) - p.verify_cost(1, CONTEXT))
-    assert p.trials == estimates[3] + 2  # the re-try's tokens are judged as usual
+    assert p.est.fresh_trials == 0
+    spent = p.est.probe_time
+    p.update(step(2, 2, 0.3, verify(3), k=k))  # its catch-up is dear: charged to the probe budget ...
+    # ... what it cost beyond the oracle alone's time for the three tokens it yielded
+    assert p.est.probe_time == pytest.approx(spent + 0.3 + verify(3) - 3 * p.verify_cost(1, CONTEXT))
+    assert p.est.trials == estimates[3] + 2  # the re-try's tokens are judged as usual
 
 
 def test_a_draft_models_cost_goes_with_the_tokens_it_evaluates_and_lookups_does_not():
@@ -381,18 +390,18 @@ def test_the_first_tokens_acceptance_is_learned_apart_after_an_accepted_draft_an
     p = AdaptiveLength(k_max=16, prior_acceptance=0.5, prior_weight=4.0, model_draft=False)
     p.start_request()
     p.update(step(4, 0, 0.0, 0.03))  # a fresh match, wrong from its first token
-    assert p.by_place.estimates[FRESH] == pytest.approx(0.5 - 0.5 / 5) and p.by_place.estimates[ALIGNED] == 0.5
-    assert p.by_place.estimates[LATER] == 0.5  # only the first token was judged
+    assert p.est.by_place.estimates[FRESH] == pytest.approx(0.5 - 0.5 / 5) and p.est.by_place.estimates[ALIGNED] == 0.5
+    assert p.est.by_place.estimates[LATER] == 0.5  # only the first token was judged
     p.update(step(4, 4, 0.0, 0.03))  # after a rejection: the first right, then three more
-    assert p.by_place.estimates[FRESH] == pytest.approx(0.4 + 0.6 / 6)
-    assert p.by_place.estimates[LATER] == pytest.approx(0.5 + 0.5 / 5 + 0.4 / 6 + (1 - 0.5 - 0.5 / 5 - 0.4 / 6) / 7)
+    assert p.est.by_place.estimates[FRESH] == pytest.approx(0.4 + 0.6 / 6)
+    assert p.est.by_place.estimates[LATER] == pytest.approx(0.5 + 0.5 / 5 + 0.4 / 6 + (1 - 0.5 - 0.5 / 5 - 0.4 / 6) / 7)
     p.update(step(4, 4, 0.0, 0.03))  # after a wholly accepted draft
-    assert p.by_place.estimates[ALIGNED] == pytest.approx(0.5 + 0.5 / 5)
-    r = p.by_place.estimates[LATER] * p.continuation_accepted
-    assert p.expected_tokens(4) == pytest.approx(1 + p.by_place.estimates[ALIGNED] * (1 - r ** 4) / (1 - r))
+    assert p.est.by_place.estimates[ALIGNED] == pytest.approx(0.5 + 0.5 / 5)
+    r = p.est.by_place.estimates[LATER] * p.est.continuation_accepted
+    assert p.expected_tokens(4) == pytest.approx(1 + p.est.by_place.estimates[ALIGNED] * (1 - r ** 4) / (1 - r))
     p.update(step(4, 1, 0.0, 0.03))  # strays: the next step starts from a fresh match
-    r = p.by_place.estimates[LATER] * p.continuation_accepted
-    assert p.expected_tokens(4) == pytest.approx(1 + p.by_place.estimates[FRESH] * (1 - r ** 4) / (1 - r))
+    r = p.est.by_place.estimates[LATER] * p.est.continuation_accepted
+    assert p.expected_tokens(4) == pytest.approx(1 + p.est.by_place.estimates[FRESH] * (1 - r ** 4) / (1 - r))
 
 
 def test_the_first_token_estimates_are_kept_between_processes():
@@ -401,11 +410,10 @@ def test_the_first_token_estimates_are_kept_between_processes():
     p.update(step(4, 2, 0.0, 0.03))
     again = AdaptiveLength()
     again.load_acceptance_state(p.acceptance_state())
-    assert again.by_place.estimates == p.by_place.estimates and again.by_place.events == p.by_place.events
-    old = {k: v for k, v in p.acceptance_state().items() if "first" not in k and "later" not in k}
-    older = AdaptiveLength()
-    older.load_acceptance_state(old)  # kept before the split: every place starts from the overall rate
-    assert older.by_place.estimates == [p.acceptance] * 3
+    assert again.est.by_place.estimates == p.est.by_place.estimates and again.est.by_place.events == p.est.by_place.events
+    one_for_all = p.est.state()  # the layout before regimes: one estimate for every request
+    with pytest.raises(ValueError):  # dropped (the engine's CostBook then starts from the priors)
+        AdaptiveLength().load_acceptance_state(one_for_all)
 
 
 def test_a_lookups_acceptance_is_learned_by_the_length_of_the_match_each_token_extends():
@@ -415,12 +423,12 @@ def test_a_lookups_acceptance_is_learned_by_the_length_of_the_match_each_token_e
     p.start_request()
     assert p.draft_length(64, CONTEXT, offered=10, run=2) > 0 and p.run == 2
     p.update(step(6, 2, 0.0, 0.03))  # matches of 2, 3 accepted; 4 rejected
-    assert p.by_place.events == [1, 2, 0, 0]
+    assert p.est.by_place.events == [1, 2, 0, 0]
     p.draft_length(64, CONTEXT, offered=30, run=10)
     p.update(step(5, 5, 0.0, 0.03))  # matches of 10..14, all accepted
-    assert p.by_place.events == [1, 2, 2, 3]
+    assert p.est.by_place.events == [1, 2, 2, 3]
     p.score_unverified(3, 3, run=2)  # an unused offer, scored where it stood when it was made
-    assert p.by_place.events == [2, 4, 2, 3]
+    assert p.est.by_place.events == [2, 4, 2, 3]
 
 
 def test_a_lookups_estimates_are_read_as_growing_with_the_match():
@@ -474,7 +482,7 @@ def test_a_fresh_match_is_drafted_short_and_a_copy_that_held_long():
     for _ in range(3):
         for n in (1, 8, 32, 64):
             p.verify_cost.observe(n, CONTEXT, verify(n))
-    p.fresh_trials = p.min_trials
+    p.est.fresh_trials = p.min_trials
     fresh = p.draft_length(64, CONTEXT, offered=64, run=2)
     held = p.draft_length(64, CONTEXT, offered=64, run=48)
     assert 2 <= fresh <= 8 and held >= 32
@@ -486,13 +494,14 @@ def test_a_lookups_match_estimates_are_kept_and_an_older_layouts_left_out():
     p.update(step(20, 20, 0.0, 0.03))
     again = AdaptiveLength(model_draft=False, runs=LOOKUP_RUNS, place_priors=LOOKUP_PRIORS)
     again.load_acceptance_state(p.acceptance_state())
-    assert again.by_place.estimates == p.by_place.estimates and again.by_place.events == p.by_place.events
-    assert again.acceptance == p.acceptance
-    flat = AdaptiveLength(prior_acceptance=0.6, model_draft=False)  # a lookup's state kept before the layout
-    flat.update(step(4, 1, 0.0, 0.03))
+    assert again.est.by_place.estimates == p.est.by_place.estimates and again.est.by_place.events == p.est.by_place.events
+    assert again.est.acceptance == p.est.acceptance
+    other = AdaptiveLength(model_draft=False, runs=(4, 8), place_priors=(0.6, 0.7, 0.8))  # other match spans
+    other.draft_length(64, CONTEXT, offered=30, run=4)
+    other.update(step(4, 1, 0.0, 0.03))
     upgraded = AdaptiveLength(model_draft=False, runs=LOOKUP_RUNS, place_priors=LOOKUP_PRIORS)
-    upgraded.load_acceptance_state(flat.acceptance_state())
-    assert upgraded.by_place.estimates == list(LOOKUP_PRIORS) and upgraded.acceptance == flat.acceptance
+    upgraded.load_acceptance_state(other.acceptance_state())
+    assert upgraded.est.by_place.estimates == list(LOOKUP_PRIORS) and upgraded.est.acceptance == other.est.acceptance
     with pytest.raises(ValueError):
         AdaptiveLength(runs=(4, 1))
     with pytest.raises(ValueError):
@@ -512,7 +521,7 @@ def test_a_draft_cost_learned_on_a_busy_machine_does_not_keep_the_policy_idle_fo
         p.update(step(k, k - (i % 3 == 0), (k + 1) * 3 * quiet, verify(k + 1)))
     for _ in range(64):
         p.update(step(0, 0, 0.0, verify(1)))
-    p.fresh_trials = p.min_trials
+    p.est.fresh_trials = p.min_trials
     assert p.idle and p.draft_length(16, CONTEXT) == 0  # at the busy price, drafting does not pay
     p.start_request()
     assert not p.idle  # re-trying
@@ -534,7 +543,7 @@ def hybrid(verify, draft_cost, *, model_acceptance, lookup_acceptance):
     lookup = AdaptiveLength(k_max=64, model_draft=False, prior_acceptance=lookup_acceptance, draft_cost_ratio=0.01,
                             runs=LOOKUP_RUNS)
     policy = HybridLength(model, lookup)
-    lookup.fresh_trials = model.fresh_trials = model.min_trials  # judged already: no early probes
+    lookup.est.fresh_trials = model.est.fresh_trials = model.min_trials  # judged already: no early probes
     return policy
 
 
@@ -568,15 +577,15 @@ def test_the_hybrid_drafts_from_the_lookup_when_it_promises_more_than_the_model_
 def test_a_hybrid_step_teaches_the_policy_of_the_source_that_drafted_it():
     verify = lambda n: 0.020 + 0.002 * (n - 1)  # noqa: E731
     p = hybrid(verify, 0.003, model_acceptance=0.8, lookup_acceptance=0.8)
-    model_trials, lookup_acceptance = p.model.trials, p.lookup.acceptance
+    model_trials, lookup_acceptance = p.model.est.trials, p.lookup.est.acceptance
     p.draft_length(64, CONTEXT)
     p.update(lookup_step(10, 10, verify(11)))
-    assert p.lookup.acceptance > lookup_acceptance and p.model.trials == model_trials
-    assert p.lookup.by_place.events == [3, 3, 4, 0, 0, 0] and p.lookup.aligned  # matches of 0..9 tokens, all accepted
-    model_acceptance = p.model.acceptance
+    assert p.lookup.est.acceptance > lookup_acceptance and p.model.est.trials == model_trials
+    assert p.lookup.est.by_place.events == [3, 3, 4, 0, 0, 0] and p.lookup.aligned  # matches of 0..9 tokens, all accepted
+    model_acceptance = p.model.est.acceptance
     p.update(step(4, 0, 0.04, verify(5)))  # the model's draft, rejected: the lookup's next match is fresh
-    assert p.model.acceptance < model_acceptance and not p.lookup.aligned
-    assert p.lookup.trials == 10
+    assert p.model.est.acceptance < model_acceptance and not p.lookup.aligned
+    assert p.lookup.est.trials == 10
     for _ in range(60):  # the lookup's guesses now fail from their first token: it is no longer chosen
         p.update(lookup_step(8, 0, verify(9)))
     p.draft_length(64, CONTEXT)
@@ -591,7 +600,7 @@ def test_an_offer_that_was_not_drafted_teaches_the_lookup_what_the_text_is_like_
     p = hybrid(verify, 0.003, model_acceptance=0.9, lookup_acceptance=0.15)
     p.draft_length(64, CONTEXT)
     assert p.choose(found=30, allowance=64)[0] == "model"
-    spent, draft_seen = p.lookup.time_spent, p.lookup.draft_cost.observations
+    spent, draft_seen = p.lookup.est.time_spent, p.lookup.draft_cost.observations
     sources = []
     for _ in range(12):  # the model drafts; the lookup's offer agrees with all 9 tokens each step emits
         p.update(step(8, 8, 0.03, verify(9)))
@@ -599,8 +608,8 @@ def test_an_offer_that_was_not_drafted_teaches_the_lookup_what_the_text_is_like_
         p.draft_length(64, CONTEXT)
         sources.append(p.choose(found=30, allowance=64, match_length=16)[0])
     assert sources[0] == "model" and sources[-1] == "lookup"
-    assert p.lookup.by_place.estimates[3] > 0.8  # matches of 16-23 tokens: these offers' ones
-    assert (p.lookup.time_spent, p.lookup.draft_cost.observations) == (spent, draft_seen)  # nothing spent
+    assert p.lookup.est.by_place.estimates[3] > 0.8  # matches of 16-23 tokens: these offers' ones
+    assert (p.lookup.est.time_spent, p.lookup.draft_cost.observations) == (spent, draft_seen)  # nothing spent
     p.lookup.score_unverified(0, 3)  # an offer wrong from its first token: the next one is fresh
     assert not p.lookup.aligned
 
@@ -615,6 +624,148 @@ def test_the_hybrids_lookup_estimates_are_kept_beside_the_models():
     again = HybridLength(AdaptiveLength(), AdaptiveLength(k_max=64, model_draft=False))
     for kind, s in state.items():
         again.load_cost_state(kind, s)
-    assert again.lookup.acceptance == pytest.approx(p.lookup.acceptance)
-    assert again.model.acceptance == pytest.approx(p.model.acceptance)
+    assert again.lookup.est.acceptance == pytest.approx(p.lookup.est.acceptance)
+    assert again.model.est.acceptance == pytest.approx(p.model.est.acceptance)
     assert again.model.verify_cost(5, CONTEXT) == pytest.approx(p.model.verify_cost(5, CONTEXT))
+
+
+# ---------------------------------------------------------------- sampling regimes
+
+
+def test_a_requests_regime_is_greedy_or_its_temperature_band_with_filters_and_grammar_apart():
+    from localspec.sampling import SamplingParams
+
+    assert Regime.of(SamplingParams()) == GREEDY and GREEDY.describe() == "greedy"
+    assert Regime.of(SamplingParams(top_p=0.5)) == GREEDY  # greedy ignores the filters
+    assert Regime.of(SamplingParams(temperature=0.0, seed=3)) == GREEDY
+    bands = [Regime.of(SamplingParams(temperature=t)).band for t in (0.1, 0.25, 0.3, 0.7, 0.8, 1.0, 1.15, 1.5)]
+    assert bands == [1, 1, 2, 3, 3, 4, 4, 5]
+    assert Regime.of(SamplingParams(temperature=1.0)).describe() == "temperature 0.85-1.15"
+    assert Regime.of(SamplingParams(temperature=2.0)).describe() == "temperature > 1.15"
+    for filtered in (SamplingParams(temperature=1.0, top_k=40), SamplingParams(temperature=1.0, top_p=0.9),
+                     SamplingParams(temperature=1.0, min_p=0.05)):
+        assert Regime.of(filtered).filtered and Regime.of(filtered) != Regime.of(SamplingParams(temperature=1.0))
+    assert Regime.of(SamplingParams(temperature=1.0, seed=1)) == Regime.of(SamplingParams(temperature=1.0))
+    assert Regime.of(SamplingParams(), constrained=True).describe() == "greedy, grammar"
+    assert Regime.from_state(Regime(3, True, True).state()) == Regime(3, True, True)
+    with pytest.raises(ValueError):
+        Regime.from_state({"band": 9, "filtered": False, "constrained": False})
+
+
+SAMPLED = Regime(4)  # temperature 1
+
+
+def test_a_regime_where_drafting_does_not_pay_leaves_another_drafting():
+    """Sampled requests whose drafts are mostly rejected idle drafting for sampled requests only:
+    a greedy request after them is priced with what greedy requests taught (one estimate for all
+    had 40 short sampled requests switch drafting off for the greedy ones after them)."""
+    verify = lambda n: 0.024 + 0.002 * n  # noqa: E731
+    p = primed(verify, draft_cost=0.004)
+    p.start_request(GREEDY)
+    for _ in range(30):
+        p.update(step(6, 6, 0.028, verify(7)))
+    greedy_k = p.draft_length(16, CONTEXT)
+    assert greedy_k >= 6
+    for _ in range(40):  # 40 sampled requests, their drafts mostly rejected
+        p.start_request(SAMPLED)
+        for _ in range(4):
+            k = p.draft_length(16, CONTEXT)
+            p.update(step(k, 0, 0.004 * (k + 1), verify(k + 1)) if k else step(0, 0, 0.0, verify(1)))
+    assert p.idle and p.est.acceptance < 0.5
+    p.start_request(GREEDY)
+    assert not p.idle and p.est.acceptance > 0.95
+    assert p.draft_length(16, CONTEXT) == greedy_k
+    p.start_request(Regime(1))  # a regime never met: its priors, drafting at once
+    assert not p.idle and p.est.trials == 0 and p.draft_length(16, CONTEXT) > 0
+
+
+def test_each_regimes_estimates_and_probe_account_are_kept_between_processes():
+    verify = lambda n: 0.024 + 0.002 * n  # noqa: E731
+    p = primed(verify, draft_cost=0.004)
+    p.start_request(GREEDY)
+    p.update(step(4, 4, 0.02, verify(5)))
+    p.start_request(SAMPLED)
+    for _ in range(20):
+        p.update(step(4, 0, 0.02, verify(5)))
+    state = p.acceptance_state()
+    assert state["layout"] == ACCEPTANCE_LAYOUT and len(state["regimes"]) == 2
+    again = primed(verify, draft_cost=0.004)
+    again.load_acceptance_state(state)
+    for regime in (GREEDY, SAMPLED):
+        again.start_request(regime)
+        p.start_request(regime)
+        assert again.est.state() == p.est.state()
+    assert again.estimates[GREEDY].acceptance > 0.9 > 0.3 > again.estimates[SAMPLED].acceptance
+    assert again.estimates[SAMPLED].time_spent > again.estimates[GREEDY].time_spent > 0
+
+
+def test_each_regime_probes_within_its_own_budget():
+    """An idle regime's probes spend its own budget, not a drafting one's: hours of greedy drafting
+    do not buy an idle sampled regime a burst of probes, and its probes leave greedy's budget whole."""
+    verify = lambda n: 0.024 + 0.002 * n  # noqa: E731
+    p = idle_pair(verify, probe_budget=0.02)
+    p.start_request(GREEDY)
+    greedy_account = (p.est.time_spent, p.est.probe_time)
+    p.start_request(SAMPLED)
+    for _ in range(40):
+        p.update(step(4, 0, 0.04, verify(5)))
+    assert p.idle
+    sampled_probes = run_idle(p, verify, 1000)  # ~26 s of sampled requests
+    assert 2 <= len(sampled_probes) <= 4  # ~2% of 26 s, 0.2 s each
+    p.start_request(GREEDY)
+    assert (p.est.time_spent, p.est.probe_time) == greedy_account
+
+
+def test_a_retry_that_pays_costs_the_probe_budget_nothing():
+    """Exploring is charged what it cost beyond the oracle alone's time for the tokens it yielded:
+    a re-try whose drafts were accepted leaves the budget for the next one, so a regime that an
+    unlucky stretch idled is re-tried at the next request, not after minutes of budget."""
+    verify = lambda n: 0.024 + 0.002 * n  # noqa: E731
+    p = primed(verify, draft_cost=0.004, prior_acceptance=0.95, probe_budget=0.0001)  # ~2 ms of budget
+    for _ in range(300):
+        p.update(step(6, 6, 0.028, verify(7)))
+    for _ in range(3):  # three requests in a row, each idled by an unlucky stretch and re-trying at the next
+        while not p.idle:
+            p.update(step(4, 0, 0.02, verify(5)))
+        p.start_request(GREEDY)
+        assert not p.idle and p.draft_length(16, CONTEXT) > 0
+        spent = p.est.probe_time
+        while p.est.exploring:
+            k = p.draft_length(16, CONTEXT)
+            p.update(step(k, k, 0.004 * (k + 1), verify(k + 1)))
+        assert p.est.probe_time == spent  # each step yielded more than its cost's worth of oracle passes
+
+
+def test_an_idle_policy_says_why_in_numbers():
+    verify = lambda n: 0.024 + 0.002 * n  # noqa: E731
+    p = idle_pair(verify)
+    p.start_request(SAMPLED)
+    for _ in range(40):
+        p.update(step(4, 0, 0.04, verify(5)))
+    why = p.explain("the draft model")
+    assert why.startswith("the draft model's estimated acceptance ") and "(temperature 0.85-1.15; an oracle pass 26 ms" in why
+    assert re.search(r"a draft token \d+ ms\) predicts 0\.\d\dx the oracle alone at best \(k=\d+\); drafting needs 1\.10x$", why)
+    assert FixedLength(0).explain() == "a fixed draft length of 0" and FixedLength(4).explain() is None
+
+
+def test_re_tries_that_keep_failing_back_off():
+    """An idle regime whose long-run acceptance says drafting pays re-tries at a request's start
+    even with its probe budget spent (a stall may have idled it); a re-try that finds it does not
+    pay doubles the wait before the next: over 40 requests, 5 re-tries, not 40."""
+    verify = lambda n: 0.024 + 0.002 * n  # noqa: E731
+    p = primed(verify, draft_cost=0.030, prior_acceptance=0.95, draft_cost_ratio=0.05, probe_budget=0.0)
+    for _ in range(300):  # drafts that were accepted, at a draft cost that makes them not pay
+        p.update(step(4, 4, 0.15, verify(5)))
+    assert p.idle and p.est.long_acceptance > 0.9
+    retries = []
+    for request in range(40):
+        p.start_request(GREEDY)
+        if p.est.exploring:
+            retries.append(request)
+            while p.est.exploring:
+                k = p.draft_length(16, CONTEXT)
+                p.update(step(k, k, 0.030 * (k + 1), verify(k + 1)))
+        for _ in range(20):
+            p.update(step(0, 0, 0.0, verify(1)))
+    assert retries == [0, 2, 6, 14, 30]
+    assert p.est.retry_wait == 32 and p.acceptance_state()["regimes"][0]["retry_wait"] == 32

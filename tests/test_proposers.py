@@ -102,7 +102,7 @@ def test_prompt_lookup_alone_sizes_each_draft_by_its_match():
     for _ in range(3):
         for n in (1, 8, 32, 64):
             adaptive.verify_cost.observe(n, 100, 0.020 + 0.002 * (n - 1))
-    adaptive.fresh_trials = adaptive.min_trials
+    adaptive.est.fresh_trials = adaptive.min_trials
     source = list(range(100, 200))
     rng = np.random.default_rng(0)
     coincidence = source + [7, 150, 151]  # "150 151" occurs in the source, by chance

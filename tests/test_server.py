@@ -129,6 +129,7 @@ def test_chat_completion_and_stream_agree(client):
     assert u.total_tokens == u.prompt_tokens + u.completion_tokens
     assert u.drafted > 0 and 0 <= u.accepted <= u.drafted  # the speculative stats inside usage
     assert u.acceptance_rate == pytest.approx(u.accepted / u.drafted, abs=1e-3)
+    assert u.regime == "greedy"  # the policy's estimates for greedy requests priced it
 
     chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -1039,10 +1040,12 @@ def test_worker_time_limit_ends_a_job_with_length():
 def test_stats_usage_shape():
     from localspec.server.app import _usage
 
-    u = _usage(Stats(prompt_tokens=10, prompt_tokens_evaluated=4, completion_tokens=5, drafted=8, accepted=6))
+    u = _usage(Stats(prompt_tokens=10, prompt_tokens_evaluated=4, completion_tokens=5, drafted=8, accepted=6,
+                     regime="temperature 0.85-1.15", idle_steps=2, idle_reason="because"))
     assert u.model_dump() == {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15,
                               "prompt_tokens_details": {"cached_tokens": 6}, "drafted": 8, "accepted": 6,
-                              "acceptance_rate": 0.75}
+                              "acceptance_rate": 0.75, "regime": "temperature 0.85-1.15", "idle_steps": 2,
+                              "idle_reason": "because"}
 
 
 # ---------------------------------------------------------------- logprobs over a scripted engine

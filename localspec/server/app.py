@@ -52,7 +52,8 @@ def _usage(stats: Stats) -> S.Usage:
                    prompt_tokens_details=S.PromptTokensDetails(
                        cached_tokens=max(0, stats.prompt_tokens - stats.prompt_tokens_evaluated)),
                    drafted=stats.drafted, accepted=stats.accepted,
-                   acceptance_rate=round(stats.acceptance_rate, 4))
+                   acceptance_rate=round(stats.acceptance_rate, 4), regime=stats.regime or None,
+                   idle_steps=stats.idle_steps, idle_reason=stats.idle_reason)
 
 
 def _lp(x: float) -> float:

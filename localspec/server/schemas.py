@@ -252,6 +252,12 @@ class Usage(BaseModel):
     drafted: int = Field(0, description="Draft tokens proposed.")
     accepted: int = Field(0, description="Draft tokens the oracle accepted.")
     acceptance_rate: float = Field(0.0, description="accepted / drafted.")
+    regime: str | None = Field(None, description="How the request samples, as the length policy keeps its "
+                                                 "acceptance estimates apart (\"greedy\", \"temperature 0.85-1.15\", ...).")
+    idle_steps: int = Field(0, description="Steps that could have drafted and did not: the policy judged drafting "
+                                           "not worth it.")
+    idle_reason: str | None = Field(None, description="Why, when there were idle steps: the policy's estimate "
+                                                      "against its threshold.")
 
 
 class TopLogprobEntry(BaseModel):
