@@ -526,6 +526,9 @@ def serve(ctx: click.Context, host: str, port: int, model_name: str | None, api_
               "through text (set by pairs that need it).")
 @click.option("--paired", is_flag=True, help="Also run every prompt of each localspec drafting system with drafting "
               "off, in the same process, and report that ratio too (the fairest test of a few percent; twice the time).")
+@click.option("--mixed-warmup", type=click.IntRange(0), default=12, show_default=True,
+              help="Sampled requests (temperature 1.0 and 0.7, 48 tokens) each drafting localspec system answers "
+              "before the greedy runs, as a server answering OpenAI clients does; 0: none.")
 @click.option("--one-shot", is_flag=True, help="Also time each localspec system as a fresh `localspec generate` "
               "process per prompt (every repetition; the median is reported): start-up, model loading and prompt "
               "included, as a script sees it.")

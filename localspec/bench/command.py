@@ -17,7 +17,7 @@ from .systems import parse_systems
 def run(*, pair: str | None, oracle: str | None, draft: str | None, workload: str | None, systems: str | None,
         reps: int, max_prompts: int | None, max_tokens: int | None, threads: int | None, n_ctx: int,
         json_path: str | None, charts_dir: str | None, markdown_path: str | None, anchor_bin: str | None,
-        cross_tokenizer: bool, paired: bool, one_shot: bool, progress: Callable[[str], None], echo: Callable[[str], None]) -> dict:
+        cross_tokenizer: bool, paired: bool, one_shot: bool, mixed_warmup: int, progress: Callable[[str], None], echo: Callable[[str], None]) -> dict:
     from localspec.models import Registry
 
     choice = Registry.load().choose(pair, oracle, draft)
@@ -28,7 +28,7 @@ def run(*, pair: str | None, oracle: str | None, draft: str | None, workload: st
     prompts = wl.load(names, max_prompts=max_prompts, max_tokens=max_tokens)
     config = BenchConfig(oracle=oracle, draft=draft, prompts=prompts, systems=parse_systems(systems), reps=reps,
                          threads=threads, n_ctx=n_ctx, pair=chosen.name if oracle == chosen.oracle else None,
-                         anchor_bin=anchor_bin, progress=progress, paired=paired, one_shot=one_shot,
+                         anchor_bin=anchor_bin, progress=progress, paired=paired, one_shot=one_shot, mixed_warmup=mixed_warmup,
                          cross_tokenizer=cross_tokenizer or choice.cross_tokenizer)
     report = run_bench(config)
 

@@ -393,6 +393,9 @@ def results_document(report: dict, charts: dict[str, str] | None = None, command
         f"- oracle: `{c['oracle']}`; draft: `{c['draft']}`" + (f" (pair `{c['pair']}`)" if c.get("pair") else ""),
         f"- greedy decoding (temperature 0), context {c['n_ctx']}, {c['reps']} interleaved repetitions, "
         f"{len(c['prompts'])} prompts ({', '.join(c['workloads'])}); run time {report.get('elapsed_seconds', '?')} s",
+        *([f"- before the timed runs, each drafting localspec system answered {w['requests']} sampled requests "
+           f"(temperatures {', '.join(f'{t:g}' for t in w['temperatures'])} in turn, {w['max_tokens']} tokens each): "
+           "mixed traffic, as a server sees"] if (w := c.get("mixed_warmup")) and w.get("requests") else []),
         "- every figure is measured in the same run, on the same prompts, GGUF files and thread count",
         "",
         "| system | what | status |",

@@ -41,6 +41,11 @@ from .workloads import BenchPrompt
 
 SCHEMA = "localspec-bench/1"
 WARMUP_TOKENS = 16
+# the warm-up's sampled requests (each drafting localspec system's, in its own process): what a
+# server that answers OpenAI clients sees between greedy requests (temperature 1 when they set none)
+MIXED_WARMUP = 12
+MIXED_WARMUP_TOKENS = 48
+MIXED_WARMUP_TEMPERATURES = (1.0, 0.7)
 
 
 class BenchError(RuntimeError):
@@ -62,6 +67,7 @@ class BenchConfig:
     paired: bool = False  # also time each localspec system with drafting off, in its own process
     one_shot: bool = False  # also time each localspec system as a fresh `localspec generate` process
     warmup: bool = True
+    mixed_warmup: int = MIXED_WARMUP  # sampled requests each drafting localspec system answers before the runs
     progress: Callable[[str], None] | None = None
 
 
@@ -294,6 +300,20 @@ def run_bench(config: BenchConfig) -> dict:
                     if spec.is_baseline:
                         raise BenchError(f"the baseline failed to warm up: {e}") from e
                     skip(spec, f"failed to warm up: {_first_line(e)}")
+            for spec in systems:
+                w = workers.get(spec.name)
+                if w is None or spec.kind != LOCALSPEC or spec.params.get("draft") is None or not config.mixed_warmup:
+                    continue
+                say(f"warming up {spec.name} with {config.mixed_warmup} sampled requests ...")
+                for j in range(config.mixed_warmup):
+                    prompt = config.prompts[j % len(config.prompts)]
+                    try:
+                        w.call(op="run", tokens=by_id[(prompt.workload, prompt.id)]["tokens"],
+                               max_tokens=min(MIXED_WARMUP_TOKENS, prompt.max_tokens), json_schema=_schema(prompt),
+                               temperature=MIXED_WARMUP_TEMPERATURES[j % len(MIXED_WARMUP_TEMPERATURES)])
+                    except Exception as e:
+                        skip(spec, f"failed to warm up: {_first_line(e)}")
+                        break
             if config.one_shot:  # one untimed process first: bytecode cached and files paged in, as for a user
                 one_shot_run(next(s for s in systems if s.is_baseline), replace(first, max_tokens=WARMUP_TOKENS),
                              models, threads, config.n_ctx)
@@ -359,6 +379,8 @@ def run_bench(config: BenchConfig) -> dict:
             "cross_tokenizer": config.cross_tokenizer,
             "oracle_path": oracle_path, "draft_path": draft_path, "threads": threads, "n_ctx": config.n_ctx,
             "reps": config.reps, "temperature": 0.0, "paired": config.paired, "one_shot": config.one_shot,
+            "mixed_warmup": {"requests": config.mixed_warmup if config.warmup else 0, "max_tokens": MIXED_WARMUP_TOKENS,
+                             "temperatures": list(MIXED_WARMUP_TEMPERATURES)},
             "workloads": sorted({p.workload for p in config.prompts}),
             "prompts": [{"workload": p.workload, "id": p.id, "max_tokens": p.max_tokens,
                          "prompt_tokens": len(by_id[(p.workload, p.id)]["tokens"])} for p in config.prompts],

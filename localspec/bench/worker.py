@@ -93,13 +93,15 @@ class LocalspecRunner:
                         "anchor_tokens_match": match, "echo": echo})
         return out
 
-    def run(self, tokens: list[int], max_tokens: int, speculative: bool = True, json_schema: dict | None = None) -> dict:
+    def run(self, tokens: list[int], max_tokens: int, speculative: bool = True, json_schema: dict | None = None,
+            temperature: float = 0.0) -> dict:
         from localspec.constraints import Constraint
         from localspec.engine import Request
+        from localspec.sampling import SamplingParams
 
         for ctx in self.engine.contexts:  # every run evaluates its whole prompt: no prefix reuse between runs
             ctx.reset()
-        request = Request(max_tokens=max_tokens, speculative=speculative,
+        request = Request(max_tokens=max_tokens, speculative=speculative, sampling=SamplingParams(temperature=temperature),
                           constraint=Constraint.json_schema(json_schema) if json_schema is not None else None)
         t_start = time.perf_counter()
         chunks: list[tuple[float, int]] = []
@@ -161,9 +163,12 @@ class LlamaCppPythonRunner:
         return {"load_time": self.load_time, "num_pred_tokens": self.num_pred_tokens,
                 "llama_cpp_python": self.llama_cpp.__version__}
 
-    def run(self, tokens: list[int], max_tokens: int, speculative: bool = True, json_schema: dict | None = None) -> dict:
+    def run(self, tokens: list[int], max_tokens: int, speculative: bool = True, json_schema: dict | None = None,
+            temperature: float = 0.0) -> dict:
         if not speculative:
             raise ValueError("llama-cpp-python's prompt lookup cannot be switched off per run")
+        if temperature:
+            raise ValueError("llama-cpp-python's runs are greedy")
         llm, lc = self.llm, self.llama_cpp
         vocab = lc.llama_model_get_vocab(llm.model)
         llm.reset()
@@ -247,7 +252,7 @@ def main() -> int:
                 reply({"ok": True, "prompts": runner.prepare(msg["prompts"])})
             elif op == "run":
                 reply({"ok": True, "result": runner.run(msg["tokens"], msg["max_tokens"], msg.get("speculative", True),
-                                                        msg.get("json_schema"))})
+                                                        msg.get("json_schema"), msg.get("temperature", 0.0))})
             elif op == "rss":
                 reply({"ok": True, "peak_rss": peak_rss_bytes()})
             elif op == "quit":
