@@ -11,6 +11,16 @@ A llama.cpp pass of n tokens over a context of c tokens costs about
     w3, w4   attention reads the context, once per pass and for every token in it (flash
              attention on a CPU makes w4 large)
 
+A pass that carries several sequences (n_s tokens of sequence s, over its context c_s) costs
+
+    t = w0 + w1*[N > 1] + w2*N + (w3*sum_s c_s + w4*sum_s n_s*c_s)/1024 + w5*(S - 1)
+
+with N = sum_s n_s tokens and S sequences: the weights are still read once (llama.cpp's batched
+decoding of 1 / 2 / 4 / 8 / 16 sequences of the default F32 oracle reads 49 / 72 / 107 / 161 / 212
+tokens/s on a 2-core EPYC: a pass costs about w0 + w2*N whoever its tokens are for), each sequence
+attends to its own cache, and w5 is what another sequence adds beside its tokens. One sequence is
+the form above.
+
 The same form serves the draft, with n the tokens it drafts in a step (its catch-up on the tokens
 accepted since its last step, one or two, sits in w0).
 
@@ -47,7 +57,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("localspec.costs")
 
-N_FEATURES = 5
+N_FEATURES = 6
 CONTEXT_UNIT = 1024.0  # context lengths enter the fit in units of 1024 tokens
 # relative prior shapes (times in units of a one-token pass at no context): an oracle pass of n
 # tokens costs 1 + 0.2 [n > 1] + 0.1 (n - 1) one-token passes, 0.15 + 0.02 n more per 1024 tokens of
@@ -55,28 +65,39 @@ CONTEXT_UNIT = 1024.0  # context lengths enter the fit in units of 1024 tokens
 # curve in a few steps); a draft proposal that evaluates n tokens (its catch-up, then one decode per
 # drafted token but the last) costs n of its one-token decodes and a little per call, and, a small
 # model's weights being cheap, relatively more for its attention
-VERIFY_SHAPE = (0.9, 0.2, 0.1, 0.15, 0.02)
-DRAFT_SHAPE = (0.2, 0.0, 1.0, 0.2, 0.3)
+VERIFY_SHAPE = (0.9, 0.2, 0.1, 0.15, 0.02, 0.05)
+DRAFT_SHAPE = (0.2, 0.0, 1.0, 0.2, 0.3, 0.05)
+# a draft model's decode of one token for each of several sequences (a round of batched drafting):
+# shaped like the oracle's pass, its weights read once for them all
+DRAFT_ROUND_SHAPE = VERIFY_SHAPE
 # how far each weight may plausibly sit from the prior, in the same units, and the noise of one
 # measured step (a shared VM's steps vary by 10-20%): together they say how much evidence moves it
-PRIOR_SPREAD = (1.0, 0.5, 0.5, 0.1, 0.03)
+PRIOR_SPREAD = (1.0, 0.5, 0.5, 0.1, 0.03, 0.2)
 NOISE = 0.15
-STATE_VERSION = 5
+STATE_VERSION = 6
 START = 3  # passes whose median sets the prior's scale
 
 
 def features(ns: np.ndarray, context: float) -> np.ndarray:
-    """phi(n, c) [m, 5] for pass sizes ns [m] at one context length."""
+    """phi(n, c) [m, 6] for one sequence's pass sizes ns [m] at one context length."""
     ns = np.asarray(ns, dtype=np.float64)
     c = context / CONTEXT_UNIT
-    return np.stack([np.ones_like(ns), (ns > 1).astype(np.float64), ns, np.full_like(ns, c), ns * c], axis=1)
+    return np.stack([np.ones_like(ns), (ns > 1).astype(np.float64), ns, np.full_like(ns, c), ns * c,
+                     np.zeros_like(ns)], axis=1)
+
+
+def pass_features(ns: Sequence[int], contexts: Sequence[int]) -> np.ndarray:
+    """phi [6] of one pass carrying n_s tokens of each sequence s over its context c_s."""
+    total = float(sum(ns))
+    return np.array((1.0, float(total > 1), total, sum(contexts) / CONTEXT_UNIT,
+                     sum(n * c for n, c in zip(ns, contexts)) / CONTEXT_UNIT, float(len(ns) - 1)))
 
 
 class PassCost:
     """t(n, c) in seconds, fitted online (see the module docstring).
 
     `decay`: each new observation multiplies the weight of the older ones by this (0.99: the last
-    ~100 steps count). `spread` [5] / `noise`: the prior's uncertainty per weight and a step's, both
+    ~100 steps count). `spread` [6] / `noise`: the prior's uncertainty per weight and a step's, both
     relative to the one-token time. Observations more than `outlier` times the prediction are
     clipped to it (a stall, from the VM or another program, must not teach a new cost); quicker ones
     are not (nothing makes a pass quicker than it is, and a fit that started on a stall must be able
@@ -86,13 +107,13 @@ class PassCost:
 
     def __init__(self, shape: Sequence[float] = VERIFY_SHAPE, *, decay: float = 0.99,
                  spread: Sequence[float] = PRIOR_SPREAD, noise: float = NOISE, outlier: float = 2.0) -> None:
-        self.shape = np.asarray(shape, dtype=np.float64)  # [5]
+        self.shape = np.asarray(shape, dtype=np.float64)  # [6]
         self.decay = decay
-        self.ridge = np.diag((noise / np.asarray(spread, dtype=np.float64)) ** 2)  # [5, 5]
+        self.ridge = np.diag((noise / np.asarray(spread, dtype=np.float64)) ** 2)  # [6, 6]
         self.outlier = outlier
         self.scale: float | None = None  # seconds per unit of the shape: set by the first observation
-        self.gram = np.zeros((N_FEATURES, N_FEATURES))  # [5, 5] sum of decayed phi phi^T
-        self.moment = np.zeros(N_FEATURES)  # [5] sum of decayed phi * t
+        self.gram = np.zeros((N_FEATURES, N_FEATURES))  # [6, 6] sum of decayed phi phi^T
+        self.moment = np.zeros(N_FEATURES)  # [6] sum of decayed phi * t
         self.weight = 0.0  # sum of decayed observation weights
         self.observations = 0  # ever, including those loaded
         self._w: np.ndarray | None = None  # the fit, None when observations came since
@@ -105,10 +126,14 @@ class PassCost:
         return self.scale is not None
 
     def observe(self, n: int, context: int, seconds: float) -> None:
-        if n < 1 or not seconds > 0:
+        """A pass of n tokens of one sequence over `context` tokens took `seconds`."""
+        self.observe_pass((n,), (context,), seconds)
+
+    def observe_pass(self, ns: Sequence[int], contexts: Sequence[int], seconds: float) -> None:
+        """A pass carrying ns[s] tokens of each sequence s over its context contexts[s] took `seconds`."""
+        if not ns or min(ns) < 1 or not seconds > 0:
             return
-        c = context / CONTEXT_UNIT
-        phi = np.array((1.0, float(n > 1), float(n), c, n * c))  # [5]
+        phi = pass_features(ns, contexts)  # [6]
         if self.observations < START:
             self._start.append((phi, seconds))
             self.observations += 1
@@ -120,7 +145,7 @@ class PassCost:
             return
         if self.observations >= START + 2:
             # against the last fit (a few steps stale at most): no solve on every step
-            expected = self._scalar(self._last if self._last is not None else self.weights(), n, c)
+            expected = self._at(self._last if self._last is not None else self.weights(), phi)
             seconds = min(seconds, expected * self.outlier)  # a stall only ever slows a pass down
         self._add(phi, seconds)
         self.observations += 1
@@ -144,13 +169,13 @@ class PassCost:
         self.weight = self.decay * self.weight + 1.0
 
     def weights(self) -> np.ndarray:
-        """w [5]: the ridge (maximum a posteriori) solution of
+        """w [6]: the ridge (maximum a posteriori) solution of
         min sum_i d_i (phi_i w - t_i)^2 + sum_j r_j (w_j - w_prior_j)^2, d_i the decayed weight of
         observation i and r_j = (noise / spread_j)^2: with no data it is the prior, and a weight
         that the data cannot tell apart (all passes of one size, say) stays near the prior's."""
         if self._w is None:
             assert self.scale is not None
-            prior = self.scale * self.shape  # [5]
+            prior = self.scale * self.shape  # [6]
             self._w = self._last = _solve_context_nonnegative(self.gram + self.ridge, self.moment + self.ridge @ prior)
         return self._w
 
@@ -161,6 +186,28 @@ class PassCost:
     def _scalar(self, w: np.ndarray, n: int, c: float) -> float:
         t = w[0] + w[3] * c + (max(0.0, w[1]) if n > 1 else 0.0) + max(0.0, w[2] + w[4] * c) * n
         return max(float(t), self._floor())
+
+    def _at(self, w: np.ndarray, phi: np.ndarray) -> float:
+        """The prediction for a pass of features phi [6], held like `predict`'s: no part of it
+        below zero (a token, a sequence or a context never makes a pass cheaper)."""
+        per_token = max(0.0, w[2] + w[4] * phi[4] / phi[2]) if phi[2] else 0.0
+        t = w[0] + w[3] * phi[3] + max(0.0, w[1]) * phi[1] + per_token * phi[2] + max(0.0, w[5]) * phi[5]
+        return max(float(t), self._floor())
+
+    def pass_time(self, ns: Sequence[int], contexts: Sequence[int]) -> float:
+        """Seconds for a pass carrying ns[s] tokens of each sequence s over its context contexts[s]."""
+        if self.scale is None:
+            raise ValueError("no cost observed yet")
+        return self._at(self.weights(), pass_features(ns, contexts))
+
+    def token_time(self, context: int) -> float:
+        """Seconds one more token over `context` adds to a pass of two or more tokens."""
+        w = self.weights()
+        return max(0.0, w[2] + w[4] * context / CONTEXT_UNIT)
+
+    def sequence_time(self) -> float:
+        """Seconds one more sequence adds to a pass, beside its tokens and its context."""
+        return max(0.0, float(self.weights()[5]))
 
     def predict(self, ns: np.ndarray, context: int) -> np.ndarray:
         """Seconds for passes of each size in ns [m] at `context`: never decreasing in n, never
@@ -222,7 +269,7 @@ class PassCost:
 
 
 def _solve_context_nonnegative(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """w [5] minimising the ridge objective whose normal equations are a w = b ([5, 5], [5]), with the
+    """w [6] minimising the ridge objective whose normal equations are a w = b ([6, 6], [6]), with the
     context weights (w3, w4) held at or above zero: attention never makes a pass cheaper. Unheld,
     steps that all ran at short contexts (where the n*c feature is nearly a multiple of n) fitted
     w4 < 0 on the default pair: a 17-token pass predicted at 53 ms at 2048 tokens of context

@@ -1,4 +1,4 @@
-"""The engine: propose -> verify -> accept -> rollback, with stopping and streaming.
+"""The engine: propose -> verify -> accept -> rollback, for one sequence or many at once.
 
 One speculative step, as in llama.cpp's speculative-simple:
 
@@ -10,6 +10,14 @@ One speculative step, as in llama.cpp's speculative-simple:
     oracle cache trimmed to history + accepted (seq_rm); the draft's cache is synced lazily
 
 With no draft (or k = 0) the same loop is plain oracle decoding: the baseline.
+
+Many sequences (`Seq`, each in a slot: a sequence id of both contexts) step together, as
+llama-server's slots do: `step(running, prefill)` sizes every running sequence's draft (each with
+its fork of the length policy, priced for the shared pass: `policy.BatchPrice`), drafts for all of
+them (one draft-model decode per draft position: `proposers.drive_all`), builds ONE verify batch of
+every sequence's [last, d1..dk] and chunks of prompts being filled, decodes it, then accepts and
+rolls back each sequence on its own rows. `scheduler.Scheduler` decides who runs; `generate` and
+`stream` run one sequence through the same path.
 
 Under a JSON schema or a grammar (`constraints.ConstraintWalk`), the draft proposes only allowed
 tokens (pushing them onto the walk), every verified row of the oracle's logits gets the mask of its
@@ -34,18 +42,25 @@ from .constraints import Constraint, ConstraintWalk
 from .costs import CostBook
 from .factory import (DEFAULT_DRAFT_MAX, DEFAULT_P_MIN, LOOKUP_DRAFT_MAX, NGRAM, Parts, build,  # noqa: F401
                       default_policy, kernel_identity)
-from .llama import Detokenizer, LlamaContext, LlamaModel
+from .llama import Detokenizer, LlamaContext, LlamaModel, Rows
 from .options import OPTIONS, GenerationOptions
 from .outputs import Chunk, Result, Stats, StepRecord, TokenLogprob, TopLogprob
 from .policy import LengthPolicy, Regime
-from .proposers import EMPTY_DRAFT, Draft, Proposer, propose
+from .proposers import EMPTY_DRAFT, Draft, Proposer, drive_all
 from .sampling import (SamplingParams, coupled_choice, greedy_argmax, log_softmax, logits_to_probs, mask_logits,
                        seed_key, top_ids)
+from .scheduler import Scheduler
+from .sequence import Seq, Status
 from .text import TextStream
 
 log = logging.getLogger("localspec.engine")
 
 Prompt = str | Sequence[Mapping[str, Any]]
+
+
+# a prefix another slot holds is copied (not evaluated) when it is this many tokens longer than
+# the slot's own: a copy of a sequence's cache costs ~0.1 ms a token here, an evaluation ~2 ms
+COPY_MIN = 16
 
 
 class PromptTooLongError(ValueError):
@@ -123,6 +138,9 @@ class Engine:
         self.rpc, self.draft_rpc = parts.rpc, parts.draft_rpc
         if self.costs is not None:
             self.costs.load(self.policy)
+        self.n_slots = min(ctx.n_seq for ctx in self.contexts)  # sequences generated at once
+        self._drafting = 1.0  # sequences a batch's draft rounds are shared by, lately (for its prices)
+        self.scheduler = Scheduler(self)
 
     @property
     def contexts(self) -> list[LlamaContext]:
@@ -230,64 +248,199 @@ class Engine:
         return self.stream_tokens(tokens, request)
 
     def stream_tokens(self, prompt_tokens: list[int], request: Request) -> Iterator[Chunk]:
-        if not prompt_tokens:
-            raise ValueError("the prompt is empty")
-        if len(prompt_tokens) >= self.n_ctx:
-            raise PromptTooLongError(
-                f"the prompt has {len(prompt_tokens)} tokens; the context holds {self.n_ctx}")
-        walk = self.constraint_walk(request.constraint) if request.constraint is not None else None
-        return self._run(list(prompt_tokens), request, self.policy, walk)
+        """`stream` of a tokenized prompt. The request is checked (and its grammar compiled) at
+        once; the generation runs as the returned iterator is read (closing it aborts it)."""
+        return self.scheduler.run(self.new_seq(prompt_tokens, request))
 
     def constraint_walk(self, constraint: Constraint) -> ConstraintWalk:
         """A matcher for one generation under `constraint` over the oracle's vocabulary. Raises
         ConstraintError when llguidance cannot compile it (the vocabulary is read on first use)."""
         return ConstraintWalk(constraints.tokenizer_for(self.oracle_model), constraint, self.oracle_model.n_vocab)
 
-    def _run(self, history: list[int], request: Request, policy: LengthPolicy,
-             walk: ConstraintWalk | None = None) -> Iterator[Chunk]:
-        """`policy`: the length policy the request started with (it keeps it to its end)."""
-        stats = Stats(prompt_tokens=len(history), flash_attn=self.oracle.flash_attn,
+    # -- sequences
+
+    def new_seq(self, prompt_tokens: Sequence[int], request: Request) -> Seq:
+        """A sequence for `request` on a tokenized prompt, ready for the scheduler. It runs with
+        the policy the engine has now (`using_policy`), to its end. Raises ValueError (a prompt
+        that is empty or too long, a grammar llguidance cannot compile) before anything runs."""
+        if not prompt_tokens:
+            raise ValueError("the prompt is empty")
+        if len(prompt_tokens) >= self.n_ctx:
+            raise PromptTooLongError(
+                f"the prompt has {len(prompt_tokens)} tokens; the context holds {self.n_ctx}")
+        walk = self.constraint_walk(request.constraint) if request.constraint is not None else None
+        stats = Stats(prompt_tokens=len(prompt_tokens), flash_attn=self.oracle.flash_attn,
                       draft_flash_attn=self.draft_ctx.flash_attn if self.draft_ctx is not None else None)
-        t_start = time.perf_counter()
         seed = request.sampling.seed
-        rng = np.random.default_rng(None if seed is None else seed_key(seed))
         detok = Detokenizer(self.oracle_model)
-        text = TextStream(detok.feed, detok.flush, request.stop)
         speculative = request.speculative and self.proposer is not None
+        seq = Seq(list(prompt_tokens), request, rng=np.random.default_rng(None if seed is None else seed_key(seed)),
+                  text=TextStream(detok.feed, detok.flush, request.stop), stats=stats, policy=self.policy.fork(),
+                  speculative=speculative, walk=walk)
         if speculative:
             regime = Regime.of(request.sampling, constrained=request.constraint is not None)
             stats.regime = regime.describe()
-            policy.start_request(regime)
-        self._prefill(history, stats, policy if speculative else None)
-        stats.prompt_time = time.perf_counter() - t_start
+            seq.policy.start_request(regime)
+        return seq
 
-        finish = None
-        while finish is None:
-            # the first token comes from a plain oracle step, as fast as the oracle alone gives it;
-            # the draft catches up on the prompt in the next step
-            limit = self._draft_limit(history, request, request.max_tokens - stats.completion_tokens) \
-                if stats.steps else 0
-            out, logprobs = self._step(history, limit, request, policy, rng, stats, walk)
-            emitted, finish = self._emit(out, history, text, request, stats)
-            structure = None
-            if walk is not None:
-                stats.constraint_time = walk.seconds
-                if finish:
-                    finish, structure = self._structure(walk, out, emitted, finish, stats)
-            if stats.time_to_first_token == 0.0:
-                stats.time_to_first_token = time.perf_counter() - t_start
-            if logprobs is not None:
-                logprobs = logprobs[:len(emitted)]
+    def admit(self, seq: Seq, slot: int) -> None:
+        """Put `seq` in `slot`: the oracle's cache there keeps what it shares with the prompt, or
+        takes a longer shared prefix another slot holds (a copy of that cache, not an evaluation:
+        the same system prompt, the next turn of a conversation, a finished request's text)."""
+        seq.slot = slot
+        seq.status = Status.PREFILL
+        target = seq.history[:-1]
+        common = self.oracle.common_prefix(target, seq=slot)
+        source, best = max(((other, self.oracle.common_prefix(target, seq=other)) for other in range(self.n_slots)
+                            if other != slot), key=lambda t: t[1], default=(None, 0))
+        if source is not None and best >= common + COPY_MIN:
+            self.oracle.copy_seq(source, slot, best)
+            common = best
+        self.oracle.rollback(common, seq=slot)
+        seq.stats.prompt_tokens_evaluated = len(target) - common + 1  # the last prompt token is evaluated in step one
+        if seq.speculative:
+            seq.proposer = self.proposer.fork(slot)
+            # the draft is not run here: its first proposal catches up on what it has not seen (all of
+            # the prompt while drafting pays, copied from the oracle's cache where their layouts match;
+            # else a probe's window of it while the policy is idle)
+            seq.proposer.start(catch_up=not seq.policy.idle)
+
+    def step(self, running: Sequence[Seq], prefill: Mapping[Seq, int] | None = None) -> None:
+        """ONE pass of the oracle: a speculative step of each running sequence and the next
+        `prefill[seq]` prompt tokens of each sequence filling its cache. What the steps emit goes
+        to each sequence's outbox; a sequence that finishes is marked so (its slot is the
+        scheduler's to free)."""
+        prefill = dict(prefill or {})
+        t0 = time.perf_counter()
+        ks = self._plan(running, n_seqs=len(running) + len(prefill))
+        rounds = self._propose(running, ks)
+        t1 = time.perf_counter()
+        rows = [Rows(seq.slot, seq.history[len(self.oracle.seq_tokens(seq.slot)):][:n], 0)
+                for seq, n in prefill.items()]
+        rows += [Rows(seq.slot, [seq.history[-1]] + seq.draft.tokens.tolist(), len(seq.draft) + 1) for seq in running]
+        logits = self.oracle.decode_rows(rows)  # [sum of running's k+1, vocab]
+        t_decoded = time.perf_counter()
+        offset = 0
+        outs = []
+        for seq in running:
+            n = len(seq.draft) + 1
+            outs.append(self._verify(seq, logits[offset:offset + n]))
+            offset += n
+        t2 = time.perf_counter()
+        batch_tokens = sum(len(r.tokens) for r in rows)
+        for seq, (out, logprobs, n_accepted) in zip(running, outs):
+            self._record(seq, out, logprobs, n_accepted, ks[seq], draft_time=t1 - t0, verify_time=t2 - t1,
+                         batch_seqs=len(rows), batch_tokens=batch_tokens)
+        for seq in prefill:
+            if len(self.oracle.seq_tokens(seq.slot)) >= len(seq.history) - 1:
+                seq.status = Status.RUNNING
+                seq.stats.prompt_time = time.perf_counter() - seq.t_start
+        self._observe_batch(running, rows, rounds, prefill, t_decoded - t1)
+
+    def _plan(self, running: Sequence[Seq], *, n_seqs: int) -> dict[Seq, int]:
+        """Each running sequence's draft allowance, from its policy: priced for the shared pass
+        when other sequences share it (`policy.BatchPrice`)."""
+        contexts = [len(seq.history) - 1 for seq in running]
+        ks = {}
+        for seq, context in zip(running, contexts):
+            limit = self._draft_limit(seq) if seq.stats.steps else 0  # the first token: a plain oracle step
+            if limit <= 0:
+                ks[seq] = 0
+                continue
+            seq.policy.set_price(seq.policy.batch_price(contexts, context, self._drafting) if n_seqs > 1 else None)
+            k = seq.policy.draft_length(limit, context)
+            if k > 0 and seq.policy.consume_catch_up():  # a re-try: the draft sees all the text again
+                seq.proposer.resync()
+            ks[seq] = k
+        return ks
+
+    def _propose(self, running: Sequence[Seq], ks: Mapping[Seq, int]) -> list[tuple[list[int], list[int], float]]:
+        """Every running sequence's draft (`seq.draft`): the draft model drafts for all of them
+        together, one decode per draft position. Returns the draft decodes (tokens per sequence,
+        their contexts, seconds)."""
+        proposals, drafting = [], []
+        for seq in running:
+            seq.draft = EMPTY_DRAFT
+            seq.walk_base = seq.walk.depth if seq.walk is not None else 0
+            if ks[seq] > 0:
+                chooser = seq.policy if hasattr(seq.policy, "choose") else None
+                proposals.append(seq.proposer.propose_steps(seq.history, ks[seq], seq.request.sampling, seq.rng,
+                                                            seq.walk, chooser))
+                drafting.append(seq)
+        if not proposals:
+            return []
+        drafts, rounds = drive_all(proposals, self.draft_ctx)
+        for seq, draft in zip(drafting, drafts):
+            seq.draft = draft
+        model_drafts = sum(1 for d in drafts if len(d) and d.source != "lookup")
+        if len(running) > 1:  # how many share the draft's rounds, as the next step's prices expect
+            self._drafting = 0.7 * self._drafting + 0.3 * max(1, model_drafts)
+        return rounds
+
+    def _verify(self, seq: Seq, logits: np.ndarray) -> tuple[list[int], list[TokenLogprob] | None, int]:
+        """Accept `seq`'s draft against its rows of the verify pass (logits [k+1, vocab]) and trim
+        its caches: (the tokens it yields, their logprobs if asked, draft tokens accepted)."""
+        draft, walk, request = seq.draft, seq.walk, seq.request
+        raw = logits
+        if walk is not None:  # the constrained oracle: each row masked at its position (draft tokens included)
+            logits = mask_logits(logits, walk.masks(seq.walk_base))  # [k+1, vocab]
+        out, n_accepted = self._accept(draft, logits, request.sampling, seq.rng, len(seq.history))
+        if walk is not None:
+            walk.pop(len(draft) - n_accepted)
+            walk.push(int(out[-1]))  # drawn from a masked row: allowed
+            walk.settle()
+        self.oracle.rollback(len(seq.history) + n_accepted, seq=seq.slot)  # keep last + accepted; the new last stays out
+        # the logits stay valid until the next decode: logprobs are not part of the verify time
+        logprobs = self._logprobs(raw[:len(out)], out, request.logprobs) if request.logprobs is not None else None
+        return out.tolist(), logprobs, n_accepted
+
+    def _record(self, seq: Seq, out: list[int], logprobs: list[TokenLogprob] | None, n_accepted: int, k: int, *,
+                draft_time: float, verify_time: float, batch_seqs: int, batch_tokens: int) -> None:
+        """Count `seq`'s step (its policy learns from it) and emit what it yielded."""
+        draft, stats = seq.draft, seq.stats
+        step = StepRecord(k=k, drafted=len(draft), accepted=n_accepted, draft_time=draft_time,
+                          verify_time=verify_time, context=len(seq.history) - 1, draft_evaluated=draft.evaluated,
+                          draft_prompt_time=draft.prompt_time, source=draft.source, batch_seqs=batch_seqs,
+                          batch_tokens=batch_tokens if batch_seqs > 1 else 0)
+        if seq.request.speculative:  # a request that does not draft teaches the policy nothing
+            seq.policy.update(step)
+            stats.idle_steps += stats.steps > 0 and self._draft_limit(seq) > 0 and not step.drafted
+        stats.add_step(step)
+        seq.draft = None
+        emitted, finish = self._emit(out, seq)
+        structure = None
+        if seq.walk is not None:
+            stats.constraint_time = seq.walk.seconds
             if finish:
-                piece = text.finish()
-                stats.total_time = time.perf_counter() - t_start
-                if speculative:
-                    if stats.idle_steps:
-                        stats.idle_reason = policy.explain()
-                    self.save_costs(policy)
-                yield Chunk(piece, emitted, logprobs, finish_reason=finish, stats=stats, structure=structure)
-            elif emitted:
-                yield Chunk(text.release(), emitted, logprobs, stats=stats)  # stats so far
+                finish, structure = self._structure(seq.walk, out, emitted, finish, stats)
+        if stats.time_to_first_token == 0.0:
+            stats.time_to_first_token = time.perf_counter() - seq.t_start
+        if logprobs is not None:
+            logprobs = logprobs[:len(emitted)]
+        if finish:
+            seq.finish_reason, seq.structure = finish, structure
+            seq.status = Status.FINISHED
+            piece = seq.text.finish()
+            stats.total_time = time.perf_counter() - seq.t_start
+            if seq.speculative:
+                if stats.idle_steps:
+                    stats.idle_reason = seq.policy.explain()
+                self.save_costs(seq.policy)
+            seq.emit(piece, emitted, logprobs, final=True)
+        elif emitted:
+            seq.emit(seq.text.release(), emitted, logprobs)  # stats so far
+
+    def _observe_batch(self, running: Sequence[Seq], rows: Sequence[Rows], rounds, prefill, seconds: float) -> None:
+        """A pass shared by several sequences teaches the shared costs once (a step alone teaches
+        its policy through its record, as it always did): the verify pass, unless it also filled a
+        prompt (a chunk of hundreds of tokens runs at another rate per token), and the draft's rounds."""
+        if len(rows) <= 1:
+            return
+        if not prefill:
+            self.policy.observe_pass([len(r.tokens) for r in rows], [len(seq.history) - 1 for seq in running],
+                                     seconds)
+        for ns, contexts, t in rounds:
+            self.policy.observe_draft_round(ns, contexts, t)
 
     def _structure(self, walk: ConstraintWalk, out: list[int], emitted: list[int], finish: str,
                    stats: Stats) -> tuple[str, str]:
@@ -303,79 +456,33 @@ class Engine:
             return "stop", "complete"
         return finish, "incomplete"
 
-    def _emit(self, out: list[int], history: list[int], text: TextStream, request: Request,
-              stats: Stats) -> tuple[list[int], str | None]:
+    def _emit(self, out: list[int], seq: Seq) -> tuple[list[int], str | None]:
         """Append a step's tokens to the history until one of them ends the generation:
         end-of-generation token, stop string, max_tokens, or a full context."""
         emitted: list[int] = []
+        stats, history = seq.stats, seq.history
         for token in out:
             if self.oracle_model.is_eog(token):
                 return emitted, "stop"
             emitted.append(token)
             history.append(token)
             stats.completion_tokens += 1
-            if text.add(token):
+            if seq.text.add(token):
                 return emitted, "stop"
-            if stats.completion_tokens >= request.max_tokens or len(history) > self.n_ctx:
+            if stats.completion_tokens >= seq.request.max_tokens or len(history) > self.n_ctx:
                 return emitted, "length"
         return emitted, None
 
-    def _prefill(self, history: list[int], stats: Stats, policy: LengthPolicy | None) -> None:
-        """Bring the oracle's cache to history[:-1], reusing what it already holds. The draft is
-        not run here: its first proposal catches up on what it has not seen (all of the prompt while
-        drafting pays, copied from the oracle's cache where their layouts match; else a probe's
-        window of it while the policy is idle). `policy`: the request's
-        length policy, None when it does not draft at all."""
-        _, n_eval = self.oracle.sync(history[:-1], n_logits=0)
-        stats.prompt_tokens_evaluated = n_eval + 1  # the last prompt token is evaluated in step one
-        if policy is not None:
-            self.proposer.start(catch_up=not policy.idle)
-
-    def _draft_limit(self, history: list[int], request: Request, remaining: int) -> int:
+    def _draft_limit(self, seq: Seq) -> int:
         """Most draft tokens worth proposing now: each step emits up to k+1 tokens, and the oracle
         must hold history + k."""
-        if self.proposer is None or not request.speculative:
+        request = seq.request
+        if not seq.speculative:
             return 0
-        limit = min(remaining - 1, self.n_ctx - len(history))
+        limit = min(request.max_tokens - seq.stats.completion_tokens - 1, self.n_ctx - len(seq.history))
         if request.draft_max is not None:
             limit = min(limit, request.draft_max)
         return max(0, limit)
-
-    def _step(self, history: list[int], limit: int, request: Request, policy: LengthPolicy,
-              rng: np.random.Generator, stats: Stats, walk: ConstraintWalk | None = None) -> tuple[list[int], list[TokenLogprob] | None]:
-        """One propose -> verify -> accept -> rollback step. Returns the tokens it yields (accepted
-        draft tokens, then a recovered or bonus token) and, if asked, their oracle logprobs.
-        `walk`: the grammar's matcher, holding every emitted token (the draft pushes its own)."""
-        context = len(history) - 1  # the oracle holds all but the last token
-        t0 = time.perf_counter()
-        k = policy.draft_length(limit, context) if limit > 0 else 0
-        if k > 0 and policy.consume_catch_up():  # a re-try: the draft sees all the text again
-            self.proposer.resync()
-        base = walk.depth if walk is not None else 0
-        draft = propose(self.proposer, history, k, request.sampling, rng, walk) if k > 0 else EMPTY_DRAFT
-        t1 = time.perf_counter()
-        logits, _ = self.oracle.sync(history + draft.tokens.tolist(), n_logits=len(draft) + 1)  # [k+1, vocab]
-        raw = logits
-        if walk is not None:  # the constrained oracle: each row masked at its position (draft tokens included)
-            logits = mask_logits(logits, walk.masks(base))  # [k+1, vocab]
-        out, n_accepted = self._accept(draft, logits, request.sampling, rng, len(history))
-        if walk is not None:
-            walk.pop(len(draft) - n_accepted)
-            walk.push(int(out[-1]))  # drawn from a masked row: allowed
-            walk.settle()
-        self.oracle.rollback(len(history) + n_accepted)  # keep last + accepted; the new last stays out
-        t2 = time.perf_counter()
-        # the logits stay valid until the next decode: logprobs are not part of the verify time
-        logprobs = self._logprobs(raw[:len(out)], out, request.logprobs) if request.logprobs is not None else None
-
-        step = StepRecord(k=k, drafted=len(draft), accepted=n_accepted, draft_time=t1 - t0, verify_time=t2 - t1,
-                          context=context, draft_evaluated=draft.evaluated, draft_prompt_time=draft.prompt_time,
-                          source=draft.source)
-        if request.speculative:  # a request that does not draft teaches the policy nothing
-            policy.update(step)
-            stats.idle_steps += limit > 0 and not step.drafted
-        stats.add_step(step)
-        return out.tolist(), logprobs
 
     @staticmethod
     def _accept(draft: Draft, logits: np.ndarray, sampling: SamplingParams, rng: np.random.Generator,

@@ -57,10 +57,10 @@ def default_policy(proposer: Proposer | None, draft_max: int = DEFAULT_DRAFT_MAX
     if proposer is None:
         return FixedLength(0)
     if isinstance(proposer, PromptLookupProposer):
-        return lookup_policy(proposer, k_max=draft_max)
+        return lookup_policy(k_max=draft_max)
     policy = AdaptiveLength(k_max=draft_max, model_draft=model_draft, draft_cost_ratio=cost_ratio)
     if isinstance(proposer, HybridProposer):
-        return hybrid_policy(proposer, policy, lookup_max=lookup_max)
+        return hybrid_policy(policy, lookup_max=lookup_max)
     return policy
 
 
@@ -70,18 +70,14 @@ def lookup_adaptive(k_max: int) -> AdaptiveLength:
                           draft_cost_ratio=draft_cost_ratio(None, None), text_weight=LOOKUP_TEXT_WEIGHT)
 
 
-def lookup_policy(proposer: PromptLookupProposer, *, k_max: int = LOOKUP_DRAFT_MAX) -> LookupLength:
-    """The adaptive policy of prompt lookup alone, which then sizes each draft through it."""
-    policy = LookupLength(lookup_adaptive(k_max))
-    proposer.chooser = policy
-    return policy
+def lookup_policy(*, k_max: int = LOOKUP_DRAFT_MAX) -> LookupLength:
+    """The adaptive policy of prompt lookup alone (it sizes each draft once the match is known)."""
+    return LookupLength(lookup_adaptive(k_max))
 
 
-def hybrid_policy(proposer: HybridProposer, model: AdaptiveLength, *, lookup_max: int = LOOKUP_DRAFT_MAX) -> HybridLength:
-    """The adaptive policy of a hybrid proposer, which then chooses its source through it."""
-    policy = HybridLength(model, lookup_adaptive(lookup_max))
-    proposer.chooser = policy
-    return policy
+def hybrid_policy(model: AdaptiveLength, *, lookup_max: int = LOOKUP_DRAFT_MAX) -> HybridLength:
+    """The adaptive policy of a hybrid proposer (it chooses each step's source and length)."""
+    return HybridLength(model, lookup_adaptive(lookup_max))
 
 
 def rpc_servers(value: str | Sequence[str] | None) -> tuple[str, ...]:
@@ -107,7 +103,7 @@ def draft_cost_ratio(oracle: LlamaModel | None, draft: LlamaModel | None) -> flo
 
 
 def build(oracle: str | os.PathLike, draft: str | os.PathLike | None = None, *,
-          n_ctx: int = 4096, n_batch: int = 512, n_threads: int | None = None,
+          n_ctx: int = 4096, n_batch: int = 512, n_threads: int | None = None, parallel: int = 1,
           gpu_layers: int = -1, draft_gpu_layers: int = -1, flash_attn: str = "auto",
           draft_length: int | None = None, draft_max: int | None = None,
           p_min: float = DEFAULT_P_MIN, lookup: bool = True, cross_tokenizer: bool = False,
@@ -116,6 +112,8 @@ def build(oracle: str | os.PathLike, draft: str | os.PathLike | None = None, *,
           rpc: str | Sequence[str] | None = None, draft_rpc: str | Sequence[str] | None = None) -> Parts:
     """`oracle` / `draft`: a GGUF path or a model name from models.toml (fetched on first use);
     `draft` may also be "ngram" (prompt lookup, no model) or None (the oracle alone).
+    `n_ctx`: the tokens each sequence may hold; `parallel`: sequences the contexts hold at once
+    (requests generated together in one batch: the server's slots, a batch file's `--parallel`).
     `draft_length`: a fixed k; None chooses k per step from measured costs and acceptance
     (capped by `draft_max`: default 16 for a draft model, 64 for prompt lookup, whose drafts cost
     nothing to make). `p_min`: the draft stops when its top probability falls below it.
@@ -132,7 +130,7 @@ def build(oracle: str | os.PathLike, draft: str | os.PathLike | None = None, *,
     loader = _Loader(n_threads or default_threads(), rpc_servers(rpc), rpc_servers(draft_rpc), progress,
                      CostStore() if cost_cache else None)
     try:
-        parts = loader.load(oracle, draft, n_ctx=n_ctx, n_batch=n_batch, gpu_layers=gpu_layers,
+        parts = loader.load(oracle, draft, n_ctx=n_ctx, n_batch=n_batch, n_seq=parallel, gpu_layers=gpu_layers,
                             draft_gpu_layers=draft_gpu_layers, flash_attn=flash_attn, p_min=p_min, lookup=lookup,
                             cross_tokenizer=cross_tokenizer)
     except BaseException:
@@ -176,7 +174,7 @@ class _Loader:
         self.closers.append(obj.close)
         return obj
 
-    def load(self, oracle, draft, *, n_ctx: int, n_batch: int, gpu_layers: int, draft_gpu_layers: int,
+    def load(self, oracle, draft, *, n_ctx: int, n_batch: int, n_seq: int, gpu_layers: int, draft_gpu_layers: int,
              flash_attn: str, p_min: float, lookup: bool, cross_tokenizer: bool) -> Parts:
         from .models import Registry  # models pulls in the registry file; keep it lazy
 
@@ -190,12 +188,12 @@ class _Loader:
         # the two models load at once (llama.cpp releases the GIL): a one-shot run starts sooner
         with ThreadPoolExecutor(max_workers=1) as pool:
             loading = pool.submit(self._load_draft, draft_path, gpu_layers=draft_gpu_layers, flash_attn=flash_attn,
-                                  n_ctx=n_ctx, n_batch=n_batch) if draft_path is not None else None
+                                  n_ctx=n_ctx, n_batch=n_batch, n_seq=n_seq) if draft_path is not None else None
             try:
                 oracle_model = self._own(self._load_model(oracle_path, gpu_layers, self.rpc, "oracle"))
                 oracle_fa = resolve_flash_attn(flash_attn, n_gpu_layers=gpu_layers,
                                                measured=self._measured_kernel(oracle_path, gpu_layers))
-                oracle_ctx = self._own(LlamaContext(oracle_model, n_ctx=n_ctx, n_batch=n_batch,
+                oracle_ctx = self._own(LlamaContext(oracle_model, n_ctx=n_ctx, n_batch=n_batch, n_seq=n_seq,
                                                     n_threads=self.n_threads, flash_attn=oracle_fa))
             finally:
                 if loading is not None:
@@ -214,9 +212,10 @@ class _Loader:
                 parts.proposer = HybridProposer(PromptLookupProposer(is_end=parts.oracle.model.is_eog), parts.proposer)
         return parts
 
-    def _load_draft(self, path, *, gpu_layers: int, flash_attn: str, n_ctx: int, n_batch: int) -> LlamaContext:
+    def _load_draft(self, path, *, gpu_layers: int, flash_attn: str, n_ctx: int, n_batch: int,
+                    n_seq: int) -> LlamaContext:
         model = self._own(self._load_model(path, gpu_layers, self.draft_rpc, "draft"))
-        return self._own(LlamaContext(model, n_ctx=n_ctx, n_batch=n_batch, n_threads=self.n_threads,
+        return self._own(LlamaContext(model, n_ctx=n_ctx, n_batch=n_batch, n_threads=self.n_threads, n_seq=n_seq,
                                       flash_attn=resolve_flash_attn(flash_attn, n_gpu_layers=gpu_layers)))
 
     def _load_model(self, path, gpu_layers: int, rpc: tuple[str, ...], role: str) -> LlamaModel:
@@ -276,14 +275,16 @@ class _Loader:
         hybrid = kind == "hybrid"
         if hybrid:  # its draft model costs and is judged as it would be alone; its lookup apart
             kind = parts.proposer.model.describe()
+        draft_identity = {"proposer": kind, "model": draft, "oracle": oracle if kind != "model" else None,
+                          "threads": self.n_threads, "gpu_layers": draft_gpu_layers, "p_min": p_min,
+                          "flash_attn": parts.draft.flash_attn if parts.draft is not None else None, **machine,
+                          **({"rpc": list(self.draft_rpc)} if self.draft_rpc else {})}
         return {
             "verify": {"model": oracle, "threads": self.n_threads, "gpu_layers": gpu_layers,
                        "n_ctx": parts.oracle.n_ctx, "flash_attn": parts.oracle.flash_attn, **machine,
                        **({"rpc": list(self.rpc)} if self.rpc else {})},
-            "draft": {"proposer": kind, "model": draft, "oracle": oracle if kind != "model" else None,
-                      "threads": self.n_threads, "gpu_layers": draft_gpu_layers, "p_min": p_min,
-                      "flash_attn": parts.draft.flash_attn if parts.draft is not None else None, **machine,
-                      **({"rpc": list(self.draft_rpc)} if self.draft_rpc else {})},
+            "draft": draft_identity,
+            "draft_round": draft_identity,
             "acceptance": {"proposer": kind, "oracle": oracle, "draft": draft, "p_min": p_min},
             **({"lookup_acceptance": {"proposer": "hybrid-lookup", "oracle": oracle}} if hybrid else {}),
         }

@@ -27,7 +27,7 @@ from .models.gguf import GGUF_MAGIC, GgufHeader, remembered_header
 
 log = logging.getLogger("localspec.llama")
 
-_SEQ = 0  # one sequence per context
+MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ: the most sequences a context holds
 
 
 class LlamaError(RuntimeError):
@@ -227,6 +227,16 @@ class LlamaModel(_Owner):
             llama_cpp.llama_model_meta_val_str(self.handle, key.encode(), buf, len(buf))
         return buf.value.decode("utf-8", errors="replace")
 
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of KV cache a token takes (F16 keys and values, every layer), from the metadata."""
+        m = self.handle
+        n_layer, n_embd = llama_cpp.llama_model_n_layer(m), llama_cpp.llama_model_n_embd(m)
+        n_head, n_head_kv = max(1, llama_cpp.llama_model_n_head(m)), llama_cpp.llama_model_n_head_kv(m)
+        arch = self.metadata("general.architecture") or ""
+        key = int(self.metadata(f"{arch}.attention.key_length") or n_embd // n_head)
+        value = int(self.metadata(f"{arch}.attention.value_length") or n_embd // n_head)
+        return 2 * n_layer * n_head_kv * (key + value)
+
     @property
     def chat_template(self) -> str | None:
         tmpl = llama_cpp.llama_model_chat_template(self.handle, None)
@@ -340,39 +350,61 @@ def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return int((np.asarray(a[:n]) != np.asarray(b[:n])).argmax())
 
 
-class LlamaContext(_Owner):
-    """One llama.cpp context over a model, with one sequence and one reusable batch.
+@dataclass(frozen=True)
+class Rows:
+    """One sequence's part of a batch: `tokens` appended to sequence `seq` (at the positions after
+    what it holds), with logits for the last `n_logits` of them."""
 
-    Invariant: `self.tokens` is exactly the token sequence held in the KV cache, at positions
-    0..n_past-1. Only `decode` and `rollback` change it.
+    seq: int
+    tokens: Sequence[int]
+    n_logits: int = 0
+
+
+class LlamaContext(_Owner):
+    """One llama.cpp context over a model, holding up to `n_seq` sequences (llama.cpp sequence ids
+    0..n_seq-1), with one reusable batch.
+
+    Invariant: `seq_tokens(s)` is exactly the token sequence sequence s holds in the KV cache, at
+    positions 0..len-1. Only `decode`, `decode_rows`, `rollback`, `reset`, `copy_cache_from` and
+    `copy_seq` change it, each passing the sequence id to every llama.cpp memory call; a failed
+    decode leaves every sequence as its mirror says. The one-sequence methods (`tokens`, `decode`,
+    `sync`, `rollback`, ...) act on sequence 0 unless given `seq`.
+
+    Each sequence has a KV cache of its own of `n_ctx` tokens (llama.cpp's non-unified cache: a
+    token's attention reads only its own sequence's cells, where a unified cache would read every
+    sequence's), so the cache takes `n_ctx * n_seq` cells in all.
     """
 
     def __init__(self, model: LlamaModel, *, n_ctx: int = 4096, n_batch: int = 512,
-                 n_threads: int | None = None, flash_attn: str = "auto") -> None:
-        """`flash_attn`: "on", "off" or "auto" (llama.cpp's own choice: on wherever the backend
-        supports it, the CPU included)."""
+                 n_threads: int | None = None, flash_attn: str = "auto", n_seq: int = 1) -> None:
+        """`n_ctx`: tokens each sequence may hold; `flash_attn`: "on", "off" or "auto" (llama.cpp's
+        own choice: on wherever the backend supports it, the CPU included); `n_seq`: sequences."""
         self.model = model
         threads = n_threads or default_threads()
         if flash_attn not in FLASH_ATTN_TYPES:
             raise ValueError(f"flash_attn must be one of {', '.join(FLASH_ATTN_TYPES)}, got {flash_attn!r}")
+        if not 1 <= n_seq <= MAX_SEQ:
+            raise ValueError(f"n_seq must be between 1 and {MAX_SEQ}")
         self.flash_attn = flash_attn
         params = llama_cpp.llama_context_default_params()
         params.flash_attn_type = FLASH_ATTN_TYPES[flash_attn]
-        params.n_ctx = n_ctx
+        params.n_ctx = n_ctx * n_seq
         params.n_batch = n_batch
         params.n_ubatch = n_batch
-        params.n_seq_max = 1
+        params.n_seq_max = n_seq
+        params.kv_unified = False
         params.n_threads = threads
         params.n_threads_batch = threads
         params.no_perf = True
         self._ctx = llama_cpp.llama_init_from_model(model.handle, params)
         if not self._ctx:
-            raise LlamaError(f"could not create a context (n_ctx={n_ctx}) for {model.path.name}")
+            raise LlamaError(f"could not create a context (n_ctx={n_ctx}, {n_seq} sequences) for {model.path.name}")
         self._mem = llama_cpp.llama_get_memory(self._ctx)
-        self.n_ctx: int = llama_cpp.llama_n_ctx(self._ctx)
+        self.n_seq = n_seq
+        self.n_ctx: int = llama_cpp.llama_n_ctx(self._ctx) // n_seq  # per sequence
         self.n_batch: int = llama_cpp.llama_n_batch(self._ctx)
         self.n_vocab = model.n_vocab
-        self.tokens: list[int] = []
+        self._seqs: list[list[int]] = [[] for _ in range(n_seq)]
 
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         b = self._batch
@@ -383,7 +415,8 @@ class LlamaContext(_Owner):
         n_seq_id = np.ctypeslib.as_array(b.n_seq_id, shape=(self.n_batch,))
         n_seq_id[:] = 1
         for i in range(self.n_batch):
-            b.seq_id[i][0] = _SEQ
+            b.seq_id[i][0] = 0
+        self._b_seq = np.zeros(self.n_batch, dtype=np.int32)  # what each row's seq_id holds (written on change)
 
     # -- lifetime
     def close(self) -> None:
@@ -395,103 +428,184 @@ class LlamaContext(_Owner):
             self._ctx = None
 
     # -- position
+    def seq_tokens(self, seq: int = 0) -> list[int]:
+        """What sequence `seq` holds (the mirror itself: do not change it)."""
+        return self._seqs[seq]
+
+    @property
+    def tokens(self) -> list[int]:
+        return self._seqs[0]
+
     @property
     def n_past(self) -> int:
-        return len(self.tokens)
+        return len(self._seqs[0])
 
-    def rollback(self, n_past: int) -> None:
-        """Drop every cached token at position >= n_past."""
-        if n_past >= len(self.tokens):
+    def rollback(self, n_past: int, *, seq: int = 0) -> None:
+        """Drop every token of sequence `seq` at position >= n_past."""
+        held = self._seqs[seq]
+        if n_past >= len(held):
             return
-        if not llama_cpp.llama_memory_seq_rm(self._mem, _SEQ, n_past, -1):
-            # recurrent/hybrid caches cannot drop a partial suffix: clear and let the caller re-decode
-            llama_cpp.llama_memory_clear(self._mem, True)
+        if not llama_cpp.llama_memory_seq_rm(self._mem, seq, n_past, -1):
+            # recurrent/hybrid caches cannot drop a partial suffix: clear it and let the caller re-decode
+            llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
             n_past = 0
-        del self.tokens[n_past:]
+        del held[n_past:]
 
     def reset(self) -> None:
+        """Empty every sequence."""
         llama_cpp.llama_memory_clear(self._mem, True)
-        self.tokens.clear()
+        for held in self._seqs:
+            held.clear()
 
-    def copy_cache_from(self, other: "LlamaContext") -> bool:
-        """Make this context's cache hold `other`'s tokens by copying its KV cache (llama.cpp's
-        sequence state) instead of evaluating them: possible when both models lay their cache out
-        alike (same architecture and sizes, e.g. a quantized copy of the same model, and the same
-        attention kernel); llama.cpp checks that and refuses otherwise. Returns whether it was done;
-        on False the cache is as it was, or empty."""
-        size = llama_cpp.llama_state_seq_get_size(other._ctx, _SEQ)
+    def copy_cache_from(self, other: "LlamaContext", *, seq: int = 0, other_seq: int = 0) -> bool:
+        """Make sequence `seq` hold what `other`'s sequence `other_seq` holds by copying its KV cache
+        (llama.cpp's sequence state) instead of evaluating it: possible when both models lay their
+        cache out alike (same architecture and sizes, e.g. a quantized copy of the same model, and
+        the same attention kernel); llama.cpp checks that and refuses otherwise. Returns whether it
+        was done; on False the sequence is as it was, or empty."""
+        size = llama_cpp.llama_state_seq_get_size(other._ctx, other_seq)
         if not size:
             return False
         buf = (ctypes.c_uint8 * size)()
-        got = llama_cpp.llama_state_seq_get_data(other._ctx, buf, size, _SEQ)
+        got = llama_cpp.llama_state_seq_get_data(other._ctx, buf, size, other_seq)
         if not got:
             return False
-        llama_cpp.llama_memory_seq_rm(self._mem, _SEQ, 0, -1)
-        self.tokens.clear()
+        llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
+        self._seqs[seq].clear()
         with captured_log():  # a refusal is reported by the return value (its log says why, at DEBUG)
-            ok = llama_cpp.llama_state_seq_set_data(self._ctx, buf, got, _SEQ)
+            ok = llama_cpp.llama_state_seq_set_data(self._ctx, buf, got, seq)
         if not ok:
-            llama_cpp.llama_memory_seq_rm(self._mem, _SEQ, 0, -1)
+            llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
             return False
-        self.tokens = list(other.tokens)
+        self._seqs[seq] = list(other._seqs[other_seq])
         return True
 
-    def common_prefix(self, tokens: Sequence[int]) -> int:
-        """Length of the longest prefix `tokens` shares with the cache."""
-        return shared_prefix(self.tokens, tokens)
+    def copy_seq(self, src: int, dst: int, n: int) -> None:
+        """Make sequence `dst` hold the first `n` tokens sequence `src` holds, copied in the cache
+        (a shared prefix: a system prompt, a conversation's earlier turns), not evaluated again."""
+        n = min(n, len(self._seqs[src]))
+        llama_cpp.llama_memory_seq_rm(self._mem, dst, -1, -1)
+        self._seqs[dst] = []
+        if n <= 0:
+            return
+        # the sequences live in separate streams: llama.cpp copies src's whole stream, then dst drops the rest
+        llama_cpp.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
+        self._seqs[dst] = list(self._seqs[src])
+        self.rollback(n, seq=dst)
+
+    def common_prefix(self, tokens: Sequence[int], *, seq: int = 0) -> int:
+        """Length of the longest prefix `tokens` shares with what sequence `seq` holds."""
+        return shared_prefix(self._seqs[seq], tokens)
 
     # -- evaluation
-    def decode(self, tokens: Sequence[int], *, n_logits: int = 1) -> np.ndarray:
-        """Evaluate `tokens` at positions n_past.. and append them to the cache.
+    def decode(self, tokens: Sequence[int], *, n_logits: int = 1, seq: int = 0) -> np.ndarray:
+        """Evaluate `tokens` at sequence `seq`'s next positions and append them to it.
 
-        Logits are computed only for the last `n_logits` tokens. Returns a zero-copy, read-only view
+        Logits are computed only for the last `n_logits` tokens. Returns a read-only view
         [n_logits, vocab] into llama.cpp's output buffer, valid until the next decode on this context.
         """
-        n = len(tokens)
-        n_logits = min(n_logits, n)
-        if n == 0:
+        return self.decode_rows([Rows(seq, tokens, n_logits)])
+
+    def decode_rows(self, rows: Sequence[Rows]) -> np.ndarray:
+        """Evaluate several sequences' tokens in one batch (one `llama_decode`, or one per `n_batch`
+        tokens), each appended to its own sequence. Returns the logits [sum of n_logits, vocab], in
+        the order of `rows` (each its last n_logits tokens): a read-only view into llama.cpp's output
+        buffer, valid until the next decode, when one llama_decode held them all; else a copy.
+
+        On failure every sequence is left as it was before the call, and ContextFullError (no room
+        in a sequence's cache) or LlamaError is raised."""
+        flat_tokens, flat_pos, flat_seq, flat_out = [], [], [], []
+        n_out = 0
+        for r in rows:
+            n = len(r.tokens)
+            if n == 0:
+                continue
+            held = self._seqs[r.seq]
+            if len(held) + n > self.n_ctx:
+                raise ContextFullError(f"context full: {len(held)} + {n} tokens > n_ctx {self.n_ctx}"
+                                       + (f" (sequence {r.seq})" if self.n_seq > 1 else ""))
+            k = min(r.n_logits, n)
+            start = len(held)
+            flat_tokens.append(np.asarray(r.tokens, dtype=np.int32))
+            flat_pos.append(np.arange(start, start + n, dtype=np.int32))
+            flat_seq.append(np.full(n, r.seq, dtype=np.int32))
+            out = np.zeros(n, dtype=np.int8)
+            out[n - k:] = 1
+            flat_out.append(out)
+            n_out += k
+        if not flat_tokens:
             return np.zeros((0, self.n_vocab), dtype=np.float32)
-        if len(self.tokens) + n > self.n_ctx:
-            raise ContextFullError(f"context full: {len(self.tokens)} + {n} tokens > n_ctx {self.n_ctx}")
-        tokens = np.asarray(tokens, dtype=np.int32)
-        start = len(self.tokens)
-        first_logit = n - n_logits
-        for lo in range(0, n, self.n_batch):
-            hi = min(n, lo + self.n_batch)
-            m = hi - lo
-            self._b_token[:m] = tokens[lo:hi]
-            self._b_pos[:m] = np.arange(start + lo, start + hi, dtype=np.int32)
-            self._b_logits[:m] = 0
-            if hi > first_logit:
-                self._b_logits[max(first_logit, lo) - lo:m] = 1
-            self._batch.n_tokens = m
-            rc = llama_cpp.llama_decode(self._ctx, self._batch)
-            if rc != 0:
-                # leave the cache exactly as `self.tokens` says
-                llama_cpp.llama_memory_seq_rm(self._mem, _SEQ, start + lo, -1)
-                del self.tokens[start + lo:]
-                if rc == 1:
-                    raise ContextFullError(f"no KV cache slot for {m} tokens (n_past={start + lo})")
-                raise LlamaError(f"llama_decode failed with code {rc}")
-            self.tokens.extend(tokens[lo:hi].tolist())
-        if n_logits == 0:
+        tokens = np.concatenate(flat_tokens)
+        pos = np.concatenate(flat_pos)
+        seqs = np.concatenate(flat_seq)
+        outs = np.concatenate(flat_out)
+        total = len(tokens)
+        starts = {r.seq: len(self._seqs[r.seq]) for r in rows if len(r.tokens)}  # to undo a failure
+        pieces: list[np.ndarray] = []
+        chunks = range(0, total, self.n_batch)
+        try:
+            for lo in chunks:
+                hi = min(total, lo + self.n_batch)
+                m = hi - lo
+                self._b_token[:m] = tokens[lo:hi]
+                self._b_pos[:m] = pos[lo:hi]
+                self._b_logits[:m] = outs[lo:hi]
+                self._set_row_seqs(seqs[lo:hi])
+                self._batch.n_tokens = m
+                rc = llama_cpp.llama_decode(self._ctx, self._batch)
+                if rc != 0:
+                    if rc == 1:
+                        raise ContextFullError(f"no KV cache slot for {m} tokens")
+                    raise LlamaError(f"llama_decode failed with code {rc}")
+                n_chunk_out = int(outs[lo:hi].sum())
+                if n_chunk_out and len(chunks) > 1:  # the next chunk overwrites the output buffer
+                    pieces.append(self._logits(n_chunk_out).copy())
+        except BaseException:
+            for seq, start in starts.items():  # leave every cache exactly as its mirror says
+                llama_cpp.llama_memory_seq_rm(self._mem, seq, start, -1)
+            raise
+        for r in rows:
+            if len(r.tokens):
+                self._seqs[r.seq].extend(int(t) for t in r.tokens)
+        if n_out == 0:
             return np.zeros((0, self.n_vocab), dtype=np.float32)
+        if len(chunks) > 1:
+            out = np.concatenate(pieces)
+            out.flags.writeable = False
+            return out
+        return self._logits(n_out)
+
+    def _logits(self, n: int) -> np.ndarray:
         ptr = llama_cpp.llama_get_logits(self._ctx)
-        view = np.ctypeslib.as_array(ptr, shape=(n_logits, self.n_vocab))
+        view = np.ctypeslib.as_array(ptr, shape=(n, self.n_vocab))
         view.flags.writeable = False
         return view
 
-    def sync(self, tokens: Sequence[int], *, n_logits: int = 1) -> tuple[np.ndarray, int]:
-        """Make the cache hold exactly `tokens`, reusing the longest cached prefix. Returns the logits
-        of the last `n_logits` tokens ([n_logits, vocab]) and how many tokens were evaluated.
+    def _set_row_seqs(self, seqs: np.ndarray) -> None:
+        """Point the batch's first len(seqs) rows at those sequence ids (only the rows that change)."""
+        m = len(seqs)
+        changed = np.flatnonzero(self._b_seq[:m] != seqs)
+        if changed.size:
+            b = self._batch
+            for i in changed.tolist():
+                b.seq_id[i][0] = int(seqs[i])
+            self._b_seq[:m] = seqs
+
+    def sync(self, tokens: Sequence[int], *, n_logits: int = 1, seq: int = 0) -> tuple[np.ndarray, int]:
+        """Make sequence `seq` hold exactly `tokens`, reusing the longest prefix it holds. Returns the
+        logits of the last `n_logits` tokens ([n_logits, vocab]) and how many tokens were evaluated.
 
         Logits only exist for tokens decoded now, so the last `n_logits` tokens are always evaluated
         (n_logits=0: a pure prefill that may evaluate nothing).
         """
-        n_keep = min(self.common_prefix(tokens), len(tokens) - n_logits)
-        self.rollback(n_keep)
-        todo = tokens[len(self.tokens):]  # rollback may have cleared more (recurrent caches)
-        return self.decode(todo, n_logits=n_logits), len(todo)
+        n_keep = min(self.common_prefix(tokens, seq=seq), len(tokens) - n_logits)
+        self.rollback(n_keep, seq=seq)
+        todo = tokens[len(self._seqs[seq]):]  # rollback may have cleared more (recurrent caches)
+        return self.decode(todo, n_logits=n_logits, seq=seq), len(todo)
+
+    def kv_bytes(self) -> int:
+        """The KV cache's size in bytes, every sequence's (F16 keys and values, as llama.cpp's default)."""
+        return self.model.kv_bytes_per_token() * self.n_ctx * self.n_seq
 
 
 # ---------------------------------------------------------------------------------------------

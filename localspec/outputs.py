@@ -18,6 +18,8 @@ class StepRecord:
     draft_evaluated: int = 0  # tokens the draft model evaluated for this proposal (its catch-up included)
     draft_prompt_time: float = 0.0  # of draft_time, evaluating the request's prompt (the first proposal's)
     source: str = ""  # where the draft came from: "model", "lookup" (a hybrid proposer uses both), "" none
+    batch_seqs: int = 1  # sequences the verify pass carried (its time is the whole pass's)
+    batch_tokens: int = 0  # tokens the verify pass carried (0: this step's own, drafted + 1)
 
     @property
     def emitted(self) -> int:

@@ -93,13 +93,14 @@ one-shot run of a badly matched pair that alone would cost a few percent).
 from __future__ import annotations
 
 import bisect
+import copy
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from .costs import DRAFT_SHAPE, VERIFY_SHAPE, PassCost, expected_tokens_by_place
+from .costs import DRAFT_ROUND_SHAPE, DRAFT_SHAPE, VERIFY_SHAPE, PassCost, expected_tokens_by_place
 from .outputs import StepRecord
 from .sampling import SamplingParams
 
@@ -122,6 +123,23 @@ class LengthPolicy(Protocol):
 
     def known_regimes(self) -> list[dict[str, Any]]:
         """What the policy knows of each sampling regime it met, for people (`localspec check`)."""
+
+    def fork(self) -> "LengthPolicy":
+        """The policy of one more request running beside others: what it learned shared, a request
+        state of its own (the engine runs every request on a fork)."""
+
+    def batch_price(self, contexts: Sequence[int], context: int, drafting: float) -> "BatchPrice | None":
+        """What a draft costs a sequence at `context` in a pass shared with the sequences at `contexts`
+        (None: this policy prices nothing)."""
+
+    def set_price(self, price: "BatchPrice | None") -> None:
+        """Price the coming step's drafts so (None: the pass is the sequence's own)."""
+
+    def observe_pass(self, ns: Sequence[int], contexts: Sequence[int], seconds: float) -> None:
+        """An oracle pass shared by several sequences (each `StepRecord` of it has batch_seqs > 1)."""
+
+    def observe_draft_round(self, ns: Sequence[int], contexts: Sequence[int], seconds: float) -> None:
+        """A draft decode shared by several sequences."""
 
     def consume_catch_up(self) -> bool:
         """Whether the draft should first catch up on all the text it has not seen (asked once)."""
@@ -156,6 +174,21 @@ class FixedLength:
 
     def draft_length(self, limit: int, context: int = 0) -> int:
         return min(self.k, limit)
+
+    def fork(self) -> "FixedLength":
+        return self  # no state of its own
+
+    def batch_price(self, contexts: Sequence[int], context: int, drafting: float) -> None:
+        return None
+
+    def set_price(self, price) -> None:
+        pass
+
+    def observe_pass(self, ns: Sequence[int], contexts: Sequence[int], seconds: float) -> None:
+        pass
+
+    def observe_draft_round(self, ns: Sequence[int], contexts: Sequence[int], seconds: float) -> None:
+        pass
 
     @property
     def idle(self) -> bool:
@@ -373,6 +406,7 @@ class Estimates:
         # requests to wait, and waited, before an idle regime re-tries whatever its probe budget says
         self.retry_wait, self.since_retry = 1, 0
         self.idle_steps = 0  # consecutive k = 0 steps
+        self.drafting = False  # the last step drafted: drafting goes on more easily than it starts
 
     def cap_probe_bank(self, budget: float, bank: float) -> None:
         """Unused probe budget carries over from the last `bank` seconds only: after a long stretch
@@ -409,6 +443,47 @@ class Estimates:
         self.since_retry = max(0, int(state.get("since_retry", 0)))
 
 
+@dataclass(frozen=True)
+class BatchPrice:
+    """What a sequence's draft costs when the oracle's pass carries other sequences too (the
+    engine's batch): the policy then weighs each draft against the time it adds to the shared pass,
+    at the rate the batch makes without drafting, instead of against a pass of its own.
+
+    A sequence of a batch of S gets `base`, a plain pass of the batch over S (its share of plain
+    batched decoding: what its k = 0 costs); each more token in the pass adds `verify_token`; the
+    draft model drafts for every drafting sequence together, a round per draft position, each round
+    `draft_round` (shared by the `drafting` sequences expected to draft) plus `draft_token` per token
+    in it. With one sequence the engine prices nothing: the pass and the draft are its own."""
+
+    base: float
+    verify_token: float
+    draft_round: float
+    draft_token: float
+    drafting: float = 1.0
+
+    def verify_times(self, ns: np.ndarray) -> np.ndarray:
+        """Seconds for this sequence's share of a pass when it carries ns [m] tokens of it."""
+        return self.base + self.verify_token * (np.asarray(ns, dtype=np.float64) - 1.0)
+
+    def draft_times(self, lengths: np.ndarray, evaluated: np.ndarray) -> np.ndarray:
+        """Seconds this sequence adds to the drafting rounds for drafts of `lengths` [m] tokens that
+        evaluate `evaluated` [m] draft tokens."""
+        return (self.draft_round / max(1.0, self.drafting)) * np.asarray(lengths, dtype=np.float64) \
+            + self.draft_token * np.asarray(evaluated, dtype=np.float64)
+
+
+class Learned:
+    """What a length policy learned that every request shares (each request's `fork` of the policy
+    reads and teaches the same): the pass costs, the draft's catch-up, each regime's estimates."""
+
+    def __init__(self) -> None:
+        self.verify_cost = PassCost(VERIFY_SHAPE)  # seconds for an oracle pass of n tokens at a context
+        self.draft_cost = PassCost(DRAFT_SHAPE)  # seconds for a proposal that evaluates n draft tokens
+        self.draft_round_cost = PassCost(DRAFT_ROUND_SHAPE)  # seconds for a draft decode of several sequences
+        self.catch_up = 1.5  # tokens a draft model catches up on before it drafts (the last step's accepted + 1)
+        self.estimates: dict[Regime, Estimates] = {}
+
+
 class AdaptiveLength:
     """Cost-aware draft length (see the module docstring)."""
 
@@ -423,17 +498,14 @@ class AdaptiveLength:
         # (`runs`, `place_priors`: a lookup's layout, see `AcceptanceByPlace`)
         self.prior_acceptance, self.prior_continuation = prior_acceptance, prior_continuation
         self.runs, self.place_priors = runs, place_priors
-        self.estimates: dict[Regime, Estimates] = {}
+        self.learned = Learned()
         self.regime = GREEDY  # the running request's
         self.est = self.estimates_of(GREEDY)  # ... and what is known of it
         self._run = 0  # the match the next draft extends: a draft model's tokens accepted in a row; a lookup's, given
         self.prior_weight = prior_weight  # the prior (or, on a re-try, the old estimate) counts as this many trials
         self.decay = decay
-        self.verify_cost = PassCost(VERIFY_SHAPE)  # seconds for an oracle pass of n tokens at a context
-        self.draft_cost = PassCost(DRAFT_SHAPE)  # seconds for a proposal that evaluates n draft tokens
         self.draft_cost_ratio = draft_cost_ratio  # a draft token / a one-token oracle pass, until measured
         self.model_draft = model_draft  # False: proposing costs the same whatever is proposed (lookup)
-        self.catch_up = 1.5  # tokens a draft model catches up on before it drafts (the last step's accepted + 1)
         self.probe_every = probe_every  # idle (k = 0) steps before a probe
         self.probe_budget = probe_budget  # most of the time spent that probes may take
         self.probe_bank = probe_bank  # seconds of steps whose unused probe budget carries over
@@ -454,6 +526,26 @@ class AdaptiveLength:
         # tokens' worth of belief in the estimates; None: no per-text correction)
         self.text_weight = text_weight
         self._text_failed = self._text_predicted = 0.0
+        self.price: BatchPrice | None = None  # set for a step whose pass other sequences share
+
+    # the shared, learned state (see Learned)
+    verify_cost = property(lambda self: self.learned.verify_cost,
+                           lambda self, cost: setattr(self.learned, "verify_cost", cost))
+    draft_cost = property(lambda self: self.learned.draft_cost,
+                          lambda self, cost: setattr(self.learned, "draft_cost", cost))
+    catch_up = property(lambda self: self.learned.catch_up, lambda self, n: setattr(self.learned, "catch_up", n))
+    estimates = property(lambda self: self.learned.estimates)
+
+    def fork(self) -> "AdaptiveLength":
+        """The policy of one more request running beside others: the same learned state (costs,
+        estimates) and settings, a request state of its own (the match it is on, its text's
+        failures, a probe or re-try under way)."""
+        twin = copy.copy(self)
+        twin._run, twin.last_k, twin.context = 0, 0, 0
+        twin._probing = twin._retry_wanted = twin._catch_up = False
+        twin._text_failed = twin._text_predicted = 0.0
+        twin.price = None
+        return twin
 
     def estimates_of(self, regime: "Regime") -> "Estimates":
         """What is known of `regime`'s drafts (the priors, for one not met before)."""
@@ -503,6 +595,14 @@ class AdaptiveLength:
         """Seconds for the draft to propose each of `lengths` [m] tokens at `context` [m].
         `optimistic`: the lower of the fitted cost and the prior guess."""
         sizes = self.evaluated(lengths)  # [m]
+        if self.price is not None:
+            if not self.model_draft:
+                return np.zeros(len(sizes))  # a lookup: nothing to decode
+            return self.price.draft_times(lengths, sizes)
+        return self._draft_times_alone(sizes, context, optimistic=optimistic)
+
+    def _draft_times_alone(self, sizes: np.ndarray, context: int, *, optimistic: bool = False) -> np.ndarray:
+        """Seconds for proposals that evaluate `sizes` [m] draft tokens, drafting alone."""
         per_token = self.draft_cost_ratio * self.verify_cost(1, context)  # the prior guess
         guess = per_token * (DRAFT_SHAPE[0] + DRAFT_SHAPE[2] * sizes)
         if not self.draft_cost.ready:
@@ -513,7 +613,9 @@ class AdaptiveLength:
     def _step_times(self, k_top: int, context: int, *, optimistic: bool = False) -> np.ndarray:
         """T(k) for k = 0..k_top [k_top+1] at `context`."""
         lengths = np.arange(1, k_top + 1)  # [K] tokens drafted
-        verify = self.verify_cost.predict(np.arange(1, k_top + 2), context)  # [K+1] passes of 1..K+1 tokens
+        passes = np.arange(1, k_top + 2)  # [K+1] passes of 1..K+1 tokens
+        verify = (self.verify_cost.predict(passes, context) if self.price is None
+                  else self.price.verify_times(passes))  # [K+1]
         cost = self.draft_times(lengths, context, optimistic=optimistic) + verify[1:]  # [K]
         c = self.est.continuation
         at_least = c ** (lengths - 1)  # [K] P(L >= l)
@@ -534,7 +636,7 @@ class AdaptiveLength:
             return min(self.probe_length, limit)  # nothing measured yet: try a short draft
         rate = self.rates(limit, context, optimistic=optimistic)  # [K+1]
         k = int(np.argmax(rate))  # the shortest k on a tie
-        gain = self.keep_gain if self.last_k > 0 else self.min_gain  # drafting goes on more easily than it starts
+        gain = self.keep_gain if self.est.drafting else self.min_gain  # drafting goes on more easily than it starts
         return k if rate[k] >= (1.0 + gain) * rate[0] else 0
 
     def start_request(self, regime: Regime | None = None) -> None:
@@ -544,7 +646,6 @@ class AdaptiveLength:
         if regime != self.regime:  # what the last steps said was of another regime
             self.regime, self.est = regime, self.estimates_of(regime)
             self._retry_wanted = False
-            self.last_k = 0
         self._run = 0  # nothing drafted yet for this text
         self._text_failed = self._text_predicted = 0.0
         self.est.since_retry += 1
@@ -570,7 +671,7 @@ class AdaptiveLength:
             return None
         rate = self.rates(self.k_max)  # [K+1]
         k = 1 + int(np.argmax(rate[1:]))
-        need = 1.0 + (self.keep_gain if self.last_k > 0 else self.min_gain)
+        need = 1.0 + (self.keep_gain if self.est.drafting else self.min_gain)
         costs = f"an oracle pass {1000 * self.verify_cost(1, self.context):.0f} ms"
         if self.model_draft:
             one, nine = self.draft_times(np.array([1, 9]), self.context)
@@ -655,6 +756,7 @@ class AdaptiveLength:
         elif resting or not self._near_the_end(limit):
             k = self._idle_step(available)
         self.last_k = k
+        self.est.drafting = k > 0
         return k
 
     def _near_the_end(self, limit: int) -> bool:
@@ -676,8 +778,9 @@ class AdaptiveLength:
         n_drafted, n_accepted = step.drafted, step.accepted
         spent = step.draft_time + step.verify_time
         self.est.time_spent += spent
-        self.verify_cost.observe(n_drafted + 1, step.context, step.verify_time)
-        self._observe_draft_cost(step)
+        if step.batch_seqs <= 1:  # a shared pass is observed once, for the batch (observe_pass)
+            self.verify_cost.observe(n_drafted + 1, step.context, step.verify_time)
+            self._observe_draft_cost(step)
         if self._probing or self.est.exploring:  # exploring's price: beyond the oracle alone's time for its tokens
             self.est.probe_time += max(0.0, spent - (n_accepted + 1) * self.verify_cost(1, step.context))
         self.est.cap_probe_bank(self.probe_budget, self.probe_bank)
@@ -688,6 +791,39 @@ class AdaptiveLength:
         self._judge(n_accepted + (n_accepted < n_drafted), n_accepted, run)
         if n_drafted:
             self._observe_continuation(n_drafted, n_accepted, allowance=max(self.last_k, n_drafted))
+
+    # -- batches: the engine observes a shared pass once, and prices each sequence's drafts in it
+
+    def set_price(self, price: BatchPrice | None) -> None:
+        self.price = price
+
+    def observe_pass(self, ns: Sequence[int], contexts: Sequence[int], seconds: float) -> None:
+        """An oracle pass carrying ns[s] tokens of each of several sequences took `seconds`."""
+        self.verify_cost.observe_pass(ns, contexts, seconds)
+
+    def observe_draft_round(self, ns: Sequence[int], contexts: Sequence[int], seconds: float) -> None:
+        """A draft decode of several sequences' tokens (a round of batched drafting) took `seconds`."""
+        self.learned.draft_round_cost.observe_pass(ns, contexts, seconds)
+
+    def batch_price(self, contexts: Sequence[int], context: int, drafting: float) -> BatchPrice | None:
+        """The price of a draft for a sequence at `context` whose pass carries the sequences at
+        `contexts` (its own among them), `drafting` of them expected to draft with the model; None
+        before a pass was measured."""
+        if not self.verify_cost.ready:
+            return None
+        base = self.verify_cost.pass_time([1] * len(contexts), contexts) / len(contexts)
+        verify_token = self.verify_cost.token_time(context)
+        rounds = self.learned.draft_round_cost
+        if rounds.ready:
+            one = rounds.pass_time([1], [context])
+            draft_token = rounds.token_time(context) + rounds.sequence_time()
+            draft_round = max(0.0, one - rounds.token_time(context))
+        else:  # no batched drafting measured yet: a draft token alone, split as the prior shape says
+            one, two = self._draft_times_alone(np.array([1.0, 2.0]), context)
+            alone = float(two - one)
+            split = DRAFT_ROUND_SHAPE[2] / (DRAFT_ROUND_SHAPE[0] + DRAFT_ROUND_SHAPE[2])
+            draft_token, draft_round = alone * split, alone * (1.0 - split)
+        return BatchPrice(base, verify_token, draft_round, draft_token, drafting)
 
     def score_unverified(self, matched: int, compared: int, *, run: int | None = None) -> None:
         """A draft this source offered but did not draft (the other source of a hybrid did), scored
@@ -775,6 +911,8 @@ class AdaptiveLength:
             state["verify"] = self.verify_cost.state()
         if self.draft_cost.ready:
             state["draft"] = self.draft_cost.state()
+        if self.learned.draft_round_cost.ready:
+            state["draft_round"] = self.learned.draft_round_cost.state()
         if self.judged:
             state["acceptance"] = self.acceptance_state()
         return state
@@ -782,8 +920,9 @@ class AdaptiveLength:
     def load_cost_state(self, kind: str, state: Mapping[str, Any]) -> None:
         if kind == "acceptance":
             self.load_acceptance_state(state)
-        elif kind in ("verify", "draft"):
-            (self.verify_cost if kind == "verify" else self.draft_cost).load(state)
+        elif kind in ("verify", "draft", "draft_round"):
+            {"verify": self.verify_cost, "draft": self.draft_cost,
+             "draft_round": self.learned.draft_round_cost}[kind].load(state)
         else:
             raise ValueError(f"unknown cost state {kind!r}")
 
@@ -806,7 +945,8 @@ class AdaptiveLength:
             est.cap_probe_bank(self.probe_budget, self.probe_bank)
             loaded[Regime.from_state(entry)] = est
         self.catch_up = min(4.0, max(1.0, float(state.get("catch_up", self.catch_up))))
-        self.estimates = loaded
+        self.estimates.clear()
+        self.estimates.update(loaded)
         self.est = self.estimates_of(self.regime)
 
 
@@ -831,6 +971,22 @@ class HybridLength:
         self.context = 0
         self._asked = False  # draft_length ran for the step being proposed
         self._offer_run = 0
+
+    def fork(self) -> "HybridLength":
+        return HybridLength(self.model.fork(), self.lookup.fork())
+
+    def batch_price(self, contexts: Sequence[int], context: int, drafting: float) -> BatchPrice | None:
+        return self.model.batch_price(contexts, context, drafting)
+
+    def set_price(self, price: BatchPrice | None) -> None:
+        self.model.set_price(price)
+        self.lookup.set_price(price)
+
+    def observe_pass(self, ns: Sequence[int], contexts: Sequence[int], seconds: float) -> None:
+        self.model.observe_pass(ns, contexts, seconds)  # the lookup's verify cost is the same one
+
+    def observe_draft_round(self, ns: Sequence[int], contexts: Sequence[int], seconds: float) -> None:
+        self.model.observe_draft_round(ns, contexts, seconds)
 
     @property
     def idle(self) -> bool:
@@ -916,6 +1072,21 @@ class LookupLength:
         self.lookup = lookup
         self.context = 0
         self._asked = False
+
+    def fork(self) -> "LookupLength":
+        return LookupLength(self.lookup.fork())
+
+    def batch_price(self, contexts: Sequence[int], context: int, drafting: float) -> BatchPrice | None:
+        return self.lookup.batch_price(contexts, context, drafting)
+
+    def set_price(self, price: BatchPrice | None) -> None:
+        self.lookup.set_price(price)
+
+    def observe_pass(self, ns: Sequence[int], contexts: Sequence[int], seconds: float) -> None:
+        self.lookup.observe_pass(ns, contexts, seconds)
+
+    def observe_draft_round(self, ns: Sequence[int], contexts: Sequence[int], seconds: float) -> None:
+        pass  # nothing to decode
 
     @property
     def idle(self) -> bool:

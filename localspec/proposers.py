@@ -1,14 +1,25 @@
 """Proposers: where draft tokens come from. Each is a small class behind one `propose` call.
 
-`propose(history, max_len, sampling, rng, constraint=None)` returns a `Draft` of at most `max_len`
-tokens that would follow `history` (every token so far, the not-yet-verified last one included).
-`start(catch_up=...)` says a new request begins; nothing is evaluated then, so the oracle's first
-token comes first.
+`propose(proposer, history, max_len, sampling, rng, constraint=None)` returns a `Draft` of at most
+`max_len` tokens that would follow `history` (every token so far, the not-yet-verified last one
+included). `start(catch_up=...)` says a new request begins; nothing is evaluated then, so the
+oracle's first token comes first.
+
+A proposer's `propose_steps(...)` is the same proposal as a generator: each draft-model decode it
+needs is yielded as `llama.Rows` (its sequence's tokens, logits for the last) and the logits are
+sent back; it returns the Draft. `propose` drives one alone on the proposer's `draft_context`; the
+engine drives every drafting sequence's together, one decode per draft position for all of them
+(`drive_all`). `fork(seq)` is the same proposer for another sequence of the same contexts (each
+request in a batch has its own: its draft-cache view, its unused lookup offer).
 
 Under a grammar (`constraint`, a `constraints.ConstraintWalk` holding `history`'s generated tokens)
 a proposer proposes only tokens the grammar allows and pushes each one onto the walk: the draft
 model picks from its logits with the grammar's mask applied (its distribution, handed to the
 verifier, is the constrained one); a model-free draft is cut at the first token the grammar refuses.
+
+A proposer that can draft from the text (prompt lookup) takes a `chooser` (the request's length
+policy: `policy.HybridLength`, `policy.LookupLength`) that sizes the draft once the lookup's match
+is known, and for a hybrid says which source drafts; without one, plain rules apply.
 """
 
 from __future__ import annotations
@@ -16,11 +27,11 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Generator, Protocol, Sequence
 
 import numpy as np
 
-from .llama import ContextFullError, LlamaContext, shared_prefix
+from .llama import LlamaContext, Rows, shared_prefix
 from .sampling import (SamplingParams, coupled_choice, greedy_argmax, logits_to_probs, mask_logits, sample,
                        top_probability)
 
@@ -46,9 +57,16 @@ log = logging.getLogger("localspec.proposers")
 EMPTY_DRAFT = Draft(np.zeros(0, dtype=np.int32), None, source="")  # nothing drafted: no source
 
 
+# a proposal as a generator: yields the draft-model decodes it needs, receives their logits
+# [n_logits, vocab], returns the Draft
+ProposeSteps = Generator[Rows, np.ndarray, Draft]
+
+
 class Proposer(Protocol):
-    def propose(self, history: Sequence[int], max_len: int, sampling: SamplingParams,
-                rng: np.random.Generator, constraint=None) -> Draft: ...
+    draft_context: LlamaContext | None  # the context its decodes run on (None: it never decodes)
+
+    def propose_steps(self, history: Sequence[int], max_len: int, sampling: SamplingParams,
+                      rng: np.random.Generator, constraint=None, chooser=None) -> ProposeSteps: ...
 
     def start(self, *, catch_up: bool) -> None:
         """A new request begins. `catch_up`: the first proposal conditions on the whole prompt
@@ -61,17 +79,64 @@ class Proposer(Protocol):
         """What kind of proposer this is ("model", "lookup", "hybrid", "cross-tokenizer"): the key
         its learned costs are kept under, and what reports call it."""
 
+    def fork(self, seq: int) -> "Proposer":
+        """The same proposer for sequence `seq` of its contexts, with a request state of its own."""
+
 
 def propose(proposer: Proposer, history: Sequence[int], max_len: int, sampling: SamplingParams,
-            rng: np.random.Generator, constraint=None) -> Draft:
-    """`proposer.propose`, passing `constraint` only when there is one (a proposer written before
-    constraints existed still serves unconstrained requests)."""
-    if constraint is None:
-        return proposer.propose(history, max_len, sampling, rng)
-    return proposer.propose(history, max_len, sampling, rng, constraint=constraint)
+            rng: np.random.Generator, constraint=None, chooser=None) -> Draft:
+    """One proposal, its decodes run one at a time on the proposer's draft context."""
+    return drive(proposer.propose_steps(history, max_len, sampling, rng, constraint, chooser), proposer.draft_context)
 
 
-class DraftModelProposer:
+def drive(steps: ProposeSteps, ctx: LlamaContext | None) -> Draft:
+    """Run a proposal's decodes one at a time on `ctx`."""
+    try:
+        rows = next(steps)
+        while True:
+            rows = steps.send(ctx.decode_rows([rows]))
+    except StopIteration as done:
+        return done.value
+
+
+def drive_all(proposals: Sequence[ProposeSteps], ctx: LlamaContext | None) -> tuple[list[Draft], list[int]]:
+    """Run several sequences' proposals together on `ctx`: each round, ONE decode holds every
+    unfinished proposal's next tokens (a draft model proposing for all drafting sequences at once).
+    Returns the drafts, in order, and the tokens each round decoded."""
+    drafts: list[Draft | None] = [None] * len(proposals)
+    pending: dict[int, Rows] = {}
+    for i, steps in enumerate(proposals):
+        try:
+            pending[i] = next(steps)
+        except StopIteration as done:
+            drafts[i] = done.value
+    rounds: list[int] = []
+    while pending:
+        order = list(pending)
+        rows = [pending[i] for i in order]
+        logits = ctx.decode_rows(rows)  # [sum of n_logits, vocab]
+        rounds.append(sum(len(r.tokens) for r in rows))
+        offset = 0
+        for i, r in zip(order, rows):
+            mine = logits[offset:offset + min(r.n_logits, len(r.tokens))]
+            offset += len(mine)
+            try:
+                pending[i] = proposals[i].send(mine)
+            except StopIteration as done:
+                drafts[i] = done.value
+                del pending[i]
+    return drafts, rounds  # type: ignore[return-value]
+
+
+class _Drives:
+    """`propose`: the proposal's decodes run one at a time on the proposer's own draft context."""
+
+    def propose(self, history: Sequence[int], max_len: int, sampling: SamplingParams,
+                rng: np.random.Generator, constraint=None, chooser=None) -> Draft:
+        return propose(self, history, max_len, sampling, rng, constraint, chooser)
+
+
+class DraftModelProposer(_Drives):
     """A small model drafting autoregressively on its own context.
 
     The draft context's cache is synced lazily: each `propose` reuses the longest prefix it already
@@ -96,8 +161,9 @@ class DraftModelProposer:
     """
 
     def __init__(self, ctx: LlamaContext, *, p_min: float = 0.0, max_catch_up: int = 16,
-                 n_vocab: int | None = None, cache_source: LlamaContext | None = None) -> None:
-        self.ctx = ctx
+                 n_vocab: int | None = None, cache_source: LlamaContext | None = None, seq: int = 0) -> None:
+        self.ctx = self.draft_context = ctx
+        self.seq = seq  # the sequence it drafts on (in `ctx`, and in `cache_source`)
         # the oracle's context, for a draft with the same vocabulary: a catch-up on text the oracle
         # holds (a new prompt, a re-try) first tries to copy the oracle's cache of it (see _adopt)
         self.cache_source = cache_source
@@ -111,6 +177,12 @@ class DraftModelProposer:
         self.prompt_pending = False  # ... and that is a new request's prompt
         self.tokens_evaluated = 0  # draft-side tokens decoded, prompt included
 
+    def fork(self, seq: int) -> "DraftModelProposer":
+        twin = DraftModelProposer(self.ctx, p_min=self.p_min, max_catch_up=self.max_catch_up, n_vocab=self.n_vocab,
+                                  cache_source=self.cache_source, seq=seq)
+        twin._shared = self  # a copy that failed for this pair fails for every sequence: see _adopt
+        return twin
+
     def start(self, *, catch_up: bool) -> None:
         self.keep = self.gap_start = 0
         self.catch_up = self.prompt_pending = catch_up
@@ -121,6 +193,9 @@ class DraftModelProposer:
 
     def describe(self) -> str:
         return "model"
+
+    def _held(self) -> list[int]:
+        return self.ctx.seq_tokens(self.seq)
 
     def _view(self, history: Sequence[int], *, adopting: bool = False) -> list[int]:
         """The tokens the draft conditions on. After many steps without drafting, catching up on all
@@ -133,10 +208,10 @@ class DraftModelProposer:
             self.keep = self.gap_start = 0
             return list(history)
         view = self._readable(list(history[:self.keep]) + list(history[self.gap_start:]))
-        if self.catch_up or len(view) - self.ctx.common_prefix(view) <= self.max_catch_up:
+        if self.catch_up or len(view) - self.ctx.common_prefix(view, seq=self.seq) <= self.max_catch_up:
             self.catch_up = False
             return view
-        self.keep = self.ctx.common_prefix(history)
+        self.keep = self.ctx.common_prefix(history, seq=self.seq)
         self.gap_start = max(self.keep, len(history) - self.max_catch_up)
         return self._readable(list(history[:self.keep]) + list(history[self.gap_start:]))
 
@@ -148,27 +223,27 @@ class DraftModelProposer:
         """Whether the oracle's cache holds text the draft would otherwise evaluate (at least
         ADOPT_MIN tokens of it) and copying it has not failed for this pair."""
         source = self.cache_source
-        if source is None or self.ctx.n_vocab < self.n_vocab:
+        if source is None or getattr(self, "_shared", self).cache_source is None or self.ctx.n_vocab < self.n_vocab:
             return False
-        held = source.n_past
-        return (held - self.ctx.common_prefix(history) >= max(self.ADOPT_MIN, held // 32) and held <= len(history)
-                and source.tokens == list(history[:held]))
+        held = source.seq_tokens(self.seq)
+        return (len(held) - self.ctx.common_prefix(history, seq=self.seq) >= max(self.ADOPT_MIN, len(held) // 32)
+                and len(held) <= len(history) and held == list(history[:len(held)]))
 
     def _adopt(self) -> None:
         """Take the oracle's cache of the text (a copy of its KV cache: milliseconds where
         evaluating a long prompt costs the draft ~3 ms a token on a small CPU); a pair whose caches
         differ in layout falls back to evaluating, for good."""
-        if not self.ctx.copy_cache_from(self.cache_source):
+        if not self.ctx.copy_cache_from(self.cache_source, seq=self.seq, other_seq=self.seq):
             log.info("the draft cannot take the oracle's cache (another layout): it evaluates the text itself")
-            self.cache_source = None
+            self.cache_source = getattr(self, "_shared", self).cache_source = None
 
     def _readable(self, tokens: list[int]) -> list[int]:
         """`tokens` without the ids the draft's vocabulary lacks (none unless it is the smaller one)."""
         n_draft = self.ctx.n_vocab
         return tokens if n_draft >= self.n_vocab else [t for t in tokens if t < n_draft]
 
-    def propose(self, history: Sequence[int], max_len: int, sampling: SamplingParams,
-                rng: np.random.Generator, constraint=None) -> Draft:
+    def propose_steps(self, history: Sequence[int], max_len: int, sampling: SamplingParams,
+                      rng: np.random.Generator, constraint=None, chooser=None) -> ProposeSteps:
         prompt, self.prompt_pending = self.prompt_pending, False
         adopting = self._adoptable(history)  # judged once: it compares the caches with the text
         view = self._view(history, adopting=adopting)
@@ -178,13 +253,13 @@ class DraftModelProposer:
         t0 = time.perf_counter()
         if adopting:
             self._adopt()
-        try:
-            logits, n_eval = self.ctx.sync(view)  # [1, vocab]
-        except ContextFullError:
-            return EMPTY_DRAFT
+        n_keep = min(self.ctx.common_prefix(view, seq=self.seq), len(view) - 1)
+        self.ctx.rollback(n_keep, seq=self.seq)
+        todo = view[len(self._held()):]  # rollback may have cleared more (recurrent caches)
+        logits = yield Rows(self.seq, todo, 1)  # [1, vocab]
         prompt_time = time.perf_counter() - t0 if prompt else 0.0
-        self.tokens_evaluated += n_eval
-        evaluated = n_eval
+        self.tokens_evaluated += len(todo)
+        evaluated = len(todo)
         tokens: list[int] = []
         probs: list[np.ndarray] = []
         keeps_probs = not sampling.greedy and not sampling.coupled  # _pick hands its distributions on
@@ -214,9 +289,9 @@ class DraftModelProposer:
             if len(tokens) >= max_len or not confident or self.ctx.model.is_eog(tokens[-1]):
                 break  # nothing worth drafting past the end of the generation
             readable = self._readable(batch)
-            if not readable:
+            if not readable or len(self._held()) + len(readable) > self.ctx.n_ctx:
                 break
-            logits = self.ctx.decode(readable)
+            logits = yield Rows(self.seq, readable, 1)
             self.tokens_evaluated += len(readable)
             evaluated += len(readable)
         return Draft(np.asarray(tokens, dtype=np.int32), np.stack(probs) if probs else None, evaluated, prompt_time)
@@ -260,7 +335,7 @@ class PromptLookupProposer:
     Each draft says how far back the match goes (`Draft.match_length`: the history's last tokens that
     agree with the ones before the draft's source, n or more, up to `MATCH_CAP`): a copy that has
     held for 30 tokens goes on far more often than a 2-token coincidence, and the length policy sizes
-    the draft by it. `chooser` (the adaptive policy of prompt lookup alone: `policy.LookupLength`)
+    the draft by it. A `chooser` (the adaptive policy of prompt lookup alone: `policy.LookupLength`)
     sizes each draft once the match is known; None: every token found, up to max_len.
 
     `min_ngram` defaults to 2: a single repeated token ("the", ",") predicts little, and in the hybrid
@@ -271,17 +346,24 @@ class PromptLookupProposer:
     end-of-generation token, since nothing after one can be emitted (a 64-token verify of a copy's
     last 20 tokens costs twice a 21-token one)."""
 
+    draft_context = None  # no model: nothing to decode
+
     def __init__(self, *, max_ngram: int = 4, min_ngram: int = 2,
-                 is_end: Callable[[int], bool] | None = None, chooser: SourceChooser | None = None) -> None:
+                 is_end: Callable[[int], bool] | None = None) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self.is_end = is_end
-        self.chooser = chooser
+
+    def propose_steps(self, history: Sequence[int], max_len: int, sampling: SamplingParams | None = None,
+                      rng: np.random.Generator | None = None, constraint=None, chooser=None) -> ProposeSteps:
+        return self.propose(history, max_len, sampling, rng, constraint, chooser)
+        yield  # a proposal that decodes nothing
 
     def propose(self, history: Sequence[int], max_len: int, sampling: SamplingParams | None = None,
-                rng: np.random.Generator | None = None, constraint=None) -> Draft:
+                rng: np.random.Generator | None = None, constraint=None, chooser: SourceChooser | None = None) -> Draft:
+        """`chooser`: sizes the draft once its match is known (see the class)."""
         if max_len <= 0:
             return EMPTY_DRAFT
         tokens = np.asarray(history, dtype=np.int32)  # [n]
@@ -296,14 +378,14 @@ class PromptLookupProposer:
                     guess = guess[:next((i + 1 for i, t in enumerate(guess.tolist()) if self.is_end(t)), len(guess))]
                 if constraint is not None:  # only what the grammar allows, checked before it is proposed
                     guess = guess[:constraint.extend(guess.tolist())]
-                choice = self.chooser.choose(len(guess), max_len, held) if self.chooser is not None else None
+                choice = chooser.choose(len(guess), max_len, held) if chooser is not None else None
                 if choice is not None and choice[1] < len(guess):
                     if constraint is not None:
                         constraint.pop(len(guess) - choice[1])
                     guess = guess[:choice[1]]
                 return Draft(guess, None, source="lookup", match_length=held) if len(guess) else EMPTY_DRAFT
-        if self.chooser is not None:
-            self.chooser.choose(0, max_len, 0)  # a plain oracle step
+        if chooser is not None:
+            chooser.choose(0, max_len, 0)  # a plain oracle step
         return EMPTY_DRAFT
 
     def start(self, *, catch_up: bool) -> None:
@@ -314,6 +396,9 @@ class PromptLookupProposer:
 
     def describe(self) -> str:
         return "lookup"
+
+    def fork(self, seq: int) -> "PromptLookupProposer":
+        return self  # no state of its own
 
 
 def best_source(tokens: np.ndarray, follows: np.ndarray) -> tuple[int, int]:
@@ -343,10 +428,14 @@ def match_length(tokens: np.ndarray, follow: int) -> int:
     return int(differs[0]) if differs.size else span
 
 
-class _Wrapper:
+class _Wrapper(_Drives):
     """A proposer around a draft-model proposer (`drafter`): a new request and a resync are its business."""
 
     drafter: Proposer
+
+    @property
+    def draft_context(self) -> LlamaContext | None:
+        return self.drafter.draft_context
 
     def start(self, *, catch_up: bool) -> None:
         self.drafter.start(catch_up=catch_up)
@@ -373,7 +462,7 @@ class SourceChooser(Protocol):
 
 class HybridProposer(_Wrapper):
     """Prompt lookup (free) and a draft model. Each step the lookup looks for the text's latest
-    n-gram match first; `chooser` (the adaptive policy's `HybridLength`) then says which source
+    n-gram match first; the `chooser` (the request's `policy.HybridLength`) then says which source
     drafts and how much, from what each has been worth. Without one, or for a step it did not size
     (a fixed length): the lookup's tokens when it found some, the draft model's otherwise.
 
@@ -385,31 +474,33 @@ class HybridProposer(_Wrapper):
     first scores that offer against the tokens the step emitted and tells the chooser
     (`score_lookup`): the lookup's estimates follow the text even while it is not chosen."""
 
-    def __init__(self, lookup: PromptLookupProposer, model: Proposer, *, chooser: SourceChooser | None = None) -> None:
+    def __init__(self, lookup: PromptLookupProposer, model: Proposer) -> None:
         self.lookup = lookup
         self.model = self.drafter = model
-        self.chooser = chooser
         self._last = "model"
         self._offer: tuple[int, np.ndarray] | None = None  # (history length, tokens) of an offer not drafted
+
+    def fork(self, seq: int) -> "HybridProposer":
+        return HybridProposer(self.lookup.fork(seq), self.model.fork(seq))
 
     def start(self, *, catch_up: bool) -> None:
         self._offer = None
         super().start(catch_up=catch_up)
 
-    def _score_offer(self, history: Sequence[int]) -> None:
+    def _score_offer(self, history: Sequence[int], chooser: SourceChooser | None) -> None:
         """Score the last step's unused lookup offer against the tokens that step emitted."""
         offer, self._offer = self._offer, None
-        if offer is None or self.chooser is None or len(history) <= offer[0]:
+        if offer is None or chooser is None or len(history) <= offer[0]:
             return
         start, tokens = offer
         emitted = history[start:start + len(tokens)]
-        self.chooser.score_lookup(shared_prefix(tokens, emitted), len(emitted))
+        chooser.score_lookup(shared_prefix(tokens, emitted), len(emitted))
 
-    def propose(self, history: Sequence[int], max_len: int, sampling: SamplingParams,
-                rng: np.random.Generator, constraint=None) -> Draft:
-        self._score_offer(history)
+    def propose_steps(self, history: Sequence[int], max_len: int, sampling: SamplingParams,
+                      rng: np.random.Generator, constraint=None, chooser: SourceChooser | None = None) -> ProposeSteps:
+        self._score_offer(history, chooser)
         found = self.lookup.propose(history, max_len, sampling, rng, constraint)  # pushed onto the walk
-        choice = self.chooser.choose(len(found), max_len, found.match_length) if self.chooser is not None else None
+        choice = chooser.choose(len(found), max_len, found.match_length) if chooser is not None else None
         source, k = choice or (("lookup", len(found)) if len(found) else ("model", max_len))
         if constraint is not None:
             constraint.pop(len(found) - (k if source == "lookup" else 0))
@@ -420,10 +511,10 @@ class HybridProposer(_Wrapper):
             return Draft(found.tokens[:k], None, source="lookup") if k else EMPTY_DRAFT
         if k <= 0:
             return EMPTY_DRAFT
-        if self._last == "lookup" and not (self.chooser is not None and self.chooser.idle):
+        if self._last == "lookup" and not (chooser is not None and chooser.idle):
             self.model.resync()
         self._last = "model"
-        return propose(self.model, history, k, sampling, rng, constraint)
+        return (yield from self.model.propose_steps(history, k, sampling, rng, constraint))
 
     def describe(self) -> str:
         return "hybrid"
@@ -448,6 +539,9 @@ class CrossTokenizerProposer(_Wrapper):
         self._pieces: list[bytes] = []  # oracle-side bytes per history token, reused across steps
         self._history: list[int] = []
 
+    def fork(self, seq: int) -> "CrossTokenizerProposer":
+        return CrossTokenizerProposer(self.inner.fork(seq), oracle=self.oracle, draft=self.draft)
+
     def _text(self, history: Sequence[int]) -> str:
         n = 0
         limit = min(len(self._history), len(history))
@@ -459,14 +553,14 @@ class CrossTokenizerProposer(_Wrapper):
             self._pieces.append(self.oracle.token_piece(token, special=True))
         return b"".join(self._pieces).decode("utf-8", errors="ignore")
 
-    def propose(self, history: Sequence[int], max_len: int, sampling: SamplingParams,
-                rng: np.random.Generator, constraint=None) -> Draft:
+    def propose_steps(self, history: Sequence[int], max_len: int, sampling: SamplingParams,
+                      rng: np.random.Generator, constraint=None, chooser=None) -> ProposeSteps:
         """Under a grammar the draft model drafts freely (its ids are not the oracle's) and the
         re-tokenized draft is cut at the first token the grammar refuses."""
         if max_len <= 0:
             return EMPTY_DRAFT
         draft_history = self.draft.tokenize(self._text(history), add_special=True, parse_special=True)
-        proposal = self.inner.propose(draft_history, max_len, sampling, rng)
+        proposal = yield from self.inner.propose_steps(draft_history, max_len, sampling, rng)
         if not len(proposal):
             return EMPTY_DRAFT
         text = self.draft.detokenize(proposal.tokens.tolist())

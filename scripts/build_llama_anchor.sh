@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build llama.cpp's own speculative-decoding programs (the anchor for `localspec bench`) from the
+# Build llama.cpp's own speculative-decoding programs (the anchor for `localspec bench`), its server and
+# its batched-decoding benchmark (the anchors of `localspec bench --clients`) from the
 # llama.cpp sources vendored in the llama-cpp-python sdist of the version that is installed, so the
 # anchor runs the same llama.cpp as localspec does.
 #
@@ -21,7 +22,7 @@
 set -euo pipefail
 
 PYTHON=${PYTHON:-python3}
-TARGETS=(llama-speculative-simple llama-speculative llama-lookup)
+TARGETS=(llama-speculative-simple llama-speculative llama-lookup llama-server llama-batched-bench)
 
 die() { echo "build_llama_anchor: $*" >&2; exit 1; }
 say() { echo "build_llama_anchor: $*" >&2; }
@@ -85,7 +86,7 @@ say "building ${TARGETS[*]} from $LLAMA (llama-cpp-python $VERSION, $JOBS job(s)
 # shellcheck disable=SC2086
 nice -n 19 cmake -S "$LLAMA" -B "$BUILD" "${GEN[@]}" \
     -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_APP=OFF \
     -DLLAMA_BUILD_EXAMPLES=ON ${LOCALSPEC_ANCHOR_CMAKE_ARGS:-} >"$CACHE/cmake-configure.log" 2>&1 \
     || { tail -n 30 "$CACHE/cmake-configure.log" >&2; die "cmake configure failed (log: $CACHE/cmake-configure.log)"; }
 nice -n 19 cmake --build "$BUILD" --config Release -j "$JOBS" --target "${TARGETS[@]}" >"$CACHE/cmake-build.log" 2>&1 \

@@ -209,76 +209,104 @@ class VirtualClock:
 
 
 class ScriptedContext:
-    """LlamaContext's interface over a scripted model: `tokens` is exactly what the "cache" holds;
-    the logits at each position are `logits(history up to and including that token)`. Like
-    llama.cpp, a token id outside the vocabulary is an error (llama_decode refuses the batch)."""
+    """LlamaContext's interface over a scripted model: `seq_tokens(s)` is exactly what sequence s's
+    "cache" holds; the logits at each position are `logits(history up to and including that token)`.
+    Like llama.cpp, a token id outside the vocabulary is an error (llama_decode refuses the batch)."""
 
     flash_attn = "off"  # no attention kernel to choose
+    n_batch = 512
 
-    def __init__(self, model: ScriptedModel, logits: Logits, *, n_ctx: int = 512) -> None:
+    def __init__(self, model: ScriptedModel, logits: Logits, *, n_ctx: int = 512, n_seq: int = 1) -> None:
         self.model = model
         self.n_ctx = n_ctx
+        self.n_seq = n_seq
         self.n_vocab = model.n_vocab
         self.logits = logits
-        self.tokens: list[int] = []
+        self._seqs: list[list[int]] = [[] for _ in range(n_seq)]
         self.n_decoded = 0  # tokens evaluated over the context's life
+        self.passes: list[list[tuple[int, int]]] = []  # each decode: (sequence, tokens) of its rows
+
+    def seq_tokens(self, seq: int = 0) -> list[int]:
+        return self._seqs[seq]
+
+    @property
+    def tokens(self) -> list[int]:
+        return self._seqs[0]
 
     @property
     def n_past(self) -> int:
-        return len(self.tokens)
+        return len(self._seqs[0])
 
     @property
     def n_free(self) -> int:
-        return self.n_ctx - len(self.tokens)
+        return self.n_ctx - len(self._seqs[0])
 
-    def rollback(self, n_past: int) -> None:
-        del self.tokens[n_past:]
+    def rollback(self, n_past: int, *, seq: int = 0) -> None:
+        del self._seqs[seq][n_past:]
 
     def reset(self) -> None:
-        self.tokens.clear()
+        for held in self._seqs:
+            held.clear()
 
-    def common_prefix(self, tokens: Sequence[int]) -> int:
+    def copy_seq(self, src: int, dst: int, n: int) -> None:
+        self._seqs[dst] = list(self._seqs[src][:n])
+
+    def copy_cache_from(self, other: "ScriptedContext", *, seq: int = 0, other_seq: int = 0) -> bool:
+        return False  # scripted caches are not laid out alike: the draft evaluates the text
+
+    def common_prefix(self, tokens: Sequence[int], *, seq: int = 0) -> int:
         n = 0
-        for a, b in zip(self.tokens, tokens):
+        for a, b in zip(self._seqs[seq], tokens):
             if a != b:
                 break
             n += 1
         return n
 
-    def decode(self, tokens: Sequence[int], *, n_logits: int = 1) -> np.ndarray:
-        tokens = [int(t) for t in tokens]
-        bad = [t for t in tokens if not 0 <= t < self.n_vocab]
-        if bad:
-            raise ValueError(f"invalid token {bad[0]} for {self.model.name} (vocabulary of {self.n_vocab})")
-        if len(self.tokens) + len(tokens) > self.n_ctx:
-            from localspec.llama import ContextFullError
+    def decode(self, tokens: Sequence[int], *, n_logits: int = 1, seq: int = 0) -> np.ndarray:
+        from localspec.llama import Rows
 
-            raise ContextFullError(f"context full: {len(self.tokens)} + {len(tokens)} tokens > n_ctx {self.n_ctx}")
-        start = len(self.tokens)
-        self.tokens.extend(tokens)
-        self.n_decoded += len(tokens)
-        n_logits = min(n_logits, len(tokens))
-        rows = [self.logits(tuple(self.tokens[:start + i + 1])) for i in range(len(tokens) - n_logits, len(tokens))]
-        out = np.stack(rows) if rows else np.zeros((0, self.n_vocab), dtype=np.float32)  # [n_logits, vocab]
-        out.flags.writeable = False
-        return out
+        return self.decode_rows([Rows(seq, tokens, n_logits)])
 
-    def sync(self, tokens: Sequence[int], *, n_logits: int = 1) -> tuple[np.ndarray, int]:
-        n_keep = min(self.common_prefix(tokens), len(tokens) - n_logits)
-        self.rollback(n_keep)
+    def decode_rows(self, rows) -> np.ndarray:
+        from localspec.llama import ContextFullError
+
+        for r in rows:
+            bad = [t for t in r.tokens if not 0 <= int(t) < self.n_vocab]
+            if bad:
+                raise ValueError(f"invalid token {bad[0]} for {self.model.name} (vocabulary of {self.n_vocab})")
+            if len(self._seqs[r.seq]) + len(r.tokens) > self.n_ctx:
+                raise ContextFullError(f"context full: {len(self._seqs[r.seq])} + {len(r.tokens)} tokens > "
+                                       f"n_ctx {self.n_ctx}")
+        out = []
+        for r in rows:
+            held = self._seqs[r.seq]
+            start = len(held)
+            held.extend(int(t) for t in r.tokens)
+            self.n_decoded += len(r.tokens)
+            n_logits = min(r.n_logits, len(r.tokens))
+            out += [self.logits(tuple(held[:start + i + 1])) for i in range(len(r.tokens) - n_logits, len(r.tokens))]
+        self.passes.append([(r.seq, len(r.tokens)) for r in rows if len(r.tokens)])
+        logits = np.stack(out) if out else np.zeros((0, self.n_vocab), dtype=np.float32)  # [n_logits, vocab]
+        logits.flags.writeable = False
+        return logits
+
+    def sync(self, tokens: Sequence[int], *, n_logits: int = 1, seq: int = 0) -> tuple[np.ndarray, int]:
+        n_keep = min(self.common_prefix(tokens, seq=seq), len(tokens) - n_logits)
+        self.rollback(n_keep, seq=seq)
         todo = list(tokens[n_keep:])
-        return self.decode(todo, n_logits=n_logits), len(todo)
+        return self.decode(todo, n_logits=n_logits, seq=seq), len(todo)
 
 
 class TimedContext(ScriptedContext):
     """A scripted context whose every pass takes `fixed + per_token * n` seconds of `clock`."""
 
     def __init__(self, model: ScriptedModel, logits: Logits, *, clock: VirtualClock, fixed: float,
-                 per_token: float, n_ctx: int = 512) -> None:
-        super().__init__(model, logits, n_ctx=n_ctx)
+                 per_token: float, n_ctx: int = 512, n_seq: int = 1) -> None:
+        super().__init__(model, logits, n_ctx=n_ctx, n_seq=n_seq)
         self.clock, self.fixed, self.per_token = clock, fixed, per_token
 
-    def decode(self, tokens: Sequence[int], *, n_logits: int = 1) -> np.ndarray:
-        if len(tokens):
-            self.clock.now += self.fixed + self.per_token * len(tokens)
-        return super().decode(tokens, n_logits=n_logits)
+    def decode_rows(self, rows) -> np.ndarray:
+        n = sum(len(r.tokens) for r in rows)
+        if n:
+            self.clock.now += self.fixed + self.per_token * n
+        return super().decode_rows(rows)

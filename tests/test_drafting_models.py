@@ -65,9 +65,9 @@ def test_adaptive_is_the_default_and_learns_its_costs_from_the_steps_alone(pair_
         assert engine.policy.lookup.verify_cost is engine.policy.model.verify_cost  # one oracle
         assert not engine.policy.model.verify_cost.ready  # nothing measured yet, nothing timed at start-up
         decodes = []
-        original = engine.oracle.decode
-        monkeypatch.setattr(engine.oracle, "decode", lambda tokens, **kw: decodes.append(len(tokens)) or
-                            original(tokens, **kw))
+        original = engine.oracle.decode_rows
+        monkeypatch.setattr(engine.oracle, "decode_rows", lambda rows: decodes.append(len(rows[0].tokens)) or
+                            original(rows))
         r = engine.generate(messages, max_tokens=24)
         s = r.stats
         assert len(decodes) == 1 + s.steps  # the prompt, then one verify pass per step

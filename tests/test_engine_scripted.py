@@ -221,7 +221,8 @@ def proposer_engine(kind: str) -> Engine:
                             draft_logits=related_logits(logits, ORACLE_VOCAB, 2, n_draft))
     if kind == "hybrid":  # the draft model and prompt lookup, each step's source from a chooser
         engine = draft_engine(40, K, oracle_logits=logits, draft_logits=related_logits(logits, ORACLE_VOCAB, 2, 40))
-        engine.proposer = HybridProposer(PromptLookupProposer(), engine.proposer, chooser=Alternating())
+        engine.proposer = HybridProposer(PromptLookupProposer(), engine.proposer)
+        engine.policy = Alternating(K)
         return engine
     oracle = ScriptedContext(oracle_model, logits)
     if kind == "lookup":
@@ -233,14 +234,15 @@ def proposer_engine(kind: str) -> Engine:
     return Engine.from_parts(oracle=oracle, proposer=proposer, policy=FixedLength(K), draft=draft)
 
 
-class Alternating:
-    """A hybrid's chooser that takes the model every other step, even when the lookup found tokens
-    (so the lookup's tokens pushed onto a grammar's walk must come off again), and the lookup's
-    tokens otherwise, when it found some."""
+class Alternating(FixedLength):
+    """A hybrid's policy that drafts K tokens and takes the model every other step, even when the
+    lookup found tokens (so the lookup's tokens pushed onto a grammar's walk must come off again),
+    and the lookup's tokens otherwise, when it found some."""
 
     idle = False
 
-    def __init__(self) -> None:
+    def __init__(self, k: int) -> None:
+        super().__init__(k)
         self.calls = 0
         self.sources: list[str] = []
 
@@ -296,7 +298,7 @@ def test_a_hybrid_drafts_from_both_sources_as_its_chooser_says_and_keeps_the_ora
     alone.policy = FixedLength(0)
     r = engine.generate(PROMPT, max_tokens=30)
     assert r.tokens == alone.generate(PROMPT, max_tokens=30).tokens
-    chosen = engine.proposer.chooser.sources
+    chosen = engine.policy.sources
     drafted = [x.source for x in r.stats.records if x.drafted]
     assert {"lookup", "model"} <= set(drafted) and drafted == [c for c in chosen if c][:len(drafted)]
     assert all(x.source == "" for x in r.stats.records if not x.drafted)

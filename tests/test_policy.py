@@ -203,11 +203,11 @@ def test_drafting_goes_on_at_a_smaller_predicted_gain_than_it_starts_at():
     drafting.est.fresh_trials = drafting.est.trials = 50
     rate = drafting.rates(16, CONTEXT)
     assert 1.05 < rate.max() / rate[0] < 1.10
-    drafting.last_k = 4
+    drafting.est.drafting = True  # the regime's last step drafted
     assert drafting.draft_length(16, CONTEXT) > 0
     idle = primed(verify, 0.0095, prior_acceptance=0.9, keep_gain=0.05)
     idle.est.fresh_trials = idle.est.trials = 50
-    idle.last_k = 0
+    idle.est.drafting = False
     assert idle.draft_length(16, CONTEXT) == 0
 
 

@@ -96,8 +96,7 @@ def test_prompt_lookup_alone_sizes_each_draft_by_its_match():
     """`--draft ngram`: the adaptive policy sizes a draft once the match is found (`LookupLength`):
     a 2-token coincidence short, a copy that has held for 40 tokens long."""
     proposer = PromptLookupProposer()
-    policy = lookup_policy(proposer)
-    assert proposer.chooser is policy
+    policy = lookup_policy()
     adaptive = policy.lookup
     for _ in range(3):
         for n in (1, 8, 32, 64):
@@ -108,21 +107,24 @@ def test_prompt_lookup_alone_sizes_each_draft_by_its_match():
     coincidence = source + [7, 150, 151]  # "150 151" occurs in the source, by chance
     allowance = policy.draft_length(64, 100)
     assert allowance == 64
-    fresh = proposer.propose(coincidence, allowance, GREEDY, rng)
+    fresh = proposer.propose(coincidence, allowance, GREEDY, rng, chooser=policy)
     policy.draft_length(64, 100)
-    held = proposer.propose(source + [7] + source[:40], allowance, GREEDY, rng)
+    held = proposer.propose(source + [7] + source[:40], allowance, GREEDY, rng, chooser=policy)
     assert fresh.match_length == 2 and 1 <= len(fresh) <= 8
     assert held.match_length == 40 and len(held) >= 32
-    assert len(proposer.propose(coincidence, 64, GREEDY, rng)) == 51  # not sized by this policy: all it found
+    assert len(proposer.propose(coincidence, 64, GREEDY, rng)) == 51  # no policy sizes it: all it found
 
 
 class CountingModel:
+    draft_context = None
+
     def __init__(self):
         self.calls = 0
 
-    def propose(self, history, max_len, sampling, rng):
+    def propose_steps(self, history, max_len, sampling, rng, constraint=None, chooser=None):
         self.calls += 1
         return Draft(np.array([99] * max_len, dtype=np.int32), None)
+        yield  # a model that needs no decode
 
     def start(self, *, catch_up):
         self.catch_up = catch_up
@@ -150,10 +152,12 @@ def test_a_hybrid_whose_chooser_did_not_size_the_step_takes_the_plain_rule():
 
     model = CountingModel()
     chooser = HybridLength(AdaptiveLength(), AdaptiveLength(k_max=64, model_draft=False))
-    hybrid = HybridProposer(PromptLookupProposer(), model, chooser=chooser)
+    hybrid = HybridProposer(PromptLookupProposer(), model)
     rng = np.random.default_rng(0)
-    assert hybrid.propose([1, 2, 3, 1, 2], 2, GREEDY, rng).tokens.tolist() == [3, 1] and model.calls == 0
-    assert hybrid.propose([1, 2, 3, 4], 2, GREEDY, rng).tokens.tolist() == [99, 99] and model.calls == 1
+    assert hybrid.propose([1, 2, 3, 1, 2], 2, GREEDY, rng, chooser=chooser).tokens.tolist() == [3, 1]
+    assert model.calls == 0
+    assert hybrid.propose([1, 2, 3, 4], 2, GREEDY, rng, chooser=chooser).tokens.tolist() == [99, 99]
+    assert model.calls == 1
 
 
 class ModelFirst:
@@ -173,20 +177,24 @@ class ModelFirst:
 
 def test_a_lookup_offer_the_model_was_chosen_over_is_scored_against_what_the_step_emitted():
     chooser = ModelFirst()
-    hybrid = HybridProposer(PromptLookupProposer(), CountingModel(), chooser=chooser)
+    hybrid = HybridProposer(PromptLookupProposer(), CountingModel())
     hybrid.start(catch_up=True)
     rng = np.random.default_rng(0)
+
+    def propose(text):
+        return hybrid.propose(text, 5, GREEDY, rng, chooser=chooser)
+
     text = [1, 2, 3, 4, 5, 1, 2]  # the lookup offers [3, 4, 5, 1, 2]
-    assert hybrid.propose(text, 5, GREEDY, rng).tokens.tolist() == [99] * 5  # the model drafts
+    assert propose(text).tokens.tolist() == [99] * 5  # the model drafts
     assert chooser.scores == []  # nothing emitted yet
-    hybrid.propose(text + [3, 4, 7], 5, GREEDY, rng)  # the step emitted 3, 4, 7: two agreed, the third did not
+    propose(text + [3, 4, 7])  # the step emitted 3, 4, 7: two agreed, the third did not
     assert chooser.scores == [(2, 3)]
-    hybrid.propose(text + [3, 4, 7, 8], 5, GREEDY, rng)  # "7, 8" was never seen: nothing offered, nothing scored
-    hybrid.propose(text + [3, 4, 7, 8, 9], 5, GREEDY, rng)
+    propose(text + [3, 4, 7, 8])  # "7, 8" was never seen: nothing offered, nothing scored
+    propose(text + [3, 4, 7, 8, 9])
     assert chooser.scores == [(2, 3)]
-    hybrid.propose([1, 2, 9, 1, 2], 5, GREEDY, rng)  # offers [9, 1, 2]
+    propose([1, 2, 9, 1, 2])  # offers [9, 1, 2]
     hybrid.start(catch_up=True)  # a new request: the last offer is dropped, not scored against another text
-    hybrid.propose([1, 2, 9, 1, 2, 9, 1], 5, GREEDY, rng)
+    propose([1, 2, 9, 1, 2, 9, 1])
     assert chooser.scores == [(2, 3)]
 
 

@@ -1,0 +1,147 @@
+"""Continuous batching: which sequences the engine's next pass carries.
+
+Requests join and leave at step boundaries, first come, first served. A sequence waits until a
+slot is free (a slot: a sequence id of both contexts, `Engine.n_slots` of them), takes the free slot
+whose cache shares most with its prompt (a conversation's next turn finds its own), fills the
+oracle's cache with its prompt in chunks of at most `prefill_chunk` tokens per pass while others
+run (or `n_batch` when nobody is streaming), then steps with the running ones until it finishes or
+is aborted. Each `step()` is ONE oracle pass (`Engine.step`).
+
+The scheduler is driven by one thread: the server's worker (its loop: take new jobs in, turn
+cancels into aborts, step, deliver), a batch file's runner, or `Engine.stream` for one sequence.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Iterator
+
+from .llama import shared_prefix
+from .outputs import Chunk
+from .sequence import Seq, Status
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+log = logging.getLogger("localspec.scheduler")
+
+PREFILL_CHUNK = 256  # prompt tokens a pass carries while other sequences stream (a pass of 256 costs ~0.4 s here)
+
+
+class Scheduler:
+    def __init__(self, engine: "Engine", *, prefill_chunk: int = PREFILL_CHUNK) -> None:
+        self.engine = engine
+        self.prefill_chunk = prefill_chunk
+        self.slots: list[Seq | None] = [None] * engine.n_slots
+        self.waiting: deque[Seq] = deque()
+        self._last_used = [0.0] * engine.n_slots  # when each slot last held a sequence
+
+    # -- what is there
+
+    @property
+    def active(self) -> list[Seq]:
+        """The sequences in a slot, in the order they came."""
+        return sorted((s for s in self.slots if s is not None), key=lambda s: s.id)
+
+    @property
+    def busy_slots(self) -> int:
+        return sum(s is not None for s in self.slots)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(s is not None for s in self.slots)
+
+    # -- joining and leaving
+
+    def add(self, seq: Seq) -> Seq:
+        """Queue a sequence (from `Engine.new_seq`)."""
+        seq.t_start = time.perf_counter()
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+        return seq
+
+    def abort(self, seq: Seq, error: BaseException | None = None) -> None:
+        """Stop `seq` now (between passes): out of the queue, or out of its slot (its cache stays,
+        for a request that shares its prompt). Idempotent; a finished sequence stays finished."""
+        if seq.done:
+            return
+        seq.status, seq.error = Status.ABORTED, error
+        seq.draft = None
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self._free(seq)
+
+    def _free(self, seq: Seq) -> None:
+        if seq.slot is not None and self.slots[seq.slot] is seq:
+            self.slots[seq.slot] = None
+            self._last_used[seq.slot] = time.perf_counter()
+
+    def _admit(self) -> None:
+        """Waiting sequences into free slots, first come first served."""
+        while self.waiting:
+            free = [i for i, s in enumerate(self.slots) if s is None]
+            if not free:
+                return
+            seq = self.waiting.popleft()
+            prompt = seq.history[:-1]
+            # the slot whose cache shares most with the prompt; else the one idle longest
+            slot = max(free, key=lambda i: (shared_prefix(self.engine.oracle.seq_tokens(i), prompt),
+                                            -self._last_used[i]))
+            self.slots[slot] = seq
+            self.engine.admit(seq, slot)
+
+    # -- one pass
+
+    def step(self) -> list[Seq]:
+        """Admit who can join, then ONE pass of the engine over every sequence in a slot: running
+        ones step, prompts fill. Returns the sequences the pass touched (their outboxes may have
+        new chunks; finished ones have left their slots)."""
+        self._admit()
+        active = self.active
+        running = [s for s in active if s.status == Status.RUNNING]
+        budget = self.prefill_chunk if running else self.engine.oracle.n_batch
+        prefill: dict[Seq, int] = {}
+        for seq in active:
+            if seq.status != Status.PREFILL or budget <= 0:
+                continue
+            todo = len(seq.history) - 1 - len(self.engine.oracle.seq_tokens(seq.slot))
+            n = min(todo, budget)
+            if n > 0:
+                prefill[seq] = n
+                budget -= n
+            elif todo <= 0:  # nothing to evaluate (its prompt was cached): it runs in this pass
+                seq.status = Status.RUNNING
+                seq.stats.prompt_time = time.perf_counter() - seq.t_start
+                running.append(seq)
+        if not running and not prefill:
+            return []
+        try:
+            self.engine.step(running, prefill)
+        except Exception as e:  # a failed pass fails the sequences in it, not the others queued
+            log.exception("engine: a pass failed")
+            for seq in running + list(prefill):
+                self.abort(seq, e)
+            return running + list(prefill)
+        touched = running + list(prefill)
+        for seq in touched:
+            if seq.done:
+                self._free(seq)
+        return touched
+
+    def run(self, seq: Seq) -> Iterator[Chunk]:
+        """Add `seq` and step until it is done, yielding its chunks as they come (the generator of
+        `Engine.stream`); closing the generator early aborts it."""
+        self.add(seq)
+        try:
+            while True:
+                while seq.outbox:
+                    yield seq.outbox.popleft()
+                if seq.done:
+                    if seq.status == Status.ABORTED and seq.error is not None:
+                        raise seq.error
+                    return
+                self.step()
+        finally:
+            self.abort(seq)
