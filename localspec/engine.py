@@ -99,12 +99,13 @@ class Engine:
 
     `Engine(oracle, draft, **options)` loads the models by name or path (`localspec.factory.build`
     says what the options are); `Engine.from_parts` runs parts built elsewhere.
-    Not thread-safe: one generation at a time (the server runs a single worker).
+    Not thread-safe: one thread drives it (the server runs a single worker). Its contexts hold
+    `n_slots` sequences (`parallel=N`), which its `scheduler` generates together.
     """
 
     def __init__(self, oracle: str | os.PathLike, draft: str | os.PathLike | None = None, **options) -> None:
         """`draft`: a model (name or path), "ngram" (prompt lookup, no model) or None (oracle
-        alone); the options (n_ctx, n_threads, gpu_layers, flash_attn, draft_length, draft_max,
+        alone); the options (n_ctx, parallel, n_threads, gpu_layers, flash_attn, draft_length, draft_max,
         p_min, lookup, cross_tokenizer, policy, cost_cache, progress, rpc, draft_rpc, ...) as for
         `localspec.factory.build`. The engine owns what it loads: `close()` frees it."""
         self._adopt(build(oracle, draft, **options), owned=True)
