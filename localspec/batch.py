@@ -7,7 +7,8 @@ Input, one JSON object per line:
 A "prompt" is sent as a chat user message (after --system, if given) unless "raw" is true (or the
 --raw flag is given and the line does not say otherwise); sampling fields override the command line.
 
-Output, one JSON object per line, in input order:
+Output, one JSON object per line, in the order the records finish (up to `--parallel` generate at
+once, in one batch; a malformed line's record comes as it is reached):
     {"id", "text", "finish_reason", "stats"}   or   {"id", "error"}
 (with "structure": "complete" | "incomplete" under a schema or grammar). A line's "json_schema" /
 "grammar" replaces --json-schema / --grammar; an invalid one is that line's error.
@@ -16,7 +17,7 @@ The input is UTF-8 (a leading byte-order mark is accepted); a line that is not v
 an error record naming the line, like any other malformed line. Lines end at LF or CRLF only.
 
 Resumable: ids already in the output file are skipped. Each record is one whole line written with a
-single write + fsync, so an interrupted run loses at most the record in flight; a truncated last
+single write + fsync, so an interrupted run loses at most the records in flight; a truncated last
 line (a crash mid-write) is cut off before appending.
 """
 
@@ -26,6 +27,7 @@ import json
 import os
 import sys
 import time
+from collections import deque
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -295,8 +297,8 @@ def run_batch(input_path: str, output_path: str | None, *, open_engine: Callable
         writer = RecordWriter(output_path)
         t_start = time.perf_counter()
         try:
-            for item in _with_bar(pending, summary, show_bar):
-                writer.write(_run_one(engine, item, summary))
+            for record in _with_bar(_records(engine, pending, summary), len(pending), summary, show_bar):
+                writer.write(record)
         except KeyboardInterrupt:
             summary.seconds = time.perf_counter() - t_start
             progress(f"interrupted: {summary.line()}")
@@ -309,41 +311,76 @@ def run_batch(input_path: str, output_path: str | None, *, open_engine: Callable
     return summary
 
 
-def _run_one(engine, item: Item, summary: Summary) -> dict[str, Any]:
-    if item.error is None:
-        try:
-            result = engine.generate(item.prompt, **item.options)
-        except ValueError as e:  # bad sampling values, prompt too long, template errors
-            item.error = str(e)
-        else:
-            s = result.stats
-            summary.written += 1
-            summary.tokens += s.completion_tokens
-            summary.drafted += s.drafted
-            summary.accepted += s.accepted
-            record = {"id": item.id, "text": result.text, "finish_reason": result.finish_reason, "stats": s.to_dict()}
-            if result.structure is not None:
-                record["structure"] = result.structure
-            return record
+def _records(engine, items: list[Item], summary: Summary) -> Iterator[dict[str, Any]]:
+    """Each item's record as it finishes: up to the engine's slots generate at once, in one batch
+    (a malformed line's error record comes as it is reached). Stopped early (Ctrl-C), the records
+    in flight are dropped, not written: a rerun generates them."""
+    from .sequence import Status
+
+    pending = deque(items)
+    in_flight: dict[Any, Item] = {}
+    try:
+        while pending or in_flight:
+            while pending and len(in_flight) < (engine.n_slots if engine is not None else 1):
+                item = pending.popleft()
+                if item.error is None:
+                    try:
+                        seq = engine.prepare(item.prompt, **item.options)
+                    except ValueError as e:  # bad sampling values, prompt too long, template errors
+                        item.error = str(e)
+                    else:
+                        in_flight[engine.scheduler.add(seq)] = item
+                        continue
+                yield _error_record(item, summary)
+            if not in_flight:
+                continue
+            engine.scheduler.step()
+            for seq in [s for s in in_flight if s.done]:
+                item = in_flight.pop(seq)
+                if seq.status == Status.FINISHED:
+                    yield _result_record(item, seq, summary)
+                else:  # its pass failed
+                    item.error = f"generation failed: {seq.error}"
+                    yield _error_record(item, summary)
+    finally:
+        for seq in in_flight:
+            engine.scheduler.abort(seq)
+
+
+def _result_record(item: Item, seq, summary: Summary) -> dict[str, Any]:
+    s = seq.stats
+    seq.outbox.clear()  # the text is whole in the stream
+    summary.written += 1
+    summary.tokens += s.completion_tokens
+    summary.drafted += s.drafted
+    summary.accepted += s.accepted
+    record = {"id": item.id, "text": seq.text.text, "finish_reason": seq.finish_reason, "stats": s.to_dict()}
+    if seq.structure is not None:
+        record["structure"] = seq.structure
+    return record
+
+
+def _error_record(item: Item, summary: Summary) -> dict[str, Any]:
     summary.written += 1
     summary.failed += 1
     return {"id": item.id, "error": item.error}
 
 
-def _with_bar(items: list[Item], summary: Summary, show_bar: bool | None) -> Iterator[Item]:
+def _with_bar(records: Iterator[dict[str, Any]], total: int, summary: Summary,
+              show_bar: bool | None) -> Iterator[dict[str, Any]]:
     """A progress bar on stderr (ETA, running acceptance) when stderr is a terminal."""
     if show_bar is None:
         show_bar = sys.stderr.isatty()
     if not show_bar:
-        yield from items
+        yield from records
         return
 
     def status(_item: Any) -> str:
         acc = summary.acceptance
         return f"acceptance {acc:.0%}" if acc is not None else ""
 
-    with click.progressbar(length=len(items), label="generating", file=sys.stderr, show_eta=True,
+    with click.progressbar(length=total, label="generating", file=sys.stderr, show_eta=True,
                            show_pos=True, item_show_func=status) as bar:
-        for item in items:
-            yield item
-            bar.update(1, item)
+        for record in records:
+            yield record
+            bar.update(1, record)

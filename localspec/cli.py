@@ -94,6 +94,11 @@ def progress(message: str) -> None:
 
 DEFAULT_CTX = 4096
 CTX_STEP = 256
+# requests generated at once by default: serve (a chat UI and an agent at once, a few people on one
+# workstation; llama-server's own default) and a batch file (records of one job: more throughput
+# per pass than a person waiting on one reply would trade for)
+DEFAULT_SERVE_PARALLEL = 4
+DEFAULT_BATCH_PARALLEL = 8
 # tokens a chat template (its special tokens, role names, a default system message) may add around
 # the messages' own text
 TEMPLATE_ALLOWANCE = 256
@@ -207,8 +212,8 @@ def request_options(kw: dict[str, Any], json_schema: str | None = None,
 
 def open_engine(*, pair, oracle, draft, no_draft, draft_max, draft_length, p_min, lookup, cross_tokenizer,
                 gpu_layers, draft_gpu_layers, n_ctx, threads, flash_attn="auto",
-                rpc=(), draft_rpc=(), **_):
-    """Resolve the models (fetching them on first use) and load them."""
+                rpc=(), draft_rpc=(), parallel: int = 1, **_):
+    """Resolve the models (fetching them on first use) and load them, with `parallel` slots."""
     from .engine import DEFAULT_P_MIN, Engine
     from .models import Registry
 
@@ -221,7 +226,7 @@ def open_engine(*, pair, oracle, draft, no_draft, draft_max, draft_length, p_min
                   draft_max=draft_max,
                   p_min=DEFAULT_P_MIN if p_min is None else p_min, lookup=lookup,
                   cross_tokenizer=cross_tokenizer or choice.cross_tokenizer, progress=progress, rpc=rpc,
-                  draft_rpc=draft_rpc)
+                  draft_rpc=draft_rpc, parallel=parallel)
 
 
 # ---------------------------------------------------------------- commands
@@ -247,10 +252,14 @@ def main(debug: bool) -> None:
               help="Batch: a JSONL file of requests ({\"id\", \"prompt\" | \"messages\", sampling fields}).")
 @click.option("--output", "output_path", type=click.Path(dir_okay=False, allow_dash=True), default=None,
               help="Batch: the JSONL results file (appended; ids already in it are skipped). Default: stdout.")
+@click.option("--parallel", type=click.IntRange(1, 64), default=None,
+              help=f"Batch: requests generated at once, in one batch (default {DEFAULT_BATCH_PARALLEL}). Each "
+                   "takes a KV cache of --ctx tokens.")
 @structure_options
 @friendly_errors
 def generate(prompt: str | None, system: str | None, raw: bool, as_json: bool, input_path: str | None,
-             output_path: str | None, json_schema: str | None, grammar: str | None, **kw) -> None:
+             output_path: str | None, parallel: int | None, json_schema: str | None, grammar: str | None,
+             **kw) -> None:
     """Generate a reply to PROMPT (read from stdin when omitted or '-'), or run a JSONL batch (--input).
     --json-schema / --grammar constrain the output (JSONL lines may carry their own "json_schema" /
     "grammar").
@@ -266,6 +275,7 @@ def generate(prompt: str | None, system: str | None, raw: bool, as_json: bool, i
         from .batch import run_batch
 
         defaults = options.as_kwargs()
+        kw["parallel"] = parallel or DEFAULT_BATCH_PARALLEL
         try:
             summary = run_batch(input_path, output_path, open_engine=lambda: open_engine(**kw), defaults=defaults,
                                 system=system, raw=raw, progress=progress)
@@ -274,6 +284,8 @@ def generate(prompt: str | None, system: str | None, raw: bool, as_json: bool, i
         if not summary.ok:  # some id of the input has an error record: say so to scripts
             sys.exit(EXIT_RECORDS_FAILED)
         return
+    if parallel is not None:
+        raise UserError("--parallel applies to a batch (--input)")
     if prompt is None or prompt == "-":
         prompt = sys.stdin.read()
     if not prompt.strip():
@@ -451,8 +463,10 @@ def _is_loopback(host: str) -> bool:
                    "--api-key-file: a key on the command line shows in ps.")
 @click.option("--api-key-file", type=click.Path(dir_okay=False), default=None,
               help="Read the API key from this file (surrounding whitespace is dropped).")
+@click.option("--parallel", type=click.IntRange(1, 64), default=DEFAULT_SERVE_PARALLEL, show_default=True,
+              help="Requests generated at once (slots), in one batch: each takes a KV cache of --ctx tokens.")
 @click.option("--max-queue", type=click.IntRange(0), default=32, show_default=True,
-              help="Requests that may wait while one generates; more get 429.")
+              help="Requests that may wait for a slot; more get 429.")
 @click.option("--max-body", type=click.IntRange(1024), default=4 * 1024 * 1024, show_default=True,
               help="Largest request body in bytes; larger gets 413.")
 @click.option("--max-tokens-limit", type=click.IntRange(1), default=None,
@@ -472,9 +486,9 @@ def _is_loopback(host: str) -> bool:
 @click.pass_context
 @friendly_errors
 def serve(ctx: click.Context, host: str, port: int, model_name: str | None, api_key: str | None,
-          api_key_file: str | None, max_queue: int, max_body: int, max_tokens_limit: int | None, time_limit: float,
-          cors_origins: tuple[str, ...], allowed_hosts: tuple[str, ...], shutdown_grace: float, log_prompts: bool,
-          **kw) -> None:
+          api_key_file: str | None, parallel: int, max_queue: int, max_body: int, max_tokens_limit: int | None,
+          time_limit: float, cors_origins: tuple[str, ...], allowed_hosts: tuple[str, ...], shutdown_grace: float,
+          log_prompts: bool, **kw) -> None:
     """Serve an OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models
     (plus /health, /metrics and the docs at /docs)."""
     api_key = resolve_api_key(ctx, api_key, api_key_file)
@@ -492,7 +506,12 @@ def serve(ctx: click.Context, host: str, port: int, model_name: str | None, api_
     from .server.app import run_server, served_names  # after the checks above: they fail fast
 
     name, aliases = served_names(kw["pair"], kw["oracle"], model_name)
-    with open_engine(**kw) as engine:
+    with open_engine(**kw, parallel=parallel) as engine:
+        kv = sum(ctx.kv_bytes() for ctx in engine.contexts)
+        progress(f"{engine.n_slots} slot{'s' if engine.n_slots != 1 else ''} (requests generated at once), "
+                 f"{engine.n_ctx} tokens of context each; KV cache {kv / 2**20:.0f} MiB "
+                 f"({' + '.join(f'{c.kv_bytes() / 2**20:.0f}' for c in engine.contexts)} MiB: the oracle's"
+                 f"{', the draft' + chr(39) + 's' if engine.draft_ctx is not None else ''})")
         run_server(engine, host=host, port=port, grace=shutdown_grace, model_name=name, aliases=aliases,
                    api_key=api_key, max_queue=max_queue, max_body=max_body, max_tokens_limit=max_tokens_limit,
                    time_limit=time_limit or None, cors_origins=cors_origins, allowed_hosts=allowed_hosts,

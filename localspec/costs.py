@@ -67,9 +67,11 @@ CONTEXT_UNIT = 1024.0  # context lengths enter the fit in units of 1024 tokens
 # model's weights being cheap, relatively more for its attention
 VERIFY_SHAPE = (0.9, 0.2, 0.1, 0.15, 0.02, 0.05)
 DRAFT_SHAPE = (0.2, 0.0, 1.0, 0.2, 0.3, 0.05)
-# a draft model's decode of one token for each of several sequences (a round of batched drafting):
-# shaped like the oracle's pass, its weights read once for them all
-DRAFT_ROUND_SHAPE = VERIFY_SHAPE
+# a draft model's decode of a token for each of several sequences (a round of batched drafting), or
+# of a catch-up: between a pass that reads its weights once for every token (a GPU) and one that
+# pays for each token (a small quantized model on a CPU: the default Q4_1 draft costs ~8 ms a token
+# in a batch, ~10 ms alone)
+DRAFT_ROUND_SHAPE = (0.6, 0.1, 0.4, 0.15, 0.05, 0.05)
 # how far each weight may plausibly sit from the prior, in the same units, and the noise of one
 # measured step (a shared VM's steps vary by 10-20%): together they say how much evidence moves it
 PRIOR_SPREAD = (1.0, 0.5, 0.5, 0.1, 0.03, 0.2)

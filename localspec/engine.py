@@ -141,6 +141,7 @@ class Engine:
             self.costs.load(self.policy)
         self.n_slots = min(ctx.n_seq for ctx in self.contexts)  # sequences generated at once
         self._drafting = 1.0  # sequences a batch's draft rounds are shared by, lately (for its prices)
+        self.last_pass = (0, 0)  # the last oracle pass: sequences and tokens it carried
         self.scheduler = Scheduler(self)
 
     @property
@@ -177,9 +178,8 @@ class Engine:
         return cls(pair.oracle, pair.draft, **kwargs)
 
     def close(self) -> None:
-        for close in reversed(self._closers):
-            close()
-        self._closers.clear()
+        while self._closers:  # last built first; one interrupted (Ctrl-C) leaves the rest to a later close
+            self._closers.pop()()
 
     def __enter__(self) -> "Engine":
         return self
@@ -231,6 +231,13 @@ class Engine:
                       stats=final.stats, logprobs=logprobs if options.logprobs is not None else None,
                       structure=final.structure)
 
+    def prepare(self, prompt: Prompt, options: GenerationOptions | None = None, *, tools: list | None = None,
+                **changes) -> Seq:
+        """A sequence for `prompt` (arguments as for `stream`), checked and ready for the scheduler
+        (`scheduler.add`): how the server's worker and a batch file's runner start requests."""
+        request = Request.of(GenerationOptions.build(options, **changes))
+        return self.new_seq(self.tokenize_prompt(prompt, tools), request)
+
     def stream(self, prompt: Prompt, options: GenerationOptions | None = None, *, tools: list | None = None,
                **changes) -> Iterator[Chunk]:
         """Yield text chunks as speculative steps are accepted; the last chunk carries
@@ -244,9 +251,7 @@ class Engine:
         Invalid options raise a ValueError (an invalid schema or grammar a `constraints.ConstraintError`)
         before anything is generated.
         `tools`: OpenAI function specs handed to a chat template that takes them (the server's tool calls)."""
-        request = Request.of(GenerationOptions.build(options, **changes))
-        tokens = self.tokenize_prompt(prompt, tools)
-        return self.stream_tokens(tokens, request)
+        return self.scheduler.run(self.prepare(prompt, options, tools=tools, **changes))
 
     def stream_tokens(self, prompt_tokens: list[int], request: Request) -> Iterator[Chunk]:
         """`stream` of a tokenized prompt. The request is checked (and its grammar compiled) at
@@ -321,6 +326,7 @@ class Engine:
         rows += [Rows(seq.slot, [seq.history[-1]] + seq.draft.tokens.tolist(), len(seq.draft) + 1) for seq in running]
         logits = self.oracle.decode_rows(rows)  # [sum of running's k+1, vocab]
         t_decoded = time.perf_counter()
+        self.last_pass = (len(rows), sum(len(r.tokens) for r in rows))
         offset = 0
         outs = []
         for seq in running:
@@ -328,7 +334,7 @@ class Engine:
             outs.append(self._verify(seq, logits[offset:offset + n]))
             offset += n
         t2 = time.perf_counter()
-        batch_tokens = sum(len(r.tokens) for r in rows)
+        batch_tokens = self.last_pass[1]
         for seq, (out, logprobs, n_accepted) in zip(running, outs):
             self._record(seq, out, logprobs, n_accepted, ks[seq], draft_time=t1 - t0, verify_time=t2 - t1,
                          batch_seqs=len(rows), batch_tokens=batch_tokens)
@@ -432,16 +438,16 @@ class Engine:
             seq.emit(seq.text.release(), emitted, logprobs)  # stats so far
 
     def _observe_batch(self, running: Sequence[Seq], rows: Sequence[Rows], rounds, prefill, seconds: float) -> None:
-        """A pass shared by several sequences teaches the shared costs once (a step alone teaches
-        its policy through its record, as it always did): the verify pass, unless it also filled a
-        prompt (a chunk of hundreds of tokens runs at another rate per token), and the draft's rounds."""
-        if len(rows) <= 1:
-            return
-        if not prefill:
-            self.policy.observe_pass([len(r.tokens) for r in rows], [len(seq.history) - 1 for seq in running],
-                                     seconds)
+        """What the shared costs learn from a pass beside each step's record: every draft decode (a
+        round of one sequence or several, a catch-up on a prompt too: what batched drafting costs
+        is known before batches form), and a verify pass shared by several sequences, once (a step
+        alone teaches its policy through its record, as it always did), unless it also filled a
+        prompt (a chunk of hundreds of tokens runs at another rate per token)."""
         for ns, contexts, t in rounds:
             self.policy.observe_draft_round(ns, contexts, t)
+        if len(rows) > 1 and not prefill:
+            self.policy.observe_pass([len(r.tokens) for r in rows], [len(seq.history) - 1 for seq in running],
+                                     seconds)
 
     def _structure(self, walk: ConstraintWalk, out: list[int], emitted: list[int], finish: str,
                    stats: Stats) -> tuple[str, str]:

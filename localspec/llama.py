@@ -15,6 +15,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,6 +151,8 @@ class _Owner:
         self.close()
 
     def __del__(self) -> None:
+        if sys.is_finalizing():  # llama.cpp's backend may be gone already; the process's end frees it all
+            return
         try:
             self.close()
         except Exception:

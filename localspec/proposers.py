@@ -99,10 +99,14 @@ def drive(steps: ProposeSteps, ctx: LlamaContext | None) -> Draft:
         return done.value
 
 
-def drive_all(proposals: Sequence[ProposeSteps], ctx: LlamaContext | None) -> tuple[list[Draft], list[int]]:
+Round = tuple[list[int], list[int], float]  # a draft decode: each sequence's tokens, its context, seconds
+
+
+def drive_all(proposals: Sequence[ProposeSteps], ctx: LlamaContext | None) -> tuple[list[Draft], list[Round]]:
     """Run several sequences' proposals together on `ctx`: each round, ONE decode holds every
     unfinished proposal's next tokens (a draft model proposing for all drafting sequences at once).
-    Returns the drafts, in order, and the tokens each round decoded."""
+    Returns the drafts, in order, and the rounds (each sequence's tokens and context, and the
+    seconds from the decode until every proposal had picked its next token)."""
     drafts: list[Draft | None] = [None] * len(proposals)
     pending: dict[int, Rows] = {}
     for i, steps in enumerate(proposals):
@@ -110,12 +114,13 @@ def drive_all(proposals: Sequence[ProposeSteps], ctx: LlamaContext | None) -> tu
             pending[i] = next(steps)
         except StopIteration as done:
             drafts[i] = done.value
-    rounds: list[int] = []
+    rounds: list[Round] = []
     while pending:
         order = list(pending)
         rows = [pending[i] for i in order]
+        contexts = [len(ctx.seq_tokens(r.seq)) for r in rows]
+        t0 = time.perf_counter()
         logits = ctx.decode_rows(rows)  # [sum of n_logits, vocab]
-        rounds.append(sum(len(r.tokens) for r in rows))
         offset = 0
         for i, r in zip(order, rows):
             mine = logits[offset:offset + min(r.n_logits, len(r.tokens))]
@@ -125,6 +130,7 @@ def drive_all(proposals: Sequence[ProposeSteps], ctx: LlamaContext | None) -> tu
             except StopIteration as done:
                 drafts[i] = done.value
                 del pending[i]
+        rounds.append(([len(r.tokens) for r in rows], contexts, time.perf_counter() - t0))
     return drafts, rounds  # type: ignore[return-value]
 
 

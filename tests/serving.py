@@ -12,6 +12,8 @@ from contextlib import contextmanager
 from typing import Iterator
 
 import httpx
+import numpy as np
+from scripted import BOS_TEXT, EOS_TEXT, ScriptedContext, ScriptedModel
 
 
 _script = os.path.join(os.path.dirname(sys.executable), "localspec")
@@ -78,33 +80,66 @@ def wait_ready(handle: dict, timeout: float = 90) -> str:
     return handle["url"]
 
 
-class PacedEngine:
-    """An engine double for the server's timing tests (shutdown, grace periods), where a real
-    model's speed would make them slow or flaky: each step takes `step` seconds and emits one token
-    (" 1,", " 2,", ...) until max_tokens, with running stats like the engine's. Nothing here is
-    about generation; tests of what the engine answers use the real model."""
+def counting_model(n: int = 4096):
+    """A scripted model whose vocabulary is BOS, EOS and the pieces " 1,", " 2,", ... " n,", and
+    whose logits count: after " i," comes " i+1,", after anything else " 1,"."""
+    model = ScriptedModel([BOS_TEXT, EOS_TEXT] + [f" {i},".encode() for i in range(1, n + 1)], name="counting")
 
-    def __init__(self, step: float = 0.02, n_ctx: int = 512) -> None:
-        self.step = step
-        self.n_ctx = n_ctx
-        self.calls: list[dict] = []  # the options of every request that reached the engine
+    def logits(history: tuple[int, ...]) -> np.ndarray:
+        row = np.full(model.n_vocab, -100.0, dtype=np.float32)  # sampled or not, it counts
+        last = history[-1]
+        row[last + 1 if 2 <= last < model.n_vocab - 1 else 2] = 100.0
+        return row
 
-    def stream(self, prompt, *, max_tokens: int = 16, **options):
-        from localspec.outputs import Chunk, Stats
+    return model, logits
 
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        self.calls.append(dict(options, max_tokens=max_tokens))
 
-        def gen():
-            stats = Stats(prompt_tokens=3, prompt_tokens_evaluated=3)
-            for i in range(1, max_tokens + 1):
-                time.sleep(self.step)
-                stats.completion_tokens += 1
-                stats.steps += 1
-                yield Chunk(f" {i},", [i], finish_reason="length" if i == max_tokens else None, stats=stats)
+class PacedContext(ScriptedContext):
+    """A scripted context whose every pass takes `step` seconds of real time, and which fails a pass
+    with RuntimeError once `fail_after` passes have run (None: never)."""
 
-        return gen()
+    def __init__(self, model, logits, *, step: float, fail_after: int | None = None, **kwargs) -> None:
+        super().__init__(model, logits, **kwargs)
+        self.step, self.fail_after, self.n_passes = step, fail_after, 0
+
+    def decode_rows(self, rows):
+        time.sleep(self.step)
+        self.n_passes += 1
+        if self.fail_after is not None and self.n_passes > self.fail_after:
+            raise RuntimeError("secret detail mid-stream")
+        return super().decode_rows(rows)
+
+
+def paced_engine(step: float = 0.02, *, n_ctx: int = 4096, parallel: int = 1, fail: str | None = None):
+    """The real engine (its scheduler, its worker path, its streams) over the counting model on a
+    paced context: each pass takes `step` seconds, and a request's tokens count " 1, 2, 3," up to
+    max_tokens, so the server's timing tests (shutdown, grace periods, time limits) neither wait
+    on a real model's speed nor depend on it. `fail`: "start" fails every request as it is
+    prepared (a RuntimeError: a server error, not a bad request), "mid" fails the second pass.
+    `engine.prepared`: the options of every request the engine accepted; `engine.calls`: every
+    request that took a slot (`engine.Request`)."""
+    from localspec.engine import Engine
+    from localspec.policy import FixedLength
+
+    model, logits = counting_model()
+    oracle = PacedContext(model, logits, n_ctx=n_ctx, n_seq=parallel, step=step,
+                          fail_after=1 if fail == "mid" else None)
+
+    class Paced(Engine):
+        def prepare(self, prompt, options=None, **changes):
+            if fail == "start":
+                raise RuntimeError("secret detail at /home/user/model.gguf")
+            seq = super().prepare(prompt, options, **changes)
+            self.prepared.append(changes)
+            return seq
+
+        def admit(self, seq, slot):
+            self.calls.append(seq.request)
+            super().admit(seq, slot)
+
+    engine = Paced.from_parts(oracle=oracle, policy=FixedLength(0))
+    engine.calls, engine.prepared = [], []
+    return engine
 
 
 def raw_http(port: int, request: bytes, timeout: float = 10) -> tuple[bytes, float]:

@@ -6,11 +6,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections import deque
+from types import SimpleNamespace
 
 import pytest
 
 from localspec.batch import parse_line, read_done, run_batch
-from localspec.outputs import Result, Stats
+from localspec.outputs import Stats
+from localspec.sequence import Status
 
 CLI = [sys.executable, "-m", "localspec.cli"]
 DEFAULTS = {"max_tokens": 16, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": None, "stop": None}
@@ -75,10 +78,46 @@ def test_read_done_cuts_a_truncated_last_line_and_ignores_unreadable_ones(tmp_pa
     assert read_done(str(tmp_path / "missing.jsonl"), warnings.append) == {}
 
 
+class FakeSeq:
+    """What the runner reads of an engine's sequence: it finishes at its first step, its text the
+    prompt's in capitals."""
+
+    def __init__(self, text: str) -> None:
+        self.text = SimpleNamespace(text=text.upper())
+        self.stats = Stats(completion_tokens=3, steps=2, drafted=4, accepted=3, total_time=0.1)
+        self.status, self.finish_reason, self.structure, self.outbox = Status.WAITING, None, None, deque()
+
+    @property
+    def done(self):
+        return self.status in (Status.FINISHED, Status.ABORTED)
+
+
+class FakeScheduler:
+    def __init__(self) -> None:
+        self.seqs = []
+
+    def add(self, seq):
+        self.seqs.append(seq)
+        return seq
+
+    def step(self):
+        for seq in self.seqs:
+            seq.status, seq.finish_reason = Status.FINISHED, "stop"
+        self.seqs = []
+
+    def abort(self, seq):
+        seq.status = Status.ABORTED
+
+
 class FakeEngine:
+    """The engine's batch interface (prepare, a scheduler, its slots) over instant generations."""
+
+    n_slots = 2
+
     def __init__(self) -> None:
         self.prompts = []
         self.opened = 0
+        self.scheduler = FakeScheduler()
 
     def __enter__(self):
         self.opened += 1
@@ -87,13 +126,11 @@ class FakeEngine:
     def __exit__(self, *exc):
         pass
 
-    def generate(self, prompt, **options):
+    def prepare(self, prompt, **options):
         if options["temperature"] < 0:
             raise ValueError("temperature must be a finite number >= 0")
         self.prompts.append(prompt)
-        text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
-        stats = Stats(completion_tokens=3, steps=2, drafted=4, accepted=3, total_time=0.1)
-        return Result(text=text.upper(), tokens=[1, 2, 3], finish_reason="stop", stats=stats)
+        return FakeSeq(prompt if isinstance(prompt, str) else prompt[-1]["content"])
 
 
 def write_lines(path, lines):
@@ -104,29 +141,30 @@ def records(path):
     return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line]
 
 
-def test_a_run_writes_records_in_order_and_a_rerun_does_only_the_missing_ids(tmp_path):
+def test_a_run_writes_each_record_as_it_finishes_and_a_rerun_does_only_the_missing_ids(tmp_path):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     write_lines(inp, [{"id": "a", "prompt": "one"}, "oops", {"id": "b", "prompt": "two", "temperature": -1},
                       "", {"id": "c", "prompt": "three", "raw": True}, {"id": "a", "prompt": "again"}])
     engine = FakeEngine()
     notes = []
     summary = run_batch(str(inp), str(out), open_engine=lambda: engine, defaults=DEFAULTS, progress=notes.append)
-    got = records(out)
-    assert [r["id"] for r in got] == ["a", "line-2", "b", "c"]
-    assert got[0]["text"] == "ONE" and got[0]["finish_reason"] == "stop" and got[0]["stats"]["accepted"] == 3
-    assert "not valid JSON" in got[1]["error"] and "temperature" in got[2]["error"]
-    assert got[3]["text"] == "THREE" and engine.prompts[1] == "three"  # raw: the plain string
+    got = {r["id"]: r for r in records(out)}
+    # a malformed line's record as it is reached, a generation's when it finishes (a and c: two slots)
+    assert list(got) == ["line-2", "b", "a", "c"]
+    assert got["a"]["text"] == "ONE" and got["a"]["finish_reason"] == "stop" and got["a"]["stats"]["accepted"] == 3
+    assert "not valid JSON" in got["line-2"]["error"] and "temperature" in got["b"]["error"]
+    assert got["c"]["text"] == "THREE" and engine.prompts[1] == "three"  # raw: the plain string
     assert (summary.written, summary.failed, summary.duplicates, summary.tokens) == (4, 2, 1, 6)
     assert notes[-1].startswith("4 records written (2 failed), 1 repeated id skipped; 6 tokens")
     assert "acceptance 75%" in notes[-1]
 
     # a crash left half a record; the rerun cuts it, and only the missing ids run
     lines = out.read_text().splitlines(keepends=True)
-    out.write_text("".join(lines[:2]) + lines[3][:25])  # a, line-2, then half of c ("b" lost)
+    out.write_text("".join(lines[:1] + lines[2:3]) + lines[3][:25])  # line-2, a, then half of c ("b" lost)
     engine2 = FakeEngine()
     summary = run_batch(str(inp), str(out), open_engine=lambda: engine2, defaults=DEFAULTS, progress=notes.append)
-    assert [r["id"] for r in records(out)] == ["a", "line-2", "b", "c"]
-    assert engine2.prompts == ["three"] and summary.skipped == 3  # a, line-2 and the repeated a
+    assert [r["id"] for r in records(out)] == ["line-2", "a", "b", "c"]
+    assert engine2.prompts == ["three"] and summary.skipped == 3  # line-2, a and the repeated a
 
     # everything done: the models are not even loaded
     summary = run_batch(str(inp), str(out), open_engine=lambda: pytest.fail("engine opened"), defaults=DEFAULTS,
@@ -145,11 +183,11 @@ def test_input_is_utf8_line_by_line_with_an_optional_bom(tmp_path):
     engine = FakeEngine()
     notes = []
     summary = run_batch(str(inp), str(out), open_engine=lambda: engine, defaults=DEFAULTS, progress=notes.append)
-    got = records(out)
-    assert [r["id"] for r in got] == ["a", "line-2", "c"], got
-    assert got[0]["text"] == "ONE"
-    assert got[1]["error"] == "line 2: not valid UTF-8 (byte 0xe9 at byte 27 of the line)"
-    assert got[2]["text"] == "X\u2028Y" and engine.prompts[1] == "x\u2028y"
+    got = {r["id"]: r for r in records(out)}
+    assert sorted(got) == ["a", "c", "line-2"], got
+    assert got["a"]["text"] == "ONE"
+    assert got["line-2"]["error"] == "line 2: not valid UTF-8 (byte 0xe9 at byte 27 of the line)"
+    assert got["c"]["text"] == "X\u2028Y" and engine.prompts[1] == "x\u2028y"
     assert (summary.written, summary.failed, summary.ok) == (3, 1, False)
 
 
@@ -201,26 +239,27 @@ def test_batch_round_trip_and_resume(tmp_path):
     p = run_cli("--input", str(inp), "--output", str(out))
     assert p.returncode == 1, p.stderr  # two records failed
     assert "Traceback" not in p.stderr and "\x1b" not in p.stderr and p.stdout == ""
-    got = records(out)
-    assert [r["id"] for r in got] == ["capital", 2, "line-3", "cold", "raw"]
-    assert "Paris" in got[0]["text"] and got[0]["finish_reason"] in ("stop", "length")
-    assert set(got[0]) == {"id", "text", "finish_reason", "stats"}
-    assert got[0]["stats"]["completion_tokens"] > 0 and "acceptance_rate" in got[0]["stats"]
-    assert got[1]["stats"]["completion_tokens"] <= 4 and got[4]["stats"]["completion_tokens"] <= 6
-    assert "not valid JSON" in got[2]["error"] and "top_p" in got[3]["error"]
+    got = {r["id"]: r for r in records(out)}  # each record as it finished
+    assert sorted(got, key=str) == [2, "capital", "cold", "line-3", "raw"]
+    assert "Paris" in got["capital"]["text"] and got["capital"]["finish_reason"] in ("stop", "length")
+    assert set(got["capital"]) == {"id", "text", "finish_reason", "stats"}
+    assert got["capital"]["stats"]["completion_tokens"] > 0 and "acceptance_rate" in got["capital"]["stats"]
+    assert got[2]["stats"]["completion_tokens"] <= 4 and got["raw"]["stats"]["completion_tokens"] <= 6
+    assert "not valid JSON" in got["line-3"]["error"] and "top_p" in got["cold"]["error"]
     summary = p.stderr.strip().splitlines()[-1]
     assert summary.startswith("localspec: 5 records written (2 failed);") and "tok/s" in summary, p.stderr
 
-    # an interrupted run: "capital" written, "2" cut mid-line; the rerun does 2, line-3, cold, raw only
+    # an interrupted run: "capital" written, the next record cut mid-line; the rerun does the rest only
     kept = out.read_text().splitlines(keepends=True)
-    first = json.loads(kept[0]) | {"text": "FROM THE FIRST RUN"}
-    out.write_text(json.dumps(first) + "\n" + kept[1][:30])
+    first = got["capital"] | {"text": "FROM THE FIRST RUN"}
+    second = next(line for line in kept if json.loads(line)["id"] != "capital")
+    out.write_text(json.dumps(first) + "\n" + second[:30])
     p = run_cli("--input", str(inp), "--output", str(out))
     assert p.returncode == 1, p.stderr
     assert "dropped a truncated last line" in p.stderr and "1 skipped (already in the output)" in p.stderr
-    got = records(out)  # every line parses again
-    assert [r["id"] for r in got] == ["capital", 2, "line-3", "cold", "raw"]
-    assert got[0]["text"] == "FROM THE FIRST RUN"  # not regenerated
+    again = records(out)  # every line parses again
+    assert sorted((r["id"] for r in again), key=str) == [2, "capital", "cold", "line-3", "raw"]
+    assert again[0]["text"] == "FROM THE FIRST RUN"  # not regenerated
     assert "4 records written (2 failed)" in p.stderr
 
 

@@ -84,7 +84,8 @@ def test_adaptive_is_the_default_and_learns_its_costs_from_the_steps_alone(pair_
         assert policy.verify_cost.ready and policy.draft_cost.ready and policy.est.trials > 0
         learned = policy.verify_cost(9, 100), policy.draft_cost(4, 100), policy.est.acceptance
     kinds = {p.name.split("-")[0] for p in tmp_path.iterdir()}
-    assert {"acceptance", "draft", "verify"} <= kinds <= {"acceptance", "draft", "verify", "lookup_acceptance"}
+    assert {"acceptance", "draft", "draft_round", "verify"} <= kinds <= {"acceptance", "draft", "draft_round", "verify",
+                                                                  "lookup_acceptance"}
     with Engine(*pair_paths, n_ctx=512, n_threads=2) as again:
         model = again.policy.model
         assert (model.verify_cost(9, 100), model.draft_cost(4, 100), model.est.acceptance) == pytest.approx(learned)

@@ -139,32 +139,15 @@ REJECTED = [
 ]
 
 
-class _Engine:
-    """Just enough engine for the server to validate requests; every request that reaches it is kept."""
-
-    n_ctx = 256
-    oracle_model = None  # no chat template
-
-    def __init__(self) -> None:
-        self.calls: list[dict] = []
-
-    def stream(self, prompt, **options):
-        GenerationOptions(**options)  # what the real engine does first
-        self.calls.append(options)
-
-        def gen():
-            yield Chunk("ok", [1], finish_reason="stop", stats=Stats(prompt_tokens=1, completion_tokens=1))
-
-        return gen()
-
-
 @pytest.fixture(scope="module")
 def http():
     from starlette.testclient import TestClient
 
     from localspec.server.app import create_app
 
-    engine = _Engine()
+    from serving import paced_engine
+
+    engine = paced_engine(step=0.0, n_ctx=256)
     with TestClient(create_app(engine, model_name="m"), base_url="http://localhost") as client:
         client.engine = engine
         yield client
@@ -191,12 +174,12 @@ def test_the_same_rule_rejects_the_same_value_everywhere(http, name, value, flag
         body |= {"logprobs": True, "top_logprobs": value}
     else:
         body[param] = value
-    n = len(http.engine.calls)
+    n = len(http.engine.prepared)
     r = http.post("/v1/chat/completions", json=body)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert (err["param"], err["code"]) == (param, "invalid_value"), err
-    assert len(http.engine.calls) == n  # refused before the engine
+    assert len(http.engine.prepared) == n  # refused before the engine
 
 
 def test_the_same_values_pass_everywhere(http, tmp_path):
@@ -211,7 +194,7 @@ def test_the_same_values_pass_everywhere(http, tmp_path):
     r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], **good,
                                                  "speculative": {"draft_max": 64}})
     assert r.status_code == 200, r.text
-    assert GenerationOptions(**http.engine.calls[-1]) == GenerationOptions(**good, draft_max=64)
+    assert GenerationOptions(**http.engine.prepared[-1]) == GenerationOptions(**good, draft_max=64)
 
 
 def test_the_server_takes_its_bounds_and_help_from_the_rules():

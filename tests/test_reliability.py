@@ -89,11 +89,11 @@ class CappedEngine:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def stream(self, prompt, **options):
+    def prepare(self, prompt, **options):
         if self.fail_on and self.fail_on in json.dumps(prompt):
             raise RuntimeError("injected engine fault")
         options["max_tokens"] = min(options.get("max_tokens") or 1, self._cap)
-        return self._engine.stream(prompt, **options)
+        return self._engine.prepare(prompt, **options)
 
 
 @pytest.fixture(scope="module")
@@ -505,14 +505,14 @@ def test_hostile_headers_are_refused_cleanly(server, worker, name, head, status)
 @pytest.mark.model
 def test_an_exception_in_one_request_leaves_the_server_up(server, http, worker, caplog, monkeypatch):
     engine = worker.engine
-    real_stream = engine.stream
+    real_prepare = engine.prepare
 
-    def stream(prompt, **options):
+    def prepare(prompt, **options):
         if "boom" in json.dumps(prompt):
             raise RuntimeError("injected engine fault")
-        return real_stream(prompt, **options)
+        return real_prepare(prompt, **options)
 
-    monkeypatch.setattr(engine, "stream", stream)
+    monkeypatch.setattr(engine, "prepare", prepare)
     with caplog.at_level(logging.DEBUG):
         for path, body in (("/v1/chat/completions", {"messages": chat(f"boom {MARKER}")}),
                            ("/v1/completions", {"prompt": f"boom {MARKER}", "stream": True})):
@@ -689,7 +689,7 @@ def test_batch_killed_mid_run_resumes(tmp_path):
     inp.write_text("".join(json.dumps({"id": i, "prompt": f"Count from {n} to {n + 20}.", "max_tokens": 12}) + "\n"
                            for n, i in enumerate(ids)))
     args = CLI + ["generate", "--input", str(inp), "--output", str(out), "--threads", "1", "--ctx", "256",
-                  "--temperature", "0"]
+                  "--temperature", "0", "--parallel", "2"]  # two at a time: records land in four rounds
     p = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 90
     while not (out.exists() and out.read_bytes().count(b"\n") >= 2):
@@ -702,9 +702,10 @@ def test_batch_killed_mid_run_resumes(tmp_path):
     assert data == complete  # each record is one write: no half line even under SIGKILL
     first = [json.loads(line) for line in complete.splitlines()]
     assert 2 <= len(first) < len(ids) and all("text" in r for r in first)
-    assert [r["id"] for r in first] == ids[:len(first)]
+    done = [r["id"] for r in first]  # each as it finished
+    assert len(set(done)) == len(done) and set(done) <= set(ids)
 
-    # Ctrl-C: the record in flight is lost, the rest stays, and the exit status says "interrupted"
+    # Ctrl-C: the records in flight are lost, the rest stays, and the exit status says "interrupted"
     p = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 90
     while out.read_bytes().count(b"\n") < len(first) + 1:
@@ -719,5 +720,5 @@ def test_batch_killed_mid_run_resumes(tmp_path):
     p = subprocess.run(args, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["id"] for r in records] == ids  # each id once: the done ones were skipped
+    assert sorted(r["id"] for r in records) == ids  # each id once: the done ones were skipped
     assert records[:len(first)] == first and all(r.get("finish_reason") for r in records)

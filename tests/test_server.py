@@ -8,6 +8,7 @@ the other tests run. A fake engine covers what real models cannot trigger (serve
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import threading
@@ -22,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from localspec.outputs import Chunk, Stats
 from localspec.server import EngineWorker, create_app
-from serving import CLI, PacedEngine, ThreadedServer, cli_serve, free_port, raw_http, wait_ready
+from serving import CLI, ThreadedServer, cli_serve, free_port, paced_engine, raw_http, wait_ready
 
 MODEL = "smollm2"
 N_CTX = 1024
@@ -66,7 +67,8 @@ def cli_server(pair_paths, tmp_path_factory):
     The key comes from a file (a key on the command line would show in ps)."""
     keyfile = tmp_path_factory.mktemp("key") / "api.key"
     keyfile.write_text(API_KEY + "\n")
-    with cli_serve("--api-key-file", str(keyfile), "--max-queue", "0", "--ctx", "512", "--threads", "1") as handle:
+    with cli_serve("--api-key-file", str(keyfile), "--parallel", "1", "--max-queue", "0", "--ctx", "512",
+                   "--threads", "1") as handle:
         yield handle
 
 
@@ -580,7 +582,7 @@ def metric_from(app, name: str, **labels) -> float:
 def test_a_stalled_request_body_times_out():
     """Content-Length says 1000, 10 bytes come, then nothing: 408 with an error body, the
     connection closed, and the server still answers. No model needed: the body never arrives."""
-    engine = PacedEngine()
+    engine = paced_engine()
     s = ThreadedServer(create_app(engine, model_name="paced", body_timeout=0.5))
     try:
         head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
@@ -801,9 +803,10 @@ def _wait(condition, timeout: float = 10) -> None:
 
 
 @contextmanager
-def _paced_server(*, grace: float) -> Iterator[tuple[ThreadedServer, EngineWorker, PacedEngine]]:
-    """A server over a paced fake engine (a token every 20 ms) with this shutdown grace period."""
-    engine = PacedEngine(step=0.02)
+def _paced_server(*, grace: float) -> Iterator[tuple[ThreadedServer, EngineWorker, Engine]]:
+    """A server over the paced counting engine (a pass every 20 ms, one slot) with this shutdown
+    grace period."""
+    engine = paced_engine(step=0.02)
     worker = EngineWorker(engine, max_queue=8)
     try:
         yield ThreadedServer(create_app(worker, model_name="paced"), grace=grace), worker, engine
@@ -901,7 +904,7 @@ def test_cli_serve_api_key_queue_full_and_sigterm(cli_server):
         r = good.chat.completions.create(model=MODEL, messages=chat("Say hi"), max_tokens=4, temperature=0)
         assert r.choices[0].message.content and r.usage.completion_tokens <= 4
 
-    # --max-queue 0: while one generation runs, the next request gets 429 with Retry-After
+    # --parallel 1 --max-queue 0: while one generation runs, the next request gets 429 with Retry-After
     with httpx.Client(base_url=url, headers=auth, timeout=60) as c:
         body = {"model": MODEL, "prompt": COUNTING, "max_tokens": 300, "temperature": 0, "stream": True}
         with c.stream("POST", "/v1/completions", json=body) as slow:
@@ -924,33 +927,16 @@ def test_cli_serve_api_key_queue_full_and_sigterm(cli_server):
     assert proc.returncode == 0, err[-2000:]
     assert "Traceback" not in err and "Application shutdown complete" in err
     assert "Say hi" not in err + out and COUNTING not in err + out  # no prompt text without --log-prompts
+    assert re.search(r"1 slot \(requests generated at once\), 512 tokens of context each; KV cache \d+ MiB "
+                     r"\(\d+ \+ \d+ MiB: the oracle's, the draft's\)", err), err[-2000:]
 
 
 # ---------------------------------------------------------------- server errors (a fake engine)
 
 
-class FakeEngine:
-    """Just enough engine to make the server fail in the ways real models do not."""
-
-    n_ctx = 64
-
-    def __init__(self, fail: str) -> None:
-        self.fail = fail
-
-    def stream(self, prompt, **options):
-        if self.fail == "start":
-            raise RuntimeError("secret detail at /home/user/model.gguf")
-
-        def gen():
-            yield Chunk("Hello", [1])
-            raise RuntimeError("secret detail mid-stream")
-
-        return gen()
-
-
 @pytest.mark.parametrize("stream", [False, True])
 def test_server_errors_never_leak(stream):
-    s = ThreadedServer(create_app(FakeEngine("start"), model_name="fake"))
+    s = ThreadedServer(create_app(paced_engine(fail="start"), model_name="fake"))
     try:
         r = httpx.post(s.url + "/v1/chat/completions", json={"messages": chat("Hi"), "stream": stream}, timeout=10)
         err = error_of(r, 500)
@@ -960,12 +946,12 @@ def test_server_errors_never_leak(stream):
 
 
 def test_error_mid_stream_is_an_error_event():
-    s = ThreadedServer(create_app(FakeEngine("mid"), model_name="fake"))
+    s = ThreadedServer(create_app(paced_engine(fail="mid"), model_name="fake"))
     try:
         with httpx.stream("POST", s.url + "/v1/completions", json={"prompt": "Hi", "stream": True}, timeout=10) as r:
             assert r.status_code == 200
             events = sse_events(r)
-        assert events[0]["choices"][0]["text"] == "Hello"
+        assert events[0]["choices"][0]["text"] == " 1,"
         assert events[1]["error"]["type"] == "server_error" and events[-1] == "[DONE]"
         assert "secret" not in json.dumps(events)
         with openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0) as c:
@@ -976,25 +962,13 @@ def test_error_mid_stream_is_an_error_event():
 
 
 def test_worker_queue_limit_and_shutdown():
-    """Without models: a job blocks, max_queue=1 lets one more wait, the third is refused; close()
-    cancels the running job within a step and fails the waiting one."""
-    release = threading.Event()
-
-    class Slow:
-        n_ctx = 64
-
-        def stream(self, prompt, **options):
-            def gen():
-                while True:
-                    release.wait(0.01)
-                    yield Chunk("x", [1])
-            return gen()
-
+    """Without models: a job runs in the one slot, max_queue=1 lets one more wait, the third is
+    refused; close() cancels the running job within a step and fails the waiting one."""
     from localspec.server.worker import CANCELLED, QueueFull, WorkerClosed, Failed
 
-    w = EngineWorker(Slow(), max_queue=1)
+    w = EngineWorker(paced_engine(step=0.01), max_queue=1)
     events: list = []
-    first = w.submit("a", {}, events.append)
+    first = w.submit("a", {"max_tokens": 4000}, events.append)
     w.submit("b", {}, events.append)
     with pytest.raises(QueueFull) as e:
         w.submit("c", {}, events.append)
@@ -1014,7 +988,7 @@ def test_worker_queue_limit_and_shutdown():
 def test_worker_time_limit_ends_a_job_with_length():
     """A job past its time limit stops after the step in progress, and its last chunk is an empty
     one with finish_reason "length" and the counters so far, as when max_tokens is reached."""
-    w = EngineWorker(PacedEngine(step=0.02), max_queue=1)
+    w = EngineWorker(paced_engine(step=0.02), max_queue=1)
     try:
         events: list = []
         t0 = time.monotonic()
@@ -1040,10 +1014,10 @@ def test_worker_time_limit_ends_a_job_with_length():
 def test_stats_usage_shape():
     from localspec.server.app import _usage
 
-    u = _usage(Stats(prompt_tokens=10, prompt_tokens_evaluated=4, completion_tokens=5, drafted=8, accepted=6,
+    u = _usage(Stats(prompt_tokens=10, prompt_tokens_evaluated=4, completion_tokens=5, steps=3, drafted=8, accepted=6,
                      regime="temperature 0.85-1.15", idle_steps=2, idle_reason="because"))
     assert u.model_dump() == {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15,
-                              "prompt_tokens_details": {"cached_tokens": 6}, "drafted": 8, "accepted": 6,
+                              "prompt_tokens_details": {"cached_tokens": 6}, "steps": 3, "drafted": 8, "accepted": 6,
                               "acceptance_rate": 0.75, "regime": "temperature 0.85-1.15", "idle_steps": 2,
                               "idle_reason": "because"}
 

@@ -51,7 +51,7 @@ def _usage(stats: Stats) -> S.Usage:
                    total_tokens=stats.prompt_tokens + stats.completion_tokens,
                    prompt_tokens_details=S.PromptTokensDetails(
                        cached_tokens=max(0, stats.prompt_tokens - stats.prompt_tokens_evaluated)),
-                   drafted=stats.drafted, accepted=stats.accepted,
+                   steps=stats.steps, drafted=stats.drafted, accepted=stats.accepted,
                    acceptance_rate=round(stats.acceptance_rate, 4), regime=stats.regime or None,
                    idle_steps=stats.idle_steps, idle_reason=stats.idle_reason)
 

@@ -6,6 +6,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+PASS_SEQUENCE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+PASS_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+MAX_POSITION_LABEL = 63  # accepted tokens per position are counted for the first 64 places
 
 
 class Metrics:
@@ -37,10 +40,35 @@ class Metrics:
         self.tokens_accepted = Counter("localspec_tokens_accepted", "Draft tokens the oracle accepted.", registry=r)
         self.acceptance_rate = Gauge("localspec_acceptance_rate",
                                      "Draft tokens accepted / drafted since the server started.", registry=r)
-        self.queue_depth = Gauge("localspec_queue_depth", "Requests waiting for the engine.", registry=r)
-        self.running = Gauge("localspec_generations_running", "Generations in progress (0 or 1).", registry=r)
+        self.queue_depth = Gauge("localspec_queue_depth", "Requests waiting for a slot.", registry=r)
+        self.running = Gauge("localspec_generations_running", "Generations in progress (each in a slot).", registry=r)
+        self.slots = Gauge("localspec_slots", "Sequences the engine generates at once (serve --parallel).", registry=r)
+        self.slots_busy = Gauge("localspec_slots_busy", "Slots holding a request.", registry=r)
+        self.pass_sequences = Histogram("localspec_pass_sequences", "Sequences one oracle pass carried.",
+                                        buckets=PASS_SEQUENCE_BUCKETS, registry=r)
+        self.pass_tokens = Histogram("localspec_pass_tokens", "Tokens one oracle pass carried (drafts and prompt "
+                                     "chunks included).", buckets=PASS_TOKEN_BUCKETS, registry=r)
+        # speculation in vLLM's shape: mean acceptance length = 1 + accepted_tokens / drafts
+        self.spec_drafts = Counter("localspec_spec_decode_num_drafts", "Steps that verified a draft.", registry=r)
+        self.spec_draft_tokens = Counter("localspec_spec_decode_num_draft_tokens", "Draft tokens verified.",
+                                         registry=r)
+        self.spec_accepted_tokens = Counter("localspec_spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                                            registry=r)
+        self.spec_accepted_per_pos = Counter("localspec_spec_decode_num_accepted_tokens_per_pos",
+                                             "Draft tokens accepted, by their place in the draft (0: the first).",
+                                             ["position"], registry=r)
         self._drafted = 0
         self._accepted = 0
+
+    def record_step(self, step) -> None:
+        """One speculative step of one sequence (an `outputs.StepRecord`)."""
+        if not step.drafted:
+            return
+        self.spec_drafts.inc()
+        self.spec_draft_tokens.inc(step.drafted)
+        self.spec_accepted_tokens.inc(step.accepted)
+        for position in range(min(step.accepted, MAX_POSITION_LABEL + 1)):
+            self.spec_accepted_per_pos.labels(str(position)).inc()
 
     def record_speculation(self, drafted: int, accepted: int) -> None:
         self.tokens_drafted.inc(drafted)

@@ -249,6 +249,7 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    steps: int = Field(0, description="Speculative steps (oracle verify passes) the generation took.")
     drafted: int = Field(0, description="Draft tokens proposed.")
     accepted: int = Field(0, description="Draft tokens the oracle accepted.")
     acceptance_rate: float = Field(0.0, description="accepted / drafted.")

@@ -1,18 +1,21 @@
 """The engine worker: ONE thread owns the engine (llama.cpp contexts are not thread-safe) and runs
-queued generation jobs one at a time.
+its scheduler's loop: take new jobs in, turn cancels into aborts, step (one pass of the oracle for
+every sequence in a slot), deliver what each sequence emitted.
 
 A job's events go back to whoever submitted it through a `deliver` callback, called on the worker
 thread: `submit_async` turns that into an asyncio.Queue fed with `loop.call_soon_threadsafe`, so
-the event loop never blocks on the engine. Each engine chunk is one speculative step; the worker
-checks the job's cancel flag before every step and closes the engine's generator, so a cancelled
-job (a client that went away) stops within one step and frees the engine for the next one.
+the event loop never blocks on the engine. A cancelled job (a client that went away) leaves its
+slot at the next step boundary, within one pass.
 
-Events, in order: STARTED (the engine accepted the request) then `outputs.Chunk`s, the last with
-a finish_reason; or a `Failed` (instead of STARTED when the engine rejected the request); or
-CANCELLED once a cancelled job has stopped.
+Events, in order: STARTED (the engine accepted the request: it waits for a slot or runs) then
+`outputs.Chunk`s, the last with a finish_reason; or a `Failed` (instead of STARTED when the engine
+rejected the request); or CANCELLED once a cancelled job has stopped.
 
 A job may have a time limit: when a step ends past it, the generation stops there and its last
 chunk (empty text) has finish_reason "length", as if max_tokens had been reached.
+
+At most `engine.n_slots` jobs generate at once; `max_queue` more may wait for a slot, and a job
+beyond those is refused (QueueFull: a 429 with Retry-After).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..outputs import Chunk, Stats
+from ..sequence import Seq, Status
 from .metrics import Metrics
 
 log = logging.getLogger("localspec.server")
@@ -66,7 +70,7 @@ class Failed:
 
 
 class Job:
-    """One generation request. `prompt` and `options` are `Engine.stream`'s arguments."""
+    """One generation request. `prompt` and `options` are `Engine.prepare`'s arguments."""
 
     def __init__(self, prompt: Any, options: dict[str, Any], deliver: Callable[[object], None],
                  time_limit: float | None = None) -> None:
@@ -76,7 +80,10 @@ class Job:
         self._deliver = deliver
         self.submitted = time.monotonic()
         self.started: float | None = None
+        self.seq: Seq | None = None  # the engine's sequence, once accepted
+        self.announced = False  # STARTED was delivered (the sequence took a slot)
         self.tokens = 0  # tokens generated so far
+        self.steps_seen = 0  # of its sequence's steps, those the metrics have counted
         self.stats: Stats | None = None  # set when the generation completes
         self.outcome: str | None = None  # completed | time_limit | cancelled | rejected | failed
         self.cancel_reason: str | None = None
@@ -84,7 +91,7 @@ class Job:
         self.done = threading.Event()
 
     def cancel(self, reason: str = "the client went away") -> None:
-        """Stop the job (before it starts, or within one speculative step). Thread-safe, idempotent:
+        """Stop the job (before it starts, or at the next step boundary). Thread-safe, idempotent:
         the first reason given is the one logged."""
         if self.cancel_reason is None and not self.done.is_set():
             self.cancel_reason = reason
@@ -102,19 +109,23 @@ class Job:
 
 
 class EngineWorker:
-    """Runs jobs on `engine` in one thread. At most `max_queue` jobs wait while one runs; `submit`
-    raises QueueFull beyond that and WorkerClosed after `close()`."""
+    """Runs jobs on `engine` in one thread, up to `engine.n_slots` at once. At most `max_queue`
+    more wait for a slot; `submit` raises QueueFull beyond that and WorkerClosed after `close()`."""
 
     def __init__(self, engine, *, max_queue: int = DEFAULT_MAX_QUEUE, metrics: Metrics | None = None) -> None:
         if max_queue < 0:
             raise ValueError("max_queue must be >= 0")
         self.engine = engine
+        self.scheduler = engine.scheduler
+        self.slots = engine.n_slots
         self.max_queue = max_queue
         self.metrics = metrics or Metrics()
+        self.metrics.slots.set(self.slots)
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
-        self._waiting = 0
-        self._running: Job | None = None
+        self._submitted = 0  # submitted, not yet taken in by the thread
+        self._active: list[Job] = []  # taken in: waiting for a slot or generating (the thread's own)
+        self._in_flight = 0  # submitted and not done
         self._closed = False
         self._mean_duration = 1.0  # seconds per job, a moving average for Retry-After
         self.completed = self.cancelled = 0  # counters (also in metrics) for tests and /health
@@ -125,12 +136,17 @@ class EngineWorker:
 
     @property
     def queue_depth(self) -> int:
-        """Jobs waiting (not counting the one running)."""
-        return self._waiting
+        """Jobs waiting for a slot."""
+        return max(0, self._in_flight - self.running)
+
+    @property
+    def running(self) -> int:
+        """Jobs generating (each in a slot)."""
+        return self.scheduler.busy_slots
 
     @property
     def busy(self) -> bool:
-        return self._running is not None
+        return self.running > 0
 
     @property
     def alive(self) -> bool:
@@ -142,12 +158,13 @@ class EngineWorker:
         with self._lock:
             if self._closed:
                 raise WorkerClosed("the server is shutting down")
-            in_flight = self._waiting + (self._running is not None)
-            if in_flight > self.max_queue:
-                raise QueueFull(max(1, min(60, math.ceil(self._mean_duration * in_flight))))
-            self._waiting += 1
-            self.metrics.queue_depth.set(self._waiting)
+            if self._in_flight >= self.slots + self.max_queue:
+                rounds = self._in_flight / self.slots
+                raise QueueFull(max(1, min(60, math.ceil(self._mean_duration * rounds))))
+            self._in_flight += 1
+            self._submitted += 1
             self._jobs.put(job)
+        self.metrics.queue_depth.set(self.queue_depth)
         return job
 
     def submit_async(self, prompt: Any, options: dict[str, Any], *,
@@ -162,25 +179,9 @@ class EngineWorker:
     # -- lifecycle
 
     def close(self, timeout: float | None = 30.0) -> None:
-        """Refuse new jobs, drop waiting ones, cancel the running one and wait for the thread."""
+        """Refuse new jobs, drop waiting ones, cancel the running ones and wait for the thread."""
         with self._lock:
             self._closed = True
-            running = self._running
-        if running is not None:
-            running.cancel("the server is shutting down")
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                with self._lock:
-                    self._waiting -= 1
-                job.cancel("the server is shutting down")
-                job.outcome = "cancelled"
-                job.deliver(Failed(WorkerClosed("the server is shutting down"), client_error=False))
-                job.done.set()
-        self.metrics.queue_depth.set(0)
         self._jobs.put(None)
         self._thread.join(timeout)
         if self._thread.is_alive():
@@ -195,99 +196,159 @@ class EngineWorker:
     # -- the thread
 
     def _loop(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            with self._lock:
-                self._waiting -= 1
-                self._running = job
-            self.metrics.queue_depth.set(self._waiting)
-            self.metrics.running.set(1)
-            t0 = time.monotonic()
+        closing = False
+        while not closing:
+            closing = self._take_new(block=not self._active)
             try:
-                self._execute(job)
-            except BaseException:  # never let the thread die with requests queued
+                self._cancel_and_time_out()
+                if closing:
+                    break
+                if self._active:  # (its jobs' sequences are in the scheduler: it has work)
+                    self.scheduler.step()
+                    self._pass_metrics()
+                self._deliver_all()
+            except BaseException:  # never let the thread die with requests in flight
                 log.exception("engine worker: unexpected error")
-                job.outcome = "failed"
-            finally:
-                self._mean_duration = 0.8 * self._mean_duration + 0.2 * (time.monotonic() - t0)
-                with self._lock:
-                    self._running = None
-                self.metrics.running.set(0)
-                self.metrics.generations.labels(job.outcome or "failed").inc()
-                if job.outcome in ("completed", "time_limit"):
-                    self.completed += 1
-                elif job.outcome == "cancelled":
-                    self.cancelled += 1
-                job.done.set()
+                for job in list(self._active):
+                    if job.seq is not None:
+                        self.scheduler.abort(job.seq)
+                    self._end(job, "failed", Failed(RuntimeError("engine worker error"), client_error=False))
+        for job in list(self._active):  # shutting down: what still runs is cancelled, what waits refused
+            if job.announced:
+                job.cancel("the server is shutting down")
+                self.scheduler.abort(job.seq)
+                self._end(job, "cancelled", CANCELLED)
+            else:
+                if job.seq is not None:
+                    self.scheduler.abort(job.seq)
+                self._end(job, "cancelled", Failed(WorkerClosed("the server is shutting down"), client_error=False))
+        while True:  # submitted, never taken in
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                self._end(job, "cancelled", Failed(WorkerClosed("the server is shutting down"), client_error=False))
+        self.metrics.queue_depth.set(0)
+        self.metrics.running.set(0)
+        self.metrics.slots_busy.set(0)
 
-    def _execute(self, job: Job) -> None:
-        m = self.metrics
+    def _take_new(self, *, block: bool) -> bool:
+        """Take submitted jobs into the scheduler (waiting for one when nothing runs). Returns
+        whether the worker is closing."""
+        while True:
+            try:
+                job = self._jobs.get(timeout=0.5) if block else self._jobs.get_nowait()
+            except queue.Empty:
+                return False
+            block = False
+            with self._lock:
+                self._submitted -= job is not None
+            if job is None:
+                return True
+            self._start(job)
+
+    def _start(self, job: Job) -> None:
         if job.cancelled:
-            job.outcome = "cancelled"
-            job.deliver(CANCELLED)
+            self._end(job, "cancelled", CANCELLED)
             return
         job.started = time.monotonic()
         try:
-            stream = self.engine.stream(job.prompt, **job.options)  # validates eagerly
+            seq = self.engine.prepare(job.prompt, **job.options)  # validates eagerly
         except ValueError as e:  # PromptTooLongError, ChatTemplateError, bad option values
-            job.outcome = "rejected"
-            job.deliver(Failed(e, client_error=True))
+            self._end(job, "rejected", Failed(e, client_error=True))
             return
         except Exception as e:
             log.exception("engine: the request could not start")
-            job.outcome = "failed"
-            job.deliver(Failed(e, client_error=False))
+            self._end(job, "failed", Failed(e, client_error=False))
             return
-        job.deliver(STARTED)
-        running: Stats | None = None  # the engine's running counters (chunks carry them)
-        deadline = None if job.time_limit is None else job.started + job.time_limit
-        try:
-            while not job.cancelled:
-                chunk: Chunk | None = next(stream, None)
-                if chunk is None:  # cannot happen: the last chunk has a finish_reason
-                    break
-                if chunk.tokens:
-                    if job.tokens == 0:
-                        m.time_to_first_token.observe(time.monotonic() - job.submitted)
-                    job.tokens += len(chunk.tokens)
-                    m.tokens_generated.inc(len(chunk.tokens))
-                running = chunk.stats or running
-                if chunk.finish_reason is not None:
-                    s = job.stats = chunk.stats
-                    m.prompt_tokens.inc(s.prompt_tokens)
-                    m.prompt_tokens_cached.inc(max(0, s.prompt_tokens - s.prompt_tokens_evaluated))
-                    m.record_speculation(s.drafted, s.accepted)
-                    job.outcome = "completed"
-                    job.deliver(chunk)
-                    return
-                job.deliver(chunk)
-                if deadline is not None and time.monotonic() >= deadline and not job.cancelled:
-                    self._stop_at_time_limit(job, running)
-                    return
-            job.outcome = "cancelled"
-            if running is not None:  # what the interrupted generation drafted still counts
-                m.record_speculation(running.drafted, running.accepted)
-            log.info("generation cancelled after %d tokens (%s)", job.tokens, job.cancel_reason or "cancelled")
-            job.deliver(CANCELLED)
-        except Exception as e:
-            log.exception("engine: generation failed")
-            job.outcome = "failed"
-            job.deliver(Failed(e, client_error=False))
-        finally:
-            stream.close()
+        job.seq = self.scheduler.add(seq)  # STARTED once it takes a slot (until then it is queued)
+        self._active.append(job)
 
-    def _stop_at_time_limit(self, job: Job, running: Stats | None) -> None:
+    def _cancel_and_time_out(self) -> None:
+        for job in list(self._active):
+            seq = job.seq
+            if job.cancelled:
+                self.scheduler.abort(seq)
+                if job.announced:  # what the interrupted generation drafted still counts
+                    self.metrics.record_speculation(seq.stats.drafted, seq.stats.accepted)
+                    log.info("generation cancelled after %d tokens (%s)", job.tokens, job.cancel_reason or "cancelled")
+                self._end(job, "cancelled", CANCELLED)
+            elif (job.time_limit is not None and seq.stats.steps and not seq.done
+                  and time.monotonic() - job.started >= job.time_limit):  # a step ended past it
+                self.scheduler.abort(seq)
+                self._deliver_chunks(job)
+                self._stop_at_time_limit(job)
+
+    def _deliver_all(self) -> None:
+        for job in list(self._active):
+            self._deliver_chunks(job)
+            seq = job.seq
+            if seq.status == Status.FINISHED and not seq.outbox:
+                s = job.stats = seq.stats
+                m = self.metrics
+                m.prompt_tokens.inc(s.prompt_tokens)
+                m.prompt_tokens_cached.inc(max(0, s.prompt_tokens - s.prompt_tokens_evaluated))
+                m.record_speculation(s.drafted, s.accepted)
+                self._end(job, "completed", None)
+            elif seq.status == Status.ABORTED and not job.cancelled:  # a pass failed
+                self._end(job, "failed", Failed(seq.error or RuntimeError("generation failed"), client_error=False))
+
+    def _deliver_chunks(self, job: Job) -> None:
+        seq, m = job.seq, self.metrics
+        if not job.announced and seq.status != Status.WAITING:
+            job.announced = True
+            job.deliver(STARTED)
+        for record in seq.stats.records[job.steps_seen:]:
+            m.record_step(record)
+        job.steps_seen = len(seq.stats.records)
+        while seq.outbox:
+            chunk = seq.outbox.popleft()
+            if chunk.tokens:
+                if job.tokens == 0:
+                    m.time_to_first_token.observe(time.monotonic() - job.submitted)
+                job.tokens += len(chunk.tokens)
+                m.tokens_generated.inc(len(chunk.tokens))
+            job.deliver(chunk)
+
+    def _pass_metrics(self) -> None:
+        m = self.metrics
+        n_seqs, n_tokens = self.engine.last_pass
+        if n_seqs:
+            m.pass_sequences.observe(n_seqs)
+            m.pass_tokens.observe(n_tokens)
+        m.slots_busy.set(self.scheduler.busy_slots)
+        m.running.set(self.scheduler.busy_slots)
+        m.queue_depth.set(self.queue_depth)
+
+    def _end(self, job: Job, outcome: str, event: object | None) -> None:
+        """The job is over: its last event (if any) delivered, counted, its slot's place freed."""
+        job.outcome = outcome
+        if event is not None:
+            job.deliver(event)
+        if job in self._active:
+            self._active.remove(job)
+        with self._lock:
+            self._in_flight -= 1
+        if job.started is not None and outcome in ("completed", "time_limit"):
+            self._mean_duration = 0.8 * self._mean_duration + 0.2 * (time.monotonic() - job.started)
+        self.metrics.generations.labels(outcome).inc()
+        if outcome in ("completed", "time_limit"):
+            self.completed += 1
+        elif outcome == "cancelled":
+            self.cancelled += 1
+        self.metrics.queue_depth.set(self.queue_depth)
+        job.done.set()
+
+    def _stop_at_time_limit(self, job: Job) -> None:
         """End a generation that ran past its time limit like one that reached max_tokens: a last,
         empty chunk with finish_reason "length" and the counters so far."""
         m = self.metrics
-        stats = dataclasses.replace(running) if running is not None else Stats()
+        stats = dataclasses.replace(job.seq.stats)
         stats.total_time = time.monotonic() - (job.started or job.submitted)
         job.stats = stats
         m.prompt_tokens.inc(stats.prompt_tokens)
         m.prompt_tokens_cached.inc(max(0, stats.prompt_tokens - stats.prompt_tokens_evaluated))
         m.record_speculation(stats.drafted, stats.accepted)
-        job.outcome = "time_limit"
         log.info("generation stopped at its time limit (%g s) after %d tokens", job.time_limit, job.tokens)
-        job.deliver(Chunk("", [], finish_reason="length", stats=stats))
+        self._end(job, "time_limit", Chunk("", [], finish_reason="length", stats=stats))
