@@ -545,6 +545,11 @@ def serve(ctx: click.Context, host: str, port: int, model_name: str | None, api_
               "through text (set by pairs that need it).")
 @click.option("--paired", is_flag=True, help="Also run every prompt of each localspec drafting system with drafting "
               "off, in the same process, and report that ratio too (the fairest test of a few percent; twice the time).")
+@click.option("--clients", default=None, metavar="N,N,...",
+              help="Serving benchmark instead: for each N, N clients at once stream greedy answers from `localspec "
+                   "serve --parallel N` and llama.cpp's llama-server -np N (with and without the draft); aggregate "
+                   "tokens/s, time to first token, tokens/s per client, and llama-batched-bench's plain batched "
+                   "decoding (--systems: localspec,localspec-no-draft,llama-server,llama-server-draft).")
 @click.option("--mixed-warmup", type=click.IntRange(0), default=12, show_default=True,
               help="Sampled requests (temperature 1.0 and 0.7, 48 tokens) each drafting localspec system answers "
               "before the greedy runs, as a server answering OpenAI clients does; 0: none.")
@@ -560,7 +565,7 @@ def bench(**kw) -> None:
 
     try:
         run(**kw, progress=progress, echo=click.echo)
-    except BenchError as e:
+    except (BenchError, ValueError) as e:
         raise UserError(str(e)) from e
 
 

@@ -133,9 +133,14 @@ class PassCost:
 
     def observe_pass(self, ns: Sequence[int], contexts: Sequence[int], seconds: float) -> None:
         """A pass carrying ns[s] tokens of each sequence s over its context contexts[s] took `seconds`."""
-        if not ns or min(ns) < 1 or not seconds > 0:
+        self.observe_passes([(ns, contexts)], seconds)
+
+    def observe_passes(self, passes: Sequence[tuple[Sequence[int], Sequence[int]]], seconds: float) -> None:
+        """One decode that llama.cpp ran as several passes (its ubatches: each (tokens per sequence,
+        their contexts)) took `seconds` in all: the model is linear, so their features add up."""
+        if not passes or any(not ns or min(ns) < 1 for ns, _ in passes) or not seconds > 0:
             return
-        phi = pass_features(ns, contexts)  # [6]
+        phi = sum(pass_features(ns, contexts) for ns, contexts in passes)  # [6]
         if self.observations < START:
             self._start.append((phi, seconds))
             self.observations += 1
@@ -190,17 +195,25 @@ class PassCost:
         return max(float(t), self._floor())
 
     def _at(self, w: np.ndarray, phi: np.ndarray) -> float:
-        """The prediction for a pass of features phi [6], held like `predict`'s: no part of it
-        below zero (a token, a sequence or a context never makes a pass cheaper)."""
+        """The prediction for features phi [6] (of one pass, or the sum over several), held like
+        `predict`'s: no part of it below zero (a token, a sequence or a context never makes a pass
+        cheaper)."""
         per_token = max(0.0, w[2] + w[4] * phi[4] / phi[2]) if phi[2] else 0.0
-        t = w[0] + w[3] * phi[3] + max(0.0, w[1]) * phi[1] + per_token * phi[2] + max(0.0, w[5]) * phi[5]
-        return max(float(t), self._floor())
+        t = (w[0] * phi[0] + w[3] * phi[3] + max(0.0, w[1]) * phi[1] + per_token * phi[2]
+             + max(0.0, w[5]) * phi[5])
+        return max(float(t), self._floor() * phi[0])
 
     def pass_time(self, ns: Sequence[int], contexts: Sequence[int]) -> float:
         """Seconds for a pass carrying ns[s] tokens of each sequence s over its context contexts[s]."""
         if self.scale is None:
             raise ValueError("no cost observed yet")
         return self._at(self.weights(), pass_features(ns, contexts))
+
+    def pass_overhead(self, context: int) -> float:
+        """Seconds a pass of two or more tokens costs beyond its tokens (its weights read once): what
+        another pass, a ubatch llama.cpp splits off a batch, adds."""
+        w = self.weights()
+        return max(0.0, float(w[0] + w[3] * context / CONTEXT_UNIT + max(0.0, w[1])))
 
     def token_time(self, context: int) -> float:
         """Seconds one more token over `context` adds to a pass of two or more tokens."""

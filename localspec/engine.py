@@ -289,16 +289,26 @@ class Engine:
             seq.policy.start_request(regime)
         return seq
 
-    def admit(self, seq: Seq, slot: int) -> None:
+    def admit(self, seq: Seq, slot: int, free: Sequence[int] = ()) -> None:
         """Put `seq` in `slot`: the oracle's cache there keeps what it shares with the prompt, or
         takes a longer shared prefix another slot holds (a copy of that cache, not an evaluation:
-        the same system prompt, the next turn of a conversation, a finished request's text)."""
+        the same system prompt, the next turn of a conversation, a finished request's text). What
+        the slot held that the prompt does not share is first moved to the emptiest of the `free`
+        slots, for a request that comes back to it."""
         seq.slot = slot
         seq.status = Status.PREFILL
         target = seq.history[:-1]
         common = self.oracle.common_prefix(target, seq=slot)
+        held = len(self.oracle.seq_tokens(slot))
+        parking = min((other for other in free if other != slot), key=lambda o: len(self.oracle.seq_tokens(o)),
+                      default=None)
+        if parking is not None and held - common >= COPY_MIN and len(self.oracle.seq_tokens(parking)) < held:
+            self.oracle.copy_seq(slot, parking, held)
+        busy = {s.slot for s in self.scheduler.active if s is not seq}
+        # the longest shared prefix any other slot holds (a running sequence's too), the latest
+        # finished one's first on a tie
         source, best = max(((other, self.oracle.common_prefix(target, seq=other)) for other in range(self.n_slots)
-                            if other != slot), key=lambda t: t[1], default=(None, 0))
+                            if other != slot), key=lambda t: (t[1], t[0] not in busy), default=(None, 0))
         if source is not None and best >= common + COPY_MIN:
             self.oracle.copy_seq(source, slot, best)
             common = best
@@ -317,6 +327,7 @@ class Engine:
         to each sequence's outbox; a sequence that finishes is marked so (its slot is the
         scheduler's to free)."""
         prefill = dict(prefill or {})
+        running = sorted(running, key=lambda seq: seq.slot)  # rows in slot order: llama.cpp's fewest passes
         t0 = time.perf_counter()
         ks = self._plan(running, n_seqs=len(running) + len(prefill))
         rounds = self._propose(running, ks)
@@ -324,15 +335,16 @@ class Engine:
         rows = [Rows(seq.slot, seq.history[len(self.oracle.seq_tokens(seq.slot)):][:n], 0)
                 for seq, n in prefill.items()]
         rows += [Rows(seq.slot, [seq.history[-1]] + seq.draft.tokens.tolist(), len(seq.draft) + 1) for seq in running]
-        logits = self.oracle.decode_rows(rows)  # [sum of running's k+1, vocab]
+        rows.sort(key=lambda r: r.seq)
+        contexts = {r.seq: len(self.oracle.seq_tokens(r.seq)) for r in rows}
+        logits = self.oracle.decode_rows(rows)  # [sum of running's k+1, vocab], in slot order
         t_decoded = time.perf_counter()
         self.last_pass = (len(rows), sum(len(r.tokens) for r in rows))
-        offset = 0
-        outs = []
-        for seq in running:
-            n = len(seq.draft) + 1
-            outs.append(self._verify(seq, logits[offset:offset + n]))
-            offset += n
+        offsets, offset = {}, 0
+        for r in rows:
+            offsets[r.seq] = offset
+            offset += r.n_logits
+        outs = [self._verify(seq, logits[offsets[seq.slot]:offsets[seq.slot] + len(seq.draft) + 1]) for seq in running]
         t2 = time.perf_counter()
         batch_tokens = self.last_pass[1]
         for seq, (out, logprobs, n_accepted) in zip(running, outs):
@@ -342,7 +354,7 @@ class Engine:
             if len(self.oracle.seq_tokens(seq.slot)) >= len(seq.history) - 1:
                 seq.status = Status.RUNNING
                 seq.stats.prompt_time = time.perf_counter() - seq.t_start
-        self._observe_batch(running, rows, rounds, prefill, t_decoded - t1)
+        self._observe_batch(rows, contexts, rounds, prefill, t_decoded - t1)
 
     def _plan(self, running: Sequence[Seq], *, n_seqs: int) -> dict[Seq, int]:
         """Each running sequence's draft allowance, from its policy: priced for the shared pass
@@ -379,9 +391,8 @@ class Engine:
         drafts, rounds = drive_all(proposals, self.draft_ctx)
         for seq, draft in zip(drafting, drafts):
             seq.draft = draft
-        model_drafts = sum(1 for d in drafts if len(d) and d.source != "lookup")
-        if len(running) > 1:  # how many share the draft's rounds, as the next step's prices expect
-            self._drafting = 0.7 * self._drafting + 0.3 * max(1, model_drafts)
+        if len(running) > 1:  # how many share a draft's costs (rounds, a pass split off), as the next prices expect
+            self._drafting = 0.7 * self._drafting + 0.3 * max(1, sum(1 for d in drafts if len(d)))
         return rounds
 
     def _verify(self, seq: Seq, logits: np.ndarray) -> tuple[list[int], list[TokenLogprob] | None, int]:
@@ -437,17 +448,29 @@ class Engine:
         elif emitted:
             seq.emit(seq.text.release(), emitted, logprobs)  # stats so far
 
-    def _observe_batch(self, running: Sequence[Seq], rows: Sequence[Rows], rounds, prefill, seconds: float) -> None:
+    def _observe_batch(self, rows: Sequence[Rows], contexts: Mapping[int, int], rounds, prefill,
+                       seconds: float) -> None:
         """What the shared costs learn from a pass beside each step's record: every draft decode (a
         round of one sequence or several, a catch-up on a prompt too: what batched drafting costs
         is known before batches form), and a verify pass shared by several sequences, once (a step
         alone teaches its policy through its record, as it always did), unless it also filled a
         prompt (a chunk of hundreds of tokens runs at another rate per token)."""
-        for ns, contexts, t in rounds:
-            self.policy.observe_draft_round(ns, contexts, t)
+        for held, t in rounds:
+            at = {seq: context for seq, _, context in held}
+            self.policy.observe_draft_round(self._passes(self.draft_ctx, [(seq, n) for seq, n, _ in held], at), t)
         if len(rows) > 1 and not prefill:
-            self.policy.observe_pass([len(r.tokens) for r in rows], [len(seq.history) - 1 for seq in running],
-                                     seconds)
+            self.policy.observe_pass(self._passes(self.oracle, [(r.seq, len(r.tokens)) for r in rows], contexts), seconds)
+
+    @staticmethod
+    def _passes(ctx, rows: Sequence[tuple[int, int]], contexts: Mapping[int, int]) -> list[tuple[list[int], list[int]]]:
+        """The passes llama.cpp runs a decode of `rows` (sequence, tokens) as: each one's tokens per
+        sequence and contexts, for the cost models."""
+        out, consumed = [], dict.fromkeys(contexts, 0)
+        for group in ctx.ubatches(rows):
+            out.append(([n for _, n in group], [contexts[seq] + consumed[seq] for seq, _ in group]))
+            for seq, n in group:
+                consumed[seq] += n
+        return out
 
     def _structure(self, walk: ConstraintWalk, out: list[int], emitted: list[int], finish: str,
                    stats: Stats) -> tuple[str, str]:

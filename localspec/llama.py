@@ -84,8 +84,10 @@ def _log_callback(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
 def _ensure_backend() -> None:
     global _initialised
     with _init_lock:
+        # every time: importing llama-cpp-python's whole package (its high-level layer) later sets
+        # its own callback, which prints llama.cpp's log to stderr
+        llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
         if not _initialised:
-            llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
             llama_cpp.llama_backend_init()
             _initialised = True
 
@@ -577,6 +579,34 @@ class LlamaContext(_Owner):
             out.flags.writeable = False
             return out
         return self._logits(n_out)
+
+    def ubatches(self, rows: Sequence[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+        """How llama.cpp splits a batch of (sequence, tokens) rows, in this order, into the passes it
+        runs (ubatches), as [(sequence, tokens)] each. A cache of one sequence per stream (this
+        context's) takes, per pass, the same number of tokens from each of a run of consecutive
+        sequence ids (llama.cpp's sequential split_equal): rows in sequence order whose token counts
+        agree are ONE pass; a sequence with more tokens than the rest, or a gap in the ids, costs
+        more passes. With one sequence: passes of up to n_batch tokens."""
+        rows = [(seq, n) for seq, n in rows if n > 0]
+        if self.n_seq == 1:
+            total = sum(n for _, n in rows)
+            return [[(seq, min(self.n_batch, total - lo))] for lo in range(0, total, self.n_batch)
+                    for seq in (rows[0][0],)] if rows else []
+        remaining = [n for _, n in rows]
+        out = []
+        while any(remaining):
+            start = next(i for i, r in enumerate(remaining) if r > 0)
+            group = [start]
+            for j in range(start + 1, len(rows)):
+                if remaining[j] <= 0 or rows[j][0] != rows[group[-1]][0] + 1:
+                    break
+                group.append(j)
+            group = group[:self.n_batch]
+            n = max(1, min(min(remaining[i] for i in group), self.n_batch // len(group)))
+            out.append([(rows[i][0], n) for i in group])
+            for i in group:
+                remaining[i] -= n
+        return out
 
     def _logits(self, n: int) -> np.ndarray:
         ptr = llama_cpp.llama_get_logits(self._ctx)

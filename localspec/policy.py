@@ -135,11 +135,12 @@ class LengthPolicy(Protocol):
     def set_price(self, price: "BatchPrice | None") -> None:
         """Price the coming step's drafts so (None: the pass is the sequence's own)."""
 
-    def observe_pass(self, ns: Sequence[int], contexts: Sequence[int], seconds: float) -> None:
-        """An oracle pass shared by several sequences (each `StepRecord` of it has batch_seqs > 1)."""
+    def observe_pass(self, passes, seconds: float) -> None:
+        """An oracle decode shared by several sequences (each `StepRecord` of it has batch_seqs > 1),
+        run as `passes` (llama.cpp's ubatches: each sequence's tokens in it, their contexts)."""
 
-    def observe_draft_round(self, ns: Sequence[int], contexts: Sequence[int], seconds: float) -> None:
-        """A draft decode shared by several sequences."""
+    def observe_draft_round(self, passes, seconds: float) -> None:
+        """A draft decode (a round of drafting), run as `passes`."""
 
     def consume_catch_up(self) -> bool:
         """Whether the draft should first catch up on all the text it has not seen (asked once)."""
@@ -184,10 +185,10 @@ class FixedLength:
     def set_price(self, price) -> None:
         pass
 
-    def observe_pass(self, ns: Sequence[int], contexts: Sequence[int], seconds: float) -> None:
+    def observe_pass(self, passes, seconds: float) -> None:
         pass
 
-    def observe_draft_round(self, ns: Sequence[int], contexts: Sequence[int], seconds: float) -> None:
+    def observe_draft_round(self, passes, seconds: float) -> None:
         pass
 
     @property
@@ -453,17 +454,28 @@ class BatchPrice:
     batched decoding: what its k = 0 costs); each more token in the pass adds `verify_token`; the
     draft model drafts for every drafting sequence together, a round per draft position, each round
     `draft_round` (shared by the `drafting` sequences expected to draft) plus `draft_token` per token
-    in it. With one sequence the engine prices nothing: the pass and the draft are its own."""
+    in it. A cache of a stream per sequence runs a batch whose sequences carry different numbers of
+    tokens as several passes (`llama.LlamaContext.ubatches`): the drafting sequences share `split`,
+    one more pass's overhead, when some do not draft. With one sequence the engine prices nothing:
+    the pass and the draft are its own."""
 
     base: float
     verify_token: float
     draft_round: float
     draft_token: float
     drafting: float = 1.0
+    split: float = 0.0
+
+    sequences: int = 1  # in the pass
 
     def verify_times(self, ns: np.ndarray) -> np.ndarray:
-        """Seconds for this sequence's share of a pass when it carries ns [m] tokens of it."""
-        return self.base + self.verify_token * (np.asarray(ns, dtype=np.float64) - 1.0)
+        """Seconds for this sequence's share of a pass when it carries ns [m] tokens of it: beside
+        the sequences that do not draft, the ones that do cost the pass llama.cpp splits off for
+        their extra tokens (`LlamaContext.ubatches`), which they share (none when all of them draft)."""
+        ns = np.asarray(ns, dtype=np.float64)
+        drafting = min(max(1.0, self.drafting), float(self.sequences))
+        share = self.split * (self.sequences - drafting) / (self.sequences * drafting) if self.sequences > 1 else 0.0
+        return self.base + self.verify_token * (ns - 1.0) + (ns > 1) * share
 
     def draft_times(self, lengths: np.ndarray, evaluated: np.ndarray) -> np.ndarray:
         """Seconds this sequence adds to the drafting rounds for drafts of `lengths` [m] tokens that
@@ -797,13 +809,14 @@ class AdaptiveLength:
     def set_price(self, price: BatchPrice | None) -> None:
         self.price = price
 
-    def observe_pass(self, ns: Sequence[int], contexts: Sequence[int], seconds: float) -> None:
-        """An oracle pass carrying ns[s] tokens of each of several sequences took `seconds`."""
-        self.verify_cost.observe_pass(ns, contexts, seconds)
+    def observe_pass(self, passes: Sequence[tuple[Sequence[int], Sequence[int]]], seconds: float) -> None:
+        """An oracle decode of several sequences, which llama.cpp ran as `passes` (its ubatches: the
+        tokens of each sequence in it and their contexts), took `seconds`."""
+        self.verify_cost.observe_passes(passes, seconds)
 
-    def observe_draft_round(self, ns: Sequence[int], contexts: Sequence[int], seconds: float) -> None:
-        """A draft decode of several sequences' tokens (a round of batched drafting) took `seconds`."""
-        self.learned.draft_round_cost.observe_pass(ns, contexts, seconds)
+    def observe_draft_round(self, passes: Sequence[tuple[Sequence[int], Sequence[int]]], seconds: float) -> None:
+        """A draft decode (a round of drafting, one sequence's or several's) took `seconds`."""
+        self.learned.draft_round_cost.observe_passes(passes, seconds)
 
     def batch_price(self, contexts: Sequence[int], context: int, drafting: float) -> BatchPrice | None:
         """The price of a draft for a sequence at `context` whose pass carries the sequences at
@@ -823,7 +836,8 @@ class AdaptiveLength:
             alone = float(two - one)
             split = DRAFT_ROUND_SHAPE[2] / (DRAFT_ROUND_SHAPE[0] + DRAFT_ROUND_SHAPE[2])
             draft_token, draft_round = alone * split, alone * (1.0 - split)
-        return BatchPrice(base, verify_token, draft_round, draft_token, drafting)
+        return BatchPrice(base, verify_token, draft_round, draft_token, drafting,
+                          split=self.verify_cost.pass_overhead(context), sequences=len(contexts))
 
     def score_unverified(self, matched: int, compared: int, *, run: int | None = None) -> None:
         """A draft this source offered but did not draft (the other source of a hybrid did), scored
@@ -982,11 +996,11 @@ class HybridLength:
         self.model.set_price(price)
         self.lookup.set_price(price)
 
-    def observe_pass(self, ns: Sequence[int], contexts: Sequence[int], seconds: float) -> None:
-        self.model.observe_pass(ns, contexts, seconds)  # the lookup's verify cost is the same one
+    def observe_pass(self, passes, seconds: float) -> None:
+        self.model.observe_pass(passes, seconds)  # the lookup's verify cost is the same one
 
-    def observe_draft_round(self, ns: Sequence[int], contexts: Sequence[int], seconds: float) -> None:
-        self.model.observe_draft_round(ns, contexts, seconds)
+    def observe_draft_round(self, passes, seconds: float) -> None:
+        self.model.observe_draft_round(passes, seconds)
 
     @property
     def idle(self) -> bool:
@@ -1082,10 +1096,10 @@ class LookupLength:
     def set_price(self, price: BatchPrice | None) -> None:
         self.lookup.set_price(price)
 
-    def observe_pass(self, ns: Sequence[int], contexts: Sequence[int], seconds: float) -> None:
-        self.lookup.observe_pass(ns, contexts, seconds)
+    def observe_pass(self, passes, seconds: float) -> None:
+        self.lookup.observe_pass(passes, seconds)
 
-    def observe_draft_round(self, ns: Sequence[int], contexts: Sequence[int], seconds: float) -> None:
+    def observe_draft_round(self, passes, seconds: float) -> None:
         pass  # nothing to decode
 
     @property

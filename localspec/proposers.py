@@ -99,13 +99,13 @@ def drive(steps: ProposeSteps, ctx: LlamaContext | None) -> Draft:
         return done.value
 
 
-Round = tuple[list[int], list[int], float]  # a draft decode: each sequence's tokens, its context, seconds
+Round = tuple[list[tuple[int, int, int]], float]  # a draft decode: (sequence, tokens, context) of each row, seconds
 
 
 def drive_all(proposals: Sequence[ProposeSteps], ctx: LlamaContext | None) -> tuple[list[Draft], list[Round]]:
     """Run several sequences' proposals together on `ctx`: each round, ONE decode holds every
     unfinished proposal's next tokens (a draft model proposing for all drafting sequences at once).
-    Returns the drafts, in order, and the rounds (each sequence's tokens and context, and the
+    Returns the drafts, in order, and the rounds (each row's sequence, tokens and context, and the
     seconds from the decode until every proposal had picked its next token)."""
     drafts: list[Draft | None] = [None] * len(proposals)
     pending: dict[int, Rows] = {}
@@ -118,7 +118,7 @@ def drive_all(proposals: Sequence[ProposeSteps], ctx: LlamaContext | None) -> tu
     while pending:
         order = list(pending)
         rows = [pending[i] for i in order]
-        contexts = [len(ctx.seq_tokens(r.seq)) for r in rows]
+        held = [(r.seq, len(r.tokens), len(ctx.seq_tokens(r.seq))) for r in rows]
         t0 = time.perf_counter()
         logits = ctx.decode_rows(rows)  # [sum of n_logits, vocab]
         offset = 0
@@ -130,7 +130,7 @@ def drive_all(proposals: Sequence[ProposeSteps], ctx: LlamaContext | None) -> tu
             except StopIteration as done:
                 drafts[i] = done.value
                 del pending[i]
-        rounds.append(([len(r.tokens) for r in rows], contexts, time.perf_counter() - t0))
+        rounds.append((held, time.perf_counter() - t0))
     return drafts, rounds  # type: ignore[return-value]
 
 

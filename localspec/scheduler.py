@@ -1,8 +1,9 @@
 """Continuous batching: which sequences the engine's next pass carries.
 
 Requests join and leave at step boundaries, first come, first served. A sequence waits until a
-slot is free (a slot: a sequence id of both contexts, `Engine.n_slots` of them), takes the free slot
-whose cache shares most with its prompt (a conversation's next turn finds its own), fills the
+slot is free (a slot: a sequence id of both contexts, `Engine.n_slots` of them), takes the lowest
+free one (what another slot's cache shares with its prompt is copied, and what the slot held moves
+to a free one first: a conversation's next turn finds its own), fills the
 oracle's cache with its prompt in chunks of at most `prefill_chunk` tokens per pass while others
 run (or `n_batch` when nobody is streaming), then steps with the running ones until it finishes or
 is aborted. Each `step()` is ONE oracle pass (`Engine.step`).
@@ -18,7 +19,6 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Iterator
 
-from .llama import shared_prefix
 from .outputs import Chunk
 from .sequence import Seq, Status
 
@@ -36,7 +36,6 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self.slots: list[Seq | None] = [None] * engine.n_slots
         self.waiting: deque[Seq] = deque()
-        self._last_used = [0.0] * engine.n_slots  # when each slot last held a sequence
 
     # -- what is there
 
@@ -76,7 +75,6 @@ class Scheduler:
     def _free(self, seq: Seq) -> None:
         if seq.slot is not None and self.slots[seq.slot] is seq:
             self.slots[seq.slot] = None
-            self._last_used[seq.slot] = time.perf_counter()
 
     def _admit(self) -> None:
         """Waiting sequences into free slots, first come first served."""
@@ -85,12 +83,12 @@ class Scheduler:
             if not free:
                 return
             seq = self.waiting.popleft()
-            prompt = seq.history[:-1]
-            # the slot whose cache shares most with the prompt; else the one idle longest
-            slot = max(free, key=lambda i: (shared_prefix(self.engine.oracle.seq_tokens(i), prompt),
-                                            -self._last_used[i]))
+            # the lowest free slot: busy slots stay contiguous, and llama.cpp runs a batch of
+            # consecutive sequence ids in one pass (`LlamaContext.ubatches`); a prefix another slot
+            # holds is copied over (`Engine.admit`)
+            slot = min(free)
             self.slots[slot] = seq
-            self.engine.admit(seq, slot)
+            self.engine.admit(seq, slot, free)
 
     # -- one pass
 

@@ -262,6 +262,10 @@ class ScriptedContext:
             n += 1
         return n
 
+    def ubatches(self, rows):
+        rows = [(seq, n) for seq, n in rows if n > 0]
+        return [rows] if rows else []  # one pass, whatever it carries
+
     def decode(self, tokens: Sequence[int], *, n_logits: int = 1, seq: int = 0) -> np.ndarray:
         from localspec.llama import Rows
 

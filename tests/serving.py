@@ -133,9 +133,9 @@ def paced_engine(step: float = 0.02, *, n_ctx: int = 4096, parallel: int = 1, fa
             self.prepared.append(changes)
             return seq
 
-        def admit(self, seq, slot):
+        def admit(self, seq, slot, free=()):
             self.calls.append(seq.request)
-            super().admit(seq, slot)
+            super().admit(seq, slot, free)
 
     engine = Paced.from_parts(oracle=oracle, policy=FixedLength(0))
     engine.calls, engine.prepared = [], []

@@ -149,3 +149,30 @@ def test_the_fingerprint_follows_the_content_not_the_name(tmp_path):
     changed[len(data) // 2] ^= 1  # one byte in the middle sample
     c.write_bytes(bytes(changed))
     assert file_fingerprint(a) == file_fingerprint(b) != file_fingerprint(c)
+
+
+def test_a_pass_of_several_sequences_and_one_split_in_passes():
+    """t = w0 + w1 [N>1] + w2 N + (w3 sum c + w4 sum n c)/1024 + w5 (S - 1), learned from passes of
+    one sequence and of several; a decode llama.cpp ran as several passes adds their features."""
+    from localspec.costs import PassCost
+
+    def truth(ns, cs):
+        return 0.017 + 0.004 * (sum(ns) > 1) + 0.0034 * sum(ns) + 0.001 * (len(ns) - 1) + 0.00001 * sum(cs) / 1024
+
+    cost = PassCost(decay=1.0)
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        s = int(rng.integers(1, 9))
+        ns = [int(rng.integers(1, 6)) for _ in range(s)]
+        cs = [int(rng.integers(10, 300)) for _ in range(s)]
+        cost.observe_pass(ns, cs, truth(ns, cs))
+    for ns in ([1], [4], [1] * 4, [1] * 8, [3] * 8, [5, 1, 1, 2]):
+        cs = [100] * len(ns)
+        assert cost.pass_time(ns, cs) == pytest.approx(truth(ns, cs), rel=0.03)
+    assert cost.pass_time([1], [100]) == pytest.approx(cost(1, 100))  # one sequence: the one-sequence form
+    assert cost.token_time(100) == pytest.approx(0.0034, rel=0.05)
+    assert cost.pass_overhead(100) == pytest.approx(0.021, rel=0.1)
+    split = PassCost(decay=1.0)
+    for _ in range(3):
+        split.observe_passes([([1, 1], [50, 50]), ([2], [51])], truth([1, 1], [50, 50]) + truth([2], [51]))
+    assert split.observations == 3

@@ -25,13 +25,14 @@ def oracle_parts(n_vocab: int = ORACLE_VOCAB, seed: int = 1):
     return model, hashed_logits(seed, n_vocab)
 
 
-def draft_engine(n_draft: int = ORACLE_VOCAB, k: int = 3, *, oracle_logits=None, draft_logits=None) -> Engine:
+def draft_engine(n_draft: int = ORACLE_VOCAB, k: int = 3, *, oracle_logits=None, draft_logits=None,
+                 parallel: int = 1) -> Engine:
     """An oracle of ORACLE_VOCAB tokens and a draft model of n_draft tokens (same text for shared ids)
-    drafting k tokens per step, as Engine() builds a same-family pair."""
+    drafting k tokens per step, as Engine() builds a same-family pair; `parallel` sequences at once."""
     oracle_model, logits = oracle_parts()
-    oracle = ScriptedContext(oracle_model, oracle_logits or logits)
+    oracle = ScriptedContext(oracle_model, oracle_logits or logits, n_seq=parallel)
     draft = ScriptedContext(ScriptedModel.sized(n_draft, "draft"),
-                            draft_logits or related_logits(logits, ORACLE_VOCAB, 2, n_draft))
+                            draft_logits or related_logits(logits, ORACLE_VOCAB, 2, n_draft), n_seq=parallel)
     proposer = DraftModelProposer(draft, n_vocab=ORACLE_VOCAB)
     return Engine.from_parts(oracle=oracle, proposer=proposer, policy=FixedLength(k), draft=draft)
 
@@ -212,24 +213,26 @@ def copying_oracle():
     return model, copying(logits, bonus=5.0)
 
 
-def proposer_engine(kind: str) -> Engine:
-    """The copying oracle (40 tokens) with one kind of proposer, drafting K tokens per step."""
+def proposer_engine(kind: str, parallel: int = 1) -> Engine:
+    """The copying oracle (40 tokens) with one kind of proposer, drafting K tokens per step;
+    `parallel` sequences at once."""
     oracle_model, logits = copying_oracle()
     if kind.startswith("draft"):
         n_draft = int(kind.removeprefix("draft"))
         return draft_engine(n_draft, K, oracle_logits=logits,
-                            draft_logits=related_logits(logits, ORACLE_VOCAB, 2, n_draft))
+                            draft_logits=related_logits(logits, ORACLE_VOCAB, 2, n_draft), parallel=parallel)
     if kind == "hybrid":  # the draft model and prompt lookup, each step's source from a chooser
-        engine = draft_engine(40, K, oracle_logits=logits, draft_logits=related_logits(logits, ORACLE_VOCAB, 2, 40))
+        engine = draft_engine(40, K, oracle_logits=logits, draft_logits=related_logits(logits, ORACLE_VOCAB, 2, 40),
+                              parallel=parallel)
         engine.proposer = HybridProposer(PromptLookupProposer(), engine.proposer)
         engine.policy = Alternating(K)
         return engine
-    oracle = ScriptedContext(oracle_model, logits)
+    oracle = ScriptedContext(oracle_model, logits, n_seq=parallel)
     if kind == "lookup":
         return Engine.from_parts(oracle=oracle, proposer=PromptLookupProposer(), policy=FixedLength(K))
     assert kind == "cross-tokenizer"
     pairs = ScriptedModel(PAIR_PIECES, name="pairs")  # another tokenizer: its own ids for the same text
-    draft = ScriptedContext(pairs, copying(hashed_logits(3, pairs.n_vocab), bonus=10.0))
+    draft = ScriptedContext(pairs, copying(hashed_logits(3, pairs.n_vocab), bonus=10.0), n_seq=parallel)
     proposer = CrossTokenizerProposer(DraftModelProposer(draft), oracle=oracle_model, draft=pairs)
     return Engine.from_parts(oracle=oracle, proposer=proposer, policy=FixedLength(K), draft=draft)
 

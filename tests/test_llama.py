@@ -71,3 +71,18 @@ def test_bindings_load_without_the_high_level_layer_and_leave_the_package_whole(
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_batch_runs_as_the_passes_llama_cpp_splits_it_into():
+    """A cache of a stream per sequence: one pass for consecutive sequences of as many tokens each;
+    a sequence with more, or a gap in the ids, costs more passes (llama.cpp's sequential split)."""
+    from types import SimpleNamespace
+
+    ubatches = llama.LlamaContext.ubatches
+    ctx = SimpleNamespace(n_seq=8, n_batch=512)
+    assert ubatches(ctx, [(0, 1), (1, 1), (2, 1), (3, 1)]) == [[(0, 1), (1, 1), (2, 1), (3, 1)]]
+    assert ubatches(ctx, [(0, 3), (1, 3)]) == [[(0, 3), (1, 3)]]
+    assert ubatches(ctx, [(0, 1), (1, 6), (2, 3), (3, 1)]) == [[(0, 1), (1, 1), (2, 1), (3, 1)], [(1, 2), (2, 2)],
+                                                               [(1, 3)]]
+    assert ubatches(ctx, [(0, 1), (2, 1), (3, 1)]) == [[(0, 1)], [(2, 1), (3, 1)]]  # a gap at 1
+    assert ubatches(SimpleNamespace(n_seq=1, n_batch=512), [(0, 700)]) == [[(0, 512)], [(0, 188)]]

@@ -769,3 +769,49 @@ def test_re_tries_that_keep_failing_back_off():
             p.update(step(0, 0, 0.0, verify(1)))
     assert retries == [0, 2, 6, 14, 30]
     assert p.est.retry_wait == 32 and p.acceptance_state()["regimes"][0]["retry_wait"] == 32
+
+
+# ---------------------------------------------------------------- a pass shared by several sequences
+
+
+def batch_primed(k_max=16, **kw):
+    """A policy whose costs are the default pair's on a 2-core EPYC: an oracle pass of N tokens of S
+    sequences 17 + 4 [N>1] + 3.4 N + 1 (S - 1) ms (memory-bound: llama.cpp's batched decoding), a
+    draft round of m sequences' tokens 4 + 6 m ms (a small Q4_1 model: each token costs)."""
+    p = AdaptiveLength(k_max=k_max, prior_acceptance=0.95, **kw)
+    p.catch_up = 1.5
+    for _ in range(3):
+        for ns in ([1], [2], [5], [9], [17], [1, 1], [1] * 4, [1] * 8, [3] * 4, [5] * 8):
+            p.observe_pass([(ns, [CONTEXT] * len(ns))], (17 + 4 * (sum(ns) > 1) + 3.4 * sum(ns) + (len(ns) - 1)) / 1000)
+        for m in (1, 2, 4, 8):
+            p.observe_draft_round([([1] * m, [CONTEXT] * m)], (4 + 6 * m) / 1000)
+        for n in (1, 2, 4, 8, 16):
+            p.draft_cost.observe(n + 1, CONTEXT, (n + 1) * 0.010)
+    p.est.fresh_trials = p.est.trials = 50
+    p.context = CONTEXT
+    return p
+
+
+def test_drafting_shrinks_and_stops_as_the_batch_fills_and_comes_back_when_it_thins():
+    """Alone, a 95% draft pays; beside other sequences the pass is what plain batched decoding makes
+    cheaply, and each draft token costs the draft model's decode: fewer draft tokens at 2, none at 4
+    and 8; alone again, the same as before."""
+    p = batch_primed()
+    lengths = {}
+    for s in (1, 2, 4, 8, 1):
+        p.set_price(p.batch_price([CONTEXT] * s, CONTEXT, drafting=s) if s > 1 else None)
+        lengths.setdefault(s, []).append(p.best_length(16))
+    assert lengths[1][0] >= 4 and lengths[1][0] == lengths[1][1]
+    assert lengths[2][0] < lengths[1][0]
+    assert lengths[4] == [0] and lengths[8] == [0]
+
+
+def test_a_free_lookup_draft_stays_worth_it_in_a_full_batch():
+    """Prompt lookup costs no decode: a copy that has held long is drafted in a batch of eight too."""
+    lookup = AdaptiveLength(k_max=64, model_draft=False, runs=LOOKUP_RUNS, place_priors=LOOKUP_PRIORS)
+    model = batch_primed()
+    lookup.verify_cost = model.verify_cost
+    lookup.est.fresh_trials = lookup.est.trials = 50
+    lookup.set_price(model.batch_price([CONTEXT] * 8, CONTEXT, drafting=2))
+    assert lookup.draft_length(64, CONTEXT, offered=40, run=30) >= 8
+    assert lookup.draft_length(64, CONTEXT, offered=40, run=1) <= 4  # a 2-token coincidence: short or nothing

@@ -50,8 +50,9 @@ def rss_kb(pid: int) -> int:
 
 @pytest.fixture(scope="module")
 def cli_server(pair_paths):
-    """`localspec serve` with its default host, loading while the other tests run."""
-    with cli_serve("--ctx", str(N_CTX), "--threads", "1", "--max-queue", "4", "--shutdown-grace", "1") as handle:
+    """`localspec serve` with its default host and one slot, loading while the other tests run."""
+    with cli_serve("--ctx", str(N_CTX), "--threads", "1", "--parallel", "1", "--max-queue", "4",
+                   "--shutdown-grace", "1") as handle:
         yield handle
 
 
@@ -390,6 +391,81 @@ def test_32_concurrent_clients_all_answered(server, worker):
         assert time.monotonic() < deadline
         time.sleep(0.02)
     assert httpx.get(server + "/health").json()["status"] == "ok"
+
+
+@pytest.fixture(scope="module")
+def eight_slots(pair_paths):
+    """A server of eight slots over the default pair (draft model and prompt lookup), for load."""
+    from localspec.engine import Engine
+    from localspec.server import EngineWorker, create_app
+
+    oracle, draft = pair_paths
+    with Engine(oracle, draft, n_ctx=N_CTX, n_threads=2, parallel=8) as engine:
+        worker = EngineWorker(engine, max_queue=32)
+        server = ThreadedServer(create_app(worker, model_name=MODEL))
+        try:
+            yield server.url, worker
+        finally:
+            server.stop()
+            worker.close()
+
+
+@pytest.mark.model
+def test_eight_slots_and_32_streaming_clients(eight_slots):
+    """32 clients stream at once into eight slots and a queue of 32: no 5xx, every stream ends with
+    a finish_reason and [DONE], and passes carried several sequences."""
+    url, worker = eight_slots
+    results: list = [None] * 32
+
+    def client(i: int) -> None:
+        body = {"prompt": f"Client {i}: tell me about the number {i}.", "max_tokens": 12, "stream": True,
+                "temperature": 0 if i % 2 else 0.8}
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+                events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+                results[i] = (r.status_code, events)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            results[i] = (None, repr(e))
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(150)
+    assert all(r is not None and r[0] == 200 for r in results), [r for r in results if r is None or r[0] != 200][:3]
+    for status, events in results:
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] in ("stop", "length")
+    metrics = httpx.get(url + "/metrics").text
+    assert "localspec_slots 8.0" in metrics
+    bigger = [line for line in metrics.splitlines() if line.startswith('localspec_pass_sequences_bucket{le="1.0"}')]
+    total = [line for line in metrics.splitlines() if line.startswith("localspec_pass_sequences_count")]
+    assert float(bigger[0].split()[-1]) < float(total[0].split()[-1])  # some passes carried several sequences
+
+
+@pytest.mark.model
+def test_twenty_clients_that_leave_mid_stream_free_their_slots(eight_slots):
+    url, worker = eight_slots
+
+    def leave(i: int) -> None:
+        body = {"prompt": f"Count to one thousand, client {i}: 1, 2, 3,", "max_tokens": 200, "stream": True,
+                "temperature": 0}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    return  # the first chunk, then the client goes away
+
+    threads = [threading.Thread(target=leave, args=(i,), daemon=True) for i in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    deadline = time.monotonic() + 10
+    while worker.busy or worker.queue_depth:
+        assert time.monotonic() < deadline, (worker.running, worker.queue_depth)
+        time.sleep(0.02)
+    assert worker.scheduler.busy_slots == 0
+    r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200
 
 
 @pytest.mark.model

@@ -843,6 +843,36 @@ def test_shutdown_refuses_the_queue_at_once_and_cuts_the_running_one_at_the_grac
         assert len(engine.calls) == 1  # the queued ones never ran
 
 
+def test_shutdown_with_eight_slots_running_and_a_queue():
+    """SIGTERM with eight streams running and four queued: the queued get 503 at once; the running
+    ones end with an error event and [DONE] at the end of the grace period, each having streamed."""
+    engine = paced_engine(step=0.02, parallel=8)
+    worker = EngineWorker(engine, max_queue=8)
+    s = ThreadedServer(create_app(worker, model_name="paced"), grace=1.0)
+    try:
+        url = s.url + "/v1/completions"
+        results: list = [None] * 12
+        threads = [_post_in_thread(url, {"prompt": f"r{i}", "max_tokens": 3000, "stream": True}, results, i, stream=True)
+                   for i in range(8)]
+        _wait(lambda: worker.running == 8)
+        threads += [_post_in_thread(url, {"prompt": f"q{i}", "max_tokens": 2}, results, i) for i in range(8, 12)]
+        _wait(lambda: worker.queue_depth == 4)
+        t0 = time.monotonic()
+        s.stop()
+        for t in threads:
+            t.join(10)
+        for status, body, headers, _ in results[8:]:
+            assert status == 503 and body["error"]["code"] == "server_shutting_down", body
+        for status, events, _, _ in results[:8]:
+            assert status == 200 and events[-1] == "[DONE]", events[-3:]
+            assert events[0]["choices"][0]["text"].startswith(" 1,")
+            assert events[-2]["error"]["code"] == "server_shutting_down"
+        assert time.monotonic() - t0 < 8
+        assert len(engine.calls) == 8  # the queued ones never ran
+    finally:
+        worker.close()
+
+
 def test_shutdown_lets_the_running_generation_finish_within_the_grace_period():
     with _paced_server(grace=5.0) as (s, worker, engine):
         url = s.url + "/v1/completions"

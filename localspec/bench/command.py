@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import sys
@@ -17,11 +18,15 @@ from .systems import parse_systems
 def run(*, pair: str | None, oracle: str | None, draft: str | None, workload: str | None, systems: str | None,
         reps: int, max_prompts: int | None, max_tokens: int | None, threads: int | None, n_ctx: int,
         json_path: str | None, charts_dir: str | None, markdown_path: str | None, anchor_bin: str | None,
-        cross_tokenizer: bool, paired: bool, one_shot: bool, mixed_warmup: int, progress: Callable[[str], None], echo: Callable[[str], None]) -> dict:
+        cross_tokenizer: bool, paired: bool, one_shot: bool, mixed_warmup: int, clients: str | None,
+        progress: Callable[[str], None], echo: Callable[[str], None]) -> dict:
     from localspec.models import Registry
 
     choice = Registry.load().choose(pair, oracle, draft)
     oracle, draft, chosen = choice.oracle, choice.draft, choice.pair
+    if clients:
+        return _run_clients(oracle, draft, clients, systems, reps, max_tokens, threads, anchor_bin, json_path,
+                            markdown_path, progress, echo)
     if draft is None:
         progress("no --draft for this oracle: systems that need a draft model are skipped")
     names = [w.strip() for w in workload.split(",") if w.strip()] if workload else None
@@ -48,4 +53,40 @@ def run(*, pair: str | None, oracle: str | None, draft: str | None, workload: st
         Path(markdown_path).write_text(rep.results_document(rep.clean(report), rel, command=command), "utf-8")
         progress(f"wrote {markdown_path}")
     echo(rep.summary(rep.clean(report)))
+    return report
+
+
+def _run_clients(oracle, draft, clients: str, systems: str | None, reps: int, max_tokens: int | None,
+                 threads: int | None, anchor_bin: str | None, json_path: str | None, markdown_path: str | None,
+                 progress: Callable[[str], None], echo: Callable[[str], None]) -> dict:
+    """`--clients 1,4,8`: the serving benchmark (localspec.bench.clients)."""
+    from localspec.llama import default_threads
+    from localspec.models import Registry
+
+    from . import clients as cl
+
+    try:
+        counts = sorted({int(n) for n in clients.split(",") if n.strip()})
+    except ValueError:
+        raise ValueError(f"--clients: give client counts such as 1,4,8 (got {clients!r})") from None
+    if not counts or min(counts) < 1:
+        raise ValueError("--clients: counts of at least 1")
+    names = [s.strip() for s in systems.split(",")] if systems else list(cl.SYSTEMS)
+    unknown = [s for s in names if s not in cl.SYSTEMS]
+    if unknown:
+        raise ValueError(f"--clients runs these systems: {', '.join(cl.SYSTEMS)} (not {', '.join(unknown)})")
+    registry = Registry.load()
+    oracle_path = str(registry.resolve(oracle, progress=progress))
+    draft_path = str(registry.resolve(draft, progress=progress)) if draft else None
+    report = cl.run_clients_bench(oracle=oracle_path, draft=draft_path, clients=counts, systems=names, reps=reps,
+                                  max_tokens=max_tokens or 256, threads=threads or default_threads(),
+                                  anchor_bin=anchor_bin, progress=progress)
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=1), "utf-8")
+        progress(f"wrote {json_path}")
+    text = cl.markdown(report)
+    if markdown_path:
+        Path(markdown_path).write_text(text, "utf-8")
+        progress(f"wrote {markdown_path}")
+    echo(text)
     return report
