@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import click
 
-from .options import OPTIONS, GenerationOptions, OptionError
+from .options import DEFAULT_CTX, OPTIONS, GenerationOptions, OptionError
 
 EXIT_USAGE = 2
 EXIT_RECORDS_FAILED = 1  # a batch run ended with error records in its output
@@ -92,7 +92,6 @@ def progress(message: str) -> None:
 # ---------------------------------------------------------------- shared options
 
 
-DEFAULT_CTX = 4096
 CTX_STEP = 256
 # requests generated at once by default: serve (a chat UI and an agent at once, a few people on one
 # workstation; llama-server's own default) and a batch file (records of one job: more throughput

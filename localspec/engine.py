@@ -50,7 +50,7 @@ from .proposers import EMPTY_DRAFT, Draft, Proposer, drive_all
 from .sampling import (SamplingParams, coupled_choice, greedy_argmax, log_softmax, logits_to_probs, mask_logits,
                        seed_key, top_ids)
 from .scheduler import Scheduler
-from .sequence import Seq, Status
+from .sequence import Request, Seq, Status  # noqa: F401 (Request: callers import it from here too)
 from .text import TextStream
 
 log = logging.getLogger("localspec.engine")
@@ -65,32 +65,6 @@ COPY_MIN = 16
 
 class PromptTooLongError(ValueError):
     """The prompt does not fit in the context."""
-
-
-@dataclass(frozen=True)
-class Request:
-    """One generation request as the loop runs it: the options of a `GenerationOptions`, with the
-    sampling ones gathered and the schema or grammar compiled (`Request.of`)."""
-
-    max_tokens: int = OPTIONS["max_tokens"].default
-    sampling: SamplingParams = SamplingParams()
-    stop: tuple[str, ...] = ()
-    logprobs: int | None = None  # None: off; n >= 0: the emitted token's logprob and the top n
-    speculative: bool = True
-    draft_max: int | None = None  # per-request cap on the draft length
-    constraint: Constraint | None = None  # a JSON schema or grammar the output must follow
-
-    def __post_init__(self) -> None:
-        for name in ("max_tokens", "logprobs", "draft_max"):  # the rules of options.py
-            OPTIONS[name].check(getattr(self, name))
-
-    @classmethod
-    def of(cls, options: GenerationOptions) -> "Request":
-        return cls(max_tokens=options.max_tokens,
-                   sampling=SamplingParams(temperature=options.temperature, top_k=options.top_k,
-                                           top_p=options.top_p, min_p=options.min_p, seed=options.seed),
-                   stop=options.stop, logprobs=options.logprobs, speculative=options.speculative,
-                   draft_max=options.draft_max, constraint=options.constraint)
 
 
 class Engine:

@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from .compat import check_compatible, first_difference
+from .options import DEFAULT_CTX
 from .costs import CostBook, CostStore, file_fingerprint, machine_identity
-from .llama import LlamaContext, LlamaModel, default_threads, on_local_gpu, resolve_flash_attn
+from .backend import default_threads
+from .llama import LlamaContext, LlamaModel, on_local_gpu, resolve_flash_attn
 from .policy import LOOKUP_PRIORS, LOOKUP_RUNS, AdaptiveLength, FixedLength, HybridLength, LengthPolicy, LookupLength
 from .proposers import CrossTokenizerProposer, DraftModelProposer, HybridProposer, PromptLookupProposer, Proposer
 
@@ -103,7 +105,7 @@ def draft_cost_ratio(oracle: LlamaModel | None, draft: LlamaModel | None) -> flo
 
 
 def build(oracle: str | os.PathLike, draft: str | os.PathLike | None = None, *,
-          n_ctx: int = 4096, n_batch: int = 512, n_threads: int | None = None, parallel: int = 1,
+          n_ctx: int = DEFAULT_CTX, n_batch: int = 512, n_threads: int | None = None, parallel: int = 1,
           gpu_layers: int = -1, draft_gpu_layers: int = -1, flash_attn: str = "auto",
           draft_length: int | None = None, draft_max: int | None = None,
           p_min: float = DEFAULT_P_MIN, lookup: bool = True, cross_tokenizer: bool = False,

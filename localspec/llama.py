@@ -11,18 +11,17 @@ Nothing here knows about speculation; the engine composes two contexts.
 from __future__ import annotations
 
 import codecs
-import contextlib
 import ctypes
 import logging
 import os
 import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
 
+from .backend import _ensure_backend, captured_log, default_threads
 from .bindings import PACKAGE_DIR, VERSION, llama_cpp
 from .models.gguf import GGUF_MAGIC, GgufHeader, remembered_header
 
@@ -41,71 +40,6 @@ class ModelLoadError(LlamaError):
 
 class ContextFullError(LlamaError):
     """The KV cache has no room for the tokens asked to be decoded."""
-
-
-# ---------------------------------------------------------------------------------------------
-# process-wide set-up: backend init once, llama.cpp's logging routed to Python logging
-
-
-_init_lock = threading.Lock()
-_initialised = False
-
-# ggml_log_level: 1 DEBUG, 2 INFO, 3 WARN, 4 ERROR, 5 CONT (continues the previous line)
-_LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
-# llama.cpp logs from the thread that called it, in pieces: each thread assembles its own lines, and
-# a thread may capture its own lines for a while (a model load its errors, the quantizer everything)
-_log_state = threading.local()
-
-
-def _thread_log_state():
-    state = _log_state
-    if not hasattr(state, "buffer"):
-        state.buffer, state.level, state.capture = [], logging.DEBUG, None
-    return state
-
-
-@llama_cpp.llama_log_callback
-def _log_callback(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
-    state = _thread_log_state()
-    if level != 5:  # 5 (CONT) continues the previous line
-        state.level = _LEVELS.get(level, logging.DEBUG)
-    state.buffer.append(text.decode("utf-8", errors="replace"))
-    if state.buffer[-1].endswith("\n"):
-        line = "".join(state.buffer).rstrip()
-        state.buffer.clear()
-        if line:
-            if state.capture is not None and state.level >= state.capture[1]:
-                state.capture[0].append(line)  # captured (see captured_log): the log has it at DEBUG only
-                log.debug("%s", line)
-            else:
-                log.log(state.level, "%s", line)
-
-
-def _ensure_backend() -> None:
-    global _initialised
-    with _init_lock:
-        # every time: importing llama-cpp-python's whole package (its high-level layer) later sets
-        # its own callback, which prints llama.cpp's log to stderr
-        llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
-        if not _initialised:
-            llama_cpp.llama_backend_init()
-            _initialised = True
-
-
-@contextlib.contextmanager
-def captured_log(level: int = logging.DEBUG) -> Iterator[list[str]]:
-    """Collect the lines llama.cpp logs from this thread at `level` or above while the block runs
-    (into the list it yields) rather than logging them at their own level: a failed model load
-    puts its errors in the exception, the quantizer's line per tensor stays off the terminal.
-    Other threads' lines are not affected."""
-    _ensure_backend()
-    state = _thread_log_state()
-    outer, lines = state.capture, []
-    state.capture = (lines, level)
-    try:
-        yield lines
-    finally:
-        state.capture = outer
 
 
 def _header_memo() -> Path | None:
@@ -338,13 +272,6 @@ def on_local_gpu(n_gpu_layers: int) -> bool:
     """Whether a model offloading `n_gpu_layers` layers (-1: all) runs them on a GPU of this
     machine (RPC devices count as a CPU: their kind is unknown here)."""
     return n_gpu_layers != 0 and has_local_gpu()
-
-
-def default_threads() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # macOS
-        return max(1, os.cpu_count() or 1)
 
 
 def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:

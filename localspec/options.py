@@ -3,7 +3,7 @@
 `GenerationOptions` is what `Engine.stream` / `Engine.generate` take: a frozen dataclass whose
 fields each carry an `Option` (their rule). Everything else derives from those rules:
 
-* the engine's own checks (`sampling.SamplingParams`, `engine.Request`) call `Option.check`;
+* the engine's own checks (`sampling.SamplingParams`, `sequence.Request`) call `Option.check`;
 * `localspec generate` / `chat` build their click options with `click_option` (type, bounds,
   default, help);
 * a batch line's fields are checked with `Option.json_type_error` (its JSON type) and then by
@@ -26,6 +26,9 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable
 
 NONE_WORDS = ("none", "off", "default", "random")  # what /set takes for "no value" (seed: random)
+
+
+DEFAULT_CTX = 4096  # tokens one sequence may hold unless --ctx / n_ctx says otherwise (an engine setting)
 
 
 class OptionError(ValueError):

@@ -17,21 +17,29 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator, Mapping, Protocol, Sequence
 
 from .outputs import Chunk
 from .sequence import Seq, Status
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 log = logging.getLogger("localspec.scheduler")
 
 PREFILL_CHUNK = 256  # prompt tokens a pass carries while other sequences stream (a pass of 256 costs ~0.4 s here)
 
 
+class Stepper(Protocol):
+    """What the scheduler runs (`engine.Engine`): slots of its contexts, and one pass at a time."""
+
+    n_slots: int
+    oracle: object  # a LlamaContext: `seq_tokens(slot)`, `n_batch`
+
+    def admit(self, seq: Seq, slot: int, free: Sequence[int] = ()) -> None: ...
+
+    def step(self, running: Sequence[Seq], prefill: Mapping[Seq, int] | None = None) -> None: ...
+
+
 class Scheduler:
-    def __init__(self, engine: "Engine", *, prefill_chunk: int = PREFILL_CHUNK) -> None:
+    def __init__(self, engine: Stepper, *, prefill_chunk: int = PREFILL_CHUNK) -> None:
         self.engine = engine
         self.prefill_chunk = prefill_chunk
         self.slots: list[Seq | None] = [None] * engine.n_slots

@@ -1,5 +1,5 @@
-"""One request as the engine runs it: `Seq`, all of its state in one place (llama-server's
-`server_slot`, vLLM's `Request`).
+"""One request as the engine runs it: `Request`, what was asked, and `Seq`, all of its state in one
+place (llama-server's `server_slot`, vLLM's `Request`).
 
 A sequence waits, then takes a slot (a sequence id in the oracle's context and in the draft's),
 fills the oracle's cache with its prompt (in chunks, beside other sequences' steps), then runs
@@ -17,16 +17,43 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .options import OPTIONS, GenerationOptions
 from .outputs import Chunk, Stats, TokenLogprob
+from .sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from .constraints import ConstraintWalk
-    from .engine import Request
+    from .constraints import Constraint, ConstraintWalk
     from .policy import LengthPolicy
     from .proposers import Draft, Proposer
     from .text import TextStream
 
 _ids = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation request as the loop runs it: the options of a `GenerationOptions`, with the
+    sampling ones gathered and the schema or grammar compiled (`Request.of`)."""
+
+    max_tokens: int = OPTIONS["max_tokens"].default
+    sampling: SamplingParams = SamplingParams()
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None  # None: off; n >= 0: the emitted token's logprob and the top n
+    speculative: bool = True
+    draft_max: int | None = None  # per-request cap on the draft length
+    constraint: Constraint | None = None  # a JSON schema or grammar the output must follow
+
+    def __post_init__(self) -> None:
+        for name in ("max_tokens", "logprobs", "draft_max"):  # the rules of options.py
+            OPTIONS[name].check(getattr(self, name))
+
+    @classmethod
+    def of(cls, options: GenerationOptions) -> "Request":
+        return cls(max_tokens=options.max_tokens,
+                   sampling=SamplingParams(temperature=options.temperature, top_k=options.top_k,
+                                           top_p=options.top_p, min_p=options.min_p, seed=options.seed),
+                   stop=options.stop, logprobs=options.logprobs, speculative=options.speculative,
+                   draft_max=options.draft_max, constraint=options.constraint)
 
 
 class Status(enum.Enum):

@@ -16,7 +16,6 @@ from localspec.batch import parse_line
 from localspec.cli import main
 from localspec.engine import Request
 from localspec.options import OPTIONS, GenerationOptions, OptionError
-from localspec.outputs import Chunk, Stats
 from localspec.repl import SETTABLE, SettingError, Settings, set_option
 from localspec.sampling import SamplingParams
 

@@ -7,7 +7,7 @@ import pytest
 
 from localspec.outputs import StepRecord
 from localspec.policy import (ACCEPTANCE_LAYOUT, GREEDY, LOOKUP_PRIORS, LOOKUP_RUNS, AdaptiveLength, Estimates, FixedLength,
-                              HybridLength, LookupLength, Regime)
+                              HybridLength, Regime)
 
 CONTEXT = 100
 FRESH, ALIGNED, LATER = 0, 1, 2  # AcceptanceByPlace's keys for a draft model

@@ -21,7 +21,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from localspec.outputs import Chunk, Stats
+from localspec.engine import Engine
+from localspec.outputs import Stats
 from localspec.server import EngineWorker, create_app
 from serving import CLI, ThreadedServer, cli_serve, free_port, paced_engine, raw_http, wait_ready
 

@@ -60,7 +60,7 @@ def _run_clients(oracle, draft, clients: str, systems: str | None, reps: int, ma
                  threads: int | None, anchor_bin: str | None, json_path: str | None, markdown_path: str | None,
                  progress: Callable[[str], None], echo: Callable[[str], None]) -> dict:
     """`--clients 1,4,8`: the serving benchmark (localspec.bench.clients)."""
-    from localspec.llama import default_threads
+    from localspec.backend import default_threads
     from localspec.models import Registry
 
     from . import clients as cl

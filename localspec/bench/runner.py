@@ -31,7 +31,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
-from localspec.llama import default_threads
+from localspec.backend import default_threads
+from localspec.options import DEFAULT_CTX
 
 from . import anchor
 from .ceiling import percentile
@@ -465,8 +466,6 @@ def one_shot_command(spec: SystemSpec, prompt: BenchPrompt, models: dict, thread
     """`localspec generate ... --json` for this system and prompt, as a user would type it; None for a
     prompt that one command line cannot express (chat messages other than an optional system message
     and one user message)."""
-    from ..cli import DEFAULT_CTX
-
     cmd = [sys.executable, "-m", "localspec.cli", "generate", "--json", "--max-tokens", str(prompt.max_tokens),
            "--oracle", models["oracle"], "--threads", str(threads)]
     if n_ctx != DEFAULT_CTX:  # else the context `generate` sizes for the prompt, as a user gets it

@@ -96,7 +96,7 @@ class LocalspecRunner:
     def run(self, tokens: list[int], max_tokens: int, speculative: bool = True, json_schema: dict | None = None,
             temperature: float = 0.0) -> dict:
         from localspec.constraints import Constraint
-        from localspec.engine import Request
+        from localspec.sequence import Request
         from localspec.sampling import SamplingParams
 
         for ctx in self.engine.contexts:  # every run evaluates its whole prompt: no prefix reuse between runs

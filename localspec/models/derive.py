@@ -36,7 +36,7 @@ def derive_gguf(src: Path, dest: Path, ftype: str, *, label: str | None = None, 
     try:
         from ..bindings import llama_cpp
 
-        from ..llama import captured_log, default_threads
+        from ..backend import captured_log, default_threads
     except ImportError as e:
         raise ModelError(f"deriving {label} needs llama-cpp-python: {e}") from None
     value = getattr(llama_cpp, FTYPES[ftype], None)
