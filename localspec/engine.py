@@ -31,7 +31,6 @@ import logging
 import os
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -43,7 +42,7 @@ from .costs import CostBook
 from .factory import (DEFAULT_DRAFT_MAX, DEFAULT_P_MIN, LOOKUP_DRAFT_MAX, NGRAM, Parts, build,  # noqa: F401
                       default_policy, kernel_identity)
 from .llama import Detokenizer, LlamaContext, LlamaModel, Rows
-from .options import OPTIONS, GenerationOptions
+from .options import GenerationOptions
 from .outputs import Chunk, Result, Stats, StepRecord, TokenLogprob, TopLogprob
 from .policy import LengthPolicy, Regime
 from .proposers import EMPTY_DRAFT, Draft, Proposer, drive_all

@@ -15,6 +15,7 @@ import ctypes
 import logging
 import os
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -656,12 +657,13 @@ class Device:
 
 
 _ggml: Ggml | None = None
+_ggml_lock = threading.Lock()
 
 
 def ggml() -> Ggml:
     global _ggml
     _ensure_backend()
-    with _init_lock:
+    with _ggml_lock:
         if _ggml is None:
             _ggml = Ggml()
     return _ggml

@@ -333,7 +333,8 @@ def error_of(r: httpx.Response, status: int) -> dict:
 
 
 BAD_CHAT = [
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
+    ({"n": 17}, "n"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"frequency_penalty": -1}, "frequency_penalty"),
     ({"temperature": -1}, "temperature"),
@@ -375,9 +376,9 @@ def test_invalid_chat_parameters_are_400(http, change, param):
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("change,param", [({"prompt": ["a", "b"]}, "prompt"), ({"logprobs": 21}, "logprobs"),
-                                          ({"echo": True}, "echo"), ({"best_of": 3}, "best_of"), ({"n": 3}, "n"),
-                                          ({"prompt": None}, "prompt")])
+@pytest.mark.parametrize("change,param", [({"prompt": []}, "prompt"), ({"logprobs": 21}, "logprobs"),
+                                          ({"echo": True}, "echo"), ({"best_of": 3}, "best_of"),
+                                          ({"n": 9, "prompt": ["a", "b"]}, "n"), ({"prompt": None}, "prompt")])
 def test_invalid_completion_parameters_are_400(http, change, param):
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 4, **change}
     err = error_of(http.post("/v1/completions", json=body), 400)
@@ -460,7 +461,7 @@ PARAM_PATHS = [
     ({"top_logprobs": 2}, "top_logprobs", "invalid_value"),
     ({"tools": [{"type": "function"}]}, "tools[0]", "invalid_value"),
     ({"functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),
-    ({"n": 2}, "n", "unsupported_value"),
+    ({"n": 0}, "n", "invalid_value"),
 ]
 
 
@@ -1115,3 +1116,51 @@ def test_text_offsets_count_characters_of_the_returned_text(scripted_server, str
             assert full[offset] in "\u00e9\u00e8"
         else:
             assert full[offset:offset + len(token)] == token
+
+
+# ---------------------------------------------------------------- several choices and prompts in one request
+
+
+@pytest.mark.model
+def test_n_choices_are_generated_together_and_each_reproducible_with_a_seed(client):
+    r = client.chat.completions.create(model=MODEL, messages=chat("Name a fruit."), max_tokens=8, temperature=0, n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert len({c.message.content for c in r.choices}) == 1  # greedy: the same answer three times
+    one = client.chat.completions.create(model=MODEL, messages=chat("Name a fruit."), max_tokens=8, temperature=0)
+    assert r.choices[0].message.content == one.choices[0].message.content
+    assert r.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counts once
+    assert r.usage.completion_tokens == 3 * one.usage.completion_tokens
+    kw = dict(model=MODEL, messages=chat("Tell me a color."), max_tokens=10, temperature=1.0)
+    seeded = client.chat.completions.create(**kw, n=2, seed=40)
+    alone = [client.chat.completions.create(**kw, seed=s).choices[0].message.content for s in (40, 41)]
+    assert [c.message.content for c in seeded.choices] == alone  # choice i: seed + i
+
+
+@pytest.mark.model
+def test_n_choices_stream_interleaved_each_to_its_end(client):
+    chunks = list(client.chat.completions.create(model=MODEL, messages=chat("Count to five."), max_tokens=12,
+                                                 temperature=0, n=2, stream=True,
+                                                 stream_options={"include_usage": True}))
+    by_index: dict[int, list] = {0: [], 1: []}
+    finishes = {}
+    for c in chunks[:-1]:
+        for choice in c.choices:
+            by_index[choice.index].append(choice.delta.content or "")
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert set(finishes) == {0, 1} and "".join(by_index[0]) == "".join(by_index[1]) != ""
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    assert len({c.id for c in chunks}) == 1
+
+
+@pytest.mark.model
+def test_a_list_of_prompts_is_one_choice_each_in_prompt_order(http):
+    body = {"model": MODEL, "prompt": ["The sky is", "Water is"], "max_tokens": 5, "temperature": 0, "n": 2}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    singles = [http.post("/v1/completions", json={"model": MODEL, "prompt": p, "max_tokens": 5,
+                                                   "temperature": 0}).json() for p in body["prompt"]]
+    assert [c["text"] for c in choices] == [singles[0]["choices"][0]["text"]] * 2 + [singles[1]["choices"][0]["text"]] * 2
+    assert r.json()["usage"]["prompt_tokens"] == sum(s["usage"]["prompt_tokens"] for s in singles)

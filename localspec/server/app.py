@@ -56,6 +56,23 @@ def _usage(stats: Stats) -> S.Usage:
                    idle_steps=stats.idle_steps, idle_reason=stats.idle_reason)
 
 
+def _merged_usage(stats: list[Stats], prompts: list[Any]) -> S.Usage:
+    """One request's usage over its choices: each distinct prompt's tokens once (n choices of one
+    prompt read it once, as OpenAI counts), every choice's completion and speculation."""
+    total = Stats()
+    seen: list[Any] = []
+    for s, prompt in zip(stats, prompts):
+        if prompt not in seen:
+            seen.append(prompt)
+            total.prompt_tokens += s.prompt_tokens
+            total.prompt_tokens_evaluated += s.prompt_tokens_evaluated
+        for name in ("completion_tokens", "steps", "drafted", "accepted", "idle_steps"):
+            setattr(total, name, getattr(total, name) + getattr(s, name))
+    total.regime = stats[0].regime
+    total.idle_reason = next((s.idle_reason for s in stats if s.idle_reason), None)
+    return _usage(total)
+
+
 def _lp(x: float) -> float:
     return max(x, _MIN_LOGPROB)
 
@@ -97,13 +114,13 @@ def _sse(payload: str) -> str:
 
 
 class _JobStream(StreamingResponse):
-    """A streaming response that cancels its job however the response ends (finished, client
-    gone, server shutting down): the engine stops within one speculative step."""
+    """A streaming response that cancels its jobs (one per choice) however the response ends
+    (finished, client gone, server shutting down): the engine stops them within one pass."""
 
-    def __init__(self, job: Job, content: AsyncIterator[str]) -> None:
+    def __init__(self, jobs: list[Job], content: AsyncIterator[str]) -> None:
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.job = job
+        self.jobs = jobs
 
     async def __call__(self, scope, receive, send) -> None:
         started = False
@@ -119,7 +136,8 @@ class _JobStream(StreamingResponse):
             # uvicorn cancels what is still streaming when its graceful shutdown ends (a step slower
             # than the grace period): close the stream with an error event and [DONE] rather than
             # leave a traceback in the log
-            self.job.cancel(SHUTDOWN_REASON)
+            for job in self.jobs:
+                job.cancel(SHUTDOWN_REASON)
             if not started:
                 raise
             tail = _sse(json.dumps(shutting_down().body())) + "data: [DONE]\n\n"
@@ -128,7 +146,8 @@ class _JobStream(StreamingResponse):
             except Exception:  # the connection is gone too
                 pass
         finally:
-            self.job.cancel()
+            for job in self.jobs:
+                job.cancel()
 
 
 async def _watch_disconnect(receive, job: Job) -> None:
@@ -155,9 +174,12 @@ class _Reply:
     endpoint = ""  # what the log calls it
     prefix = ""  # of the id
 
-    def __init__(self, model_name: str, stream_options: S.StreamOptions | None) -> None:
-        self.rid = f"{self.prefix}-{secrets.token_hex(12)}"
-        self.created = int(time.time())
+    def __init__(self, model_name: str, stream_options: S.StreamOptions | None, index: int = 0,
+                 first: "_Reply | None" = None) -> None:
+        """`index`: the choice this reply renders; `first`: the request's choice 0, whose id it shares."""
+        self.rid = first.rid if first is not None else f"{self.prefix}-{secrets.token_hex(12)}"
+        self.created = first.created if first is not None else int(time.time())
+        self.index = index
         self.model = model_name
         self.include_usage = bool(stream_options and stream_options.include_usage)
         self.exclude = None if self.include_usage else {"usage"}  # a chunk's usage is sent on its own
@@ -172,19 +194,26 @@ class _Reply:
     def events(self, event: Chunk) -> Iterable[str]:
         raise NotImplementedError
 
-    def tail(self, final: Chunk) -> Iterable[str]:
+    def tail(self, usage: S.Usage) -> Iterable[str]:
+        """After every choice's last chunk."""
         if self.include_usage:
-            yield self.chunk([], usage=_usage(final.stats)).model_dump_json()
+            yield self.chunk([], usage=usage).model_dump_json()
 
-    def whole(self, text: str, logprobs: list[TokenLogprob], final: Chunk) -> Any:
+    def choice(self, text: str, logprobs: list[TokenLogprob], final: Chunk) -> Any:
+        """This choice in the whole (non-streamed) response."""
+        raise NotImplementedError
+
+    def whole(self, choices: list, usage: S.Usage) -> Any:
+        """The whole response of every choice."""
         raise NotImplementedError
 
 
 class _ChatReply(_Reply):
     endpoint, prefix = "chat", "chatcmpl"
 
-    def __init__(self, model_name: str, body: S.ChatCompletionRequest, plan: T.ToolPlan | None) -> None:
-        super().__init__(model_name, body.stream_options)
+    def __init__(self, model_name: str, body: S.ChatCompletionRequest, plan: T.ToolPlan | None, index: int = 0,
+                 first: _Reply | None = None) -> None:
+        super().__init__(model_name, body.stream_options, index, first)
         self.body, self.plan = body, plan
         self.calls = T.ToolCallStream() if plan is not None else None
 
@@ -193,8 +222,8 @@ class _ChatReply(_Reply):
                                      usage=usage)
 
     def _delta(self, delta: S.Delta, finish=None, logprobs=None) -> str:
-        return self.chunk([S.ChatChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs)]).model_dump_json(
-            exclude=self.exclude)
+        return self.chunk([S.ChatChunkChoice(index=self.index, delta=delta, finish_reason=finish,
+                                             logprobs=logprobs)]).model_dump_json(exclude=self.exclude)
 
     def head(self) -> Iterable[str]:
         yield self._delta(S.Delta(role="assistant", content=""))
@@ -215,20 +244,22 @@ class _ChatReply(_Reply):
                 finish = "tool_calls"
             yield self._delta(S.Delta(), finish=finish)
 
-    def whole(self, text: str, logprobs: list[TokenLogprob], final: Chunk) -> S.ChatCompletion:
+    def choice(self, text: str, logprobs: list[TokenLogprob], final: Chunk) -> S.ChatChoice:
         calls = T.parse_tool_calls(text) if self.plan is not None and final.structure == "complete" else None
         message = S.AssistantMessage(content=text) if not calls else S.AssistantMessage(tool_calls=calls)
-        return S.ChatCompletion(id=self.rid, created=self.created, model=self.model, usage=_usage(final.stats),
-                                choices=[S.ChatChoice(
-                                    message=message, finish_reason="tool_calls" if calls else final.finish_reason,
-                                    logprobs=_chat_logprobs(logprobs) if self.body.logprobs and not calls else None)])
+        return S.ChatChoice(index=self.index, message=message, finish_reason="tool_calls" if calls else final.finish_reason,
+                            logprobs=_chat_logprobs(logprobs) if self.body.logprobs and not calls else None)
+
+    def whole(self, choices: list, usage: S.Usage) -> S.ChatCompletion:
+        return S.ChatCompletion(id=self.rid, created=self.created, model=self.model, usage=usage, choices=choices)
 
 
 class _CompletionReply(_Reply):
     endpoint, prefix = "completion", "cmpl"
 
-    def __init__(self, model_name: str, body: S.CompletionRequest, prompt: str) -> None:
-        super().__init__(model_name, body.stream_options)
+    def __init__(self, model_name: str, body: S.CompletionRequest, prompt: str, index: int = 0,
+                 first: _Reply | None = None) -> None:
+        super().__init__(model_name, body.stream_options, index, first)
         self.logprobs, self.top_n = body.logprobs, body.logprobs or 0
         self.offsets = _TextOffsets(len(prompt))  # where each token starts in the text
 
@@ -236,7 +267,7 @@ class _CompletionReply(_Reply):
         return S.Completion(id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage)
 
     def _choice(self, text: str, finish=None, logprobs=None) -> list[S.CompletionChoice]:
-        return [S.CompletionChoice(text=text, finish_reason=finish, logprobs=logprobs)]
+        return [S.CompletionChoice(index=self.index, text=text, finish_reason=finish, logprobs=logprobs)]
 
     def events(self, event: Chunk) -> Iterable[str]:
         lp = None
@@ -245,9 +276,12 @@ class _CompletionReply(_Reply):
         if event.text or lp or event.finish_reason:
             yield self.chunk(self._choice(event.text, event.finish_reason, lp)).model_dump_json(exclude=self.exclude)
 
-    def whole(self, text: str, logprobs: list[TokenLogprob], final: Chunk) -> S.Completion:
+    def choice(self, text: str, logprobs: list[TokenLogprob], final: Chunk) -> S.CompletionChoice:
         lp = _completion_logprobs(logprobs, self.offsets, self.top_n) if self.logprobs is not None else None
-        return self.chunk(self._choice(text, final.finish_reason, lp), usage=_usage(final.stats))
+        return self._choice(text, final.finish_reason, lp)[0]
+
+    def whole(self, choices: list, usage: S.Usage) -> S.Completion:
+        return self.chunk(choices, usage=usage)
 
 
 # ---------------------------------------------------------------- the service
@@ -318,37 +352,81 @@ class _Service:
             return T.template_messages(messages), plan
         return T.generic_messages(messages, plan), plan
 
-    async def respond(self, request: Request, reply: _Reply, prompt: Any, options: dict[str, Any],
+    async def respond(self, request: Request, replies: list[_Reply], prompts: list[Any], options: list[dict[str, Any]],
                       stream: bool) -> Response:
-        """Run the generation and answer with it: server-sent events as it goes, or the whole
-        response at the end (499 when the client went away before it)."""
-        job, events = await self.start(request, prompt, options, reply.rid)
+        """Run the generations (one per choice, generated together) and answer with them:
+        server-sent events as they go, or the whole response at the end (499 when the client went
+        away before it)."""
+        started = await self._start_all(request, prompts, options, replies[0].rid)
+        jobs = [job for job, _ in started]
         if stream:
-            return _JobStream(job, self._stream(job, events, reply))
-        collected = await self.collect(job, events, request)
-        if collected is None:
+            return _JobStream(jobs, self._stream(started, replies, prompts))
+        collected = await asyncio.gather(*(self.collect(job, events, request) for job, events in started))
+        if any(c is None for c in collected):
+            for job in jobs:
+                job.cancel()
             return Response(status_code=499)
-        text, logprobs, final = collected
-        self.log_done(reply.rid, reply.endpoint, job, text)
-        return JSONResponse(reply.whole(text, logprobs, final).model_dump(mode="json"))
+        for reply, job, (text, _, _) in zip(replies, jobs, collected):
+            self.log_done(reply.rid, reply.endpoint, job, text)
+        choices = [reply.choice(text, logprobs, final) for reply, (text, logprobs, final) in zip(replies, collected)]
+        usage = _merged_usage([final.stats for _, _, final in collected], prompts)
+        return JSONResponse(replies[0].whole(choices, usage).model_dump(mode="json"))
 
-    async def _stream(self, job: Job, events: asyncio.Queue, reply: _Reply) -> AsyncIterator[str]:
-        text = [] if self.log_prompts else None
-        for payload in reply.head():
-            yield _sse(payload)
-        async for event in self.chunks(job, events, None):
-            if isinstance(event, Failed):
-                yield _sse(_stream_error(event))
-                break
-            if text is not None:
-                text.append(event.text)
-            for payload in reply.events(event):
+    async def _start_all(self, request: Request, prompts: list[Any], options: list[dict[str, Any]],
+                         rid: str) -> list[tuple[Job, asyncio.Queue]]:
+        """Start every choice's job; a failure to start one cancels the others."""
+        tasks = [asyncio.ensure_future(self.start(request, p, o, rid)) for p, o in zip(prompts, options)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+                if task.done() and not task.cancelled() and task.exception() is None:
+                    task.result()[0].cancel()
+            raise
+
+    async def _stream(self, started: list[tuple[Job, asyncio.Queue]], replies: list[_Reply],
+                      prompts: list[Any]) -> AsyncIterator[str]:
+        """Every choice's events, interleaved as they come; the usage (if asked) after the last."""
+        texts: list[list[str] | None] = [[] if self.log_prompts else None for _ in replies]
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, job: Job, events: asyncio.Queue) -> None:
+            async for event in self.chunks(job, events, None):
+                await merged.put((i, event))
+            await merged.put((i, None))
+
+        for reply in replies:
+            for payload in reply.head():
                 yield _sse(payload)
-            if event.finish_reason is not None:
-                for payload in reply.tail(event):
+        pumps = [asyncio.ensure_future(pump(i, job, events)) for i, (job, events) in enumerate(started)]
+        finals: list[Chunk | None] = [None] * len(replies)
+        open_choices, failed = len(replies), False
+        try:
+            while open_choices:
+                i, event = await merged.get()
+                if event is None:
+                    open_choices -= 1
+                    continue
+                if isinstance(event, Failed):
+                    yield _sse(_stream_error(event))
+                    failed = True
+                    break
+                if texts[i] is not None:
+                    texts[i].append(event.text)
+                for payload in replies[i].events(event):
                     yield _sse(payload)
+                if event.finish_reason is not None:
+                    finals[i] = event
+            if not failed and all(f is not None for f in finals):
+                for payload in replies[0].tail(_merged_usage([f.stats for f in finals], prompts)):
+                    yield _sse(payload)
+        finally:
+            for task in pumps:
+                task.cancel()
         yield "data: [DONE]\n\n"
-        self.log_done(reply.rid, reply.endpoint, job, None if text is None else "".join(text))
+        for reply, (job, _), text in zip(replies, started, texts):
+            self.log_done(reply.rid, reply.endpoint, job, None if text is None else "".join(text))
 
     async def start(self, request: Request, prompt: Any, options: dict[str, Any], rid: str) -> tuple[Job, asyncio.Queue]:
         """Queue the job and wait until the engine has accepted it (errors are still HTTP errors here)."""
@@ -446,6 +524,14 @@ class _Service:
             log.info("%s completion: %r", rid, text)
 
 
+def _per_choice(options: dict[str, Any], n: int, n_prompts: int = 1) -> list[dict[str, Any]]:
+    """Each choice's options: with a seed, choice j of a prompt uses seed + j (each reproducible,
+    and the n choices of one prompt differ as n requests with their own seeds would)."""
+    seed = options.get("seed")
+    return [dict(options, seed=seed + j) if seed is not None else dict(options)
+            for _ in range(n_prompts) for j in range(n)]
+
+
 def _service(request: Request) -> _Service:
     return request.app.state.service
 
@@ -511,7 +597,9 @@ async def chat_completions(body: S.ChatCompletionRequest, request: Request):
     options = _options(svc, body)
     with _invalid_params():
         prompt, plan = svc.structured(body, body.engine_messages(), options)
-    return await svc.respond(request, _ChatReply(svc.model_name, body, plan), prompt, options, body.stream)
+    first = _ChatReply(svc.model_name, body, plan)
+    replies = [first] + [_ChatReply(svc.model_name, body, plan, i, first) for i in range(1, body.n)]
+    return await svc.respond(request, replies, [prompt] * body.n, _per_choice(options, body.n), body.stream)
 
 
 @router.post("/v1/completions", response_model=S.Completion, tags=["openai"], responses=_ERRORS)
@@ -523,8 +611,10 @@ async def completions(body: S.CompletionRequest, request: Request):
         grammar = T.grammar_constraint(body.grammar)
     if grammar is not None:
         options["grammar"] = grammar
-    prompt = body.prompt_text()
-    return await svc.respond(request, _CompletionReply(svc.model_name, body, prompt), prompt, options, body.stream)
+    prompts = [p for p in body.prompts() for _ in range(body.n)]  # choice i: prompt i // n
+    first = _CompletionReply(svc.model_name, body, prompts[0])
+    replies = [first] + [_CompletionReply(svc.model_name, body, p, i, first) for i, p in enumerate(prompts) if i]
+    return await svc.respond(request, replies, prompts, _per_choice(options, body.n, len(body.prompts())), body.stream)
 
 
 # ---------------------------------------------------------------- the app

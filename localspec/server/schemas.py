@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serial
 from ..options import OPTIONS, GenerationOptions
 
 MAX_STOP = 16  # OpenAI allows 4; more costs nothing here
+MAX_CHOICES = 16  # choices one request may ask for (n, and prompts x n for a list of prompts)
 
 
 class InvalidParam(ValueError):
@@ -70,7 +71,8 @@ class _Common(BaseModel):
         description=f"A stop string, or a list of at most {MAX_STOP}: the output ends before the first found.")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, description="Only 1 is supported.")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description=f"Choices to generate (1-{MAX_CHOICES}), together in one "
+                   "batch; with a seed, choice i uses seed + i, so each choice is reproducible.")
     presence_penalty: float = Field(0.0, description="Only 0 is supported.")
     frequency_penalty: float = Field(0.0, description="Only 0 is supported.")
     logit_bias: dict[str, float] | None = Field(None, description="Not supported (only empty).")
@@ -87,8 +89,6 @@ class _Common(BaseModel):
         return v
 
     def check_supported(self) -> None:
-        if self.n != 1:
-            raise InvalidParam("n: only n=1 is supported", "n")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise InvalidParam(f"{name}: not supported (only 0)", name)
@@ -209,7 +209,8 @@ def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] = Field(..., description="A string (a list holding one string is accepted too).")
+    prompt: str | list[str] = Field(..., description=f"A string, or a list of up to {MAX_CHOICES} strings (each "
+                                    "its own choices, generated together in one batch).")
     max_tokens: int | None = OPTIONS["max_tokens"].wire_field(
         description="Most tokens to generate (default 16, as with OpenAI; clamped to the server's --max-tokens-limit).")
     logprobs: int | None = OPTIONS["logprobs"].wire_field(
@@ -220,8 +221,10 @@ class CompletionRequest(_Common):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if isinstance(self.prompt, list) and len(self.prompt) != 1:
-            raise InvalidParam("prompt: exactly one prompt per request is supported", "prompt")
+        if isinstance(self.prompt, list) and not 1 <= len(self.prompt) <= MAX_CHOICES:
+            raise InvalidParam(f"prompt: give a string or a list of 1 to {MAX_CHOICES} strings", "prompt")
+        if len(self.prompts()) * self.n > MAX_CHOICES:
+            raise InvalidParam(f"n: at most {MAX_CHOICES} choices in all (prompts x n)", "n")
         if self.echo:
             raise InvalidParam("echo: not supported", "echo", "unsupported_parameter")
         if self.best_of not in (None, 1):
@@ -229,8 +232,8 @@ class CompletionRequest(_Common):
         if self.suffix:
             raise InvalidParam("suffix: not supported", "suffix", "unsupported_parameter")
 
-    def prompt_text(self) -> str:
-        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
 
     def engine_options(self, max_tokens_limit: int) -> dict[str, Any]:
         """`Engine.stream`'s keyword arguments; max_tokens is clamped to the server's limit."""

@@ -285,7 +285,7 @@ class EngineWorker:
             self._deliver_chunks(job)
             seq = job.seq
             if seq.status == Status.FINISHED and not seq.outbox:
-                s = job.stats = seq.stats
+                s = seq.stats
                 m = self.metrics
                 m.prompt_tokens.inc(s.prompt_tokens)
                 m.prompt_tokens_cached.inc(max(0, s.prompt_tokens - s.prompt_tokens_evaluated))
@@ -309,6 +309,8 @@ class EngineWorker:
                     m.time_to_first_token.observe(time.monotonic() - job.submitted)
                 job.tokens += len(chunk.tokens)
                 m.tokens_generated.inc(len(chunk.tokens))
+            if chunk.finish_reason is not None:
+                job.stats = chunk.stats  # before the receiver sees the last chunk
             job.deliver(chunk)
 
     def _pass_metrics(self) -> None:
