@@ -35,7 +35,8 @@ class Stepper(Protocol):
 
     def admit(self, seq: Seq, slot: int, free: Sequence[int] = ()) -> None: ...
 
-    def step(self, running: Sequence[Seq], prefill: Mapping[Seq, int] | None = None) -> None: ...
+    def step(self, running: Sequence[Seq], prefill: Mapping[Seq, int] | None = None, *,
+             queued: bool = False) -> None: ...
 
 
 class Scheduler:
@@ -124,7 +125,7 @@ class Scheduler:
         if not running and not prefill:
             return []
         try:
-            self.engine.step(running, prefill)
+            self.engine.step(running, prefill, queued=bool(self.waiting))
         except Exception as e:  # a failed pass fails the sequences in it, not the others queued
             log.exception("engine: a pass failed")
             for seq in running + list(prefill):

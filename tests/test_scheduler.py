@@ -159,3 +159,19 @@ def test_a_failed_pass_fails_its_sequences_and_the_scheduler_goes_on():
     c = run_all(engine, [(prompt_tokens(engine, 2), Request(max_tokens=3))])[0]
     assert c.status == Status.FINISHED and len(c.completion_tokens) == 3
     assert np.all([s is None for s in engine.scheduler.slots])
+
+
+def test_with_nobody_waiting_a_step_drafts_for_every_sequence_or_for_none():
+    """With nobody waiting, a draft for one sequence of the batch alone would leave the batch as
+    many passes and dearer ones: each shared step drafts for both or for neither. With a request
+    waiting, one sequence's draft runs alone (it finishes sooner, and lets the next one in)."""
+    def shared_steps(n_requests):
+        engine = proposer_engine("lookup", parallel=2)
+        seqs = run_all(engine, [(prompt_tokens(engine, i), Request(max_tokens=30)) for i in (0, 3, 4)][:n_requests])
+        first, second = ([r for r in s.stats.records if r.batch_seqs == 2] for s in seqs[:2])
+        return [(a.drafted > 0, b.drafted > 0) for a, b in zip(first[1:], second[1:])]  # after the first tokens
+
+    closed = shared_steps(2)
+    assert all(a == b for a, b in closed) and any(a for a, _ in closed)
+    queued = shared_steps(3)
+    assert any(a != b for a, b in queued)
