@@ -304,9 +304,12 @@ class Engine:
         running = sorted(running, key=lambda seq: seq.slot)  # rows in slot order: llama.cpp's fewest passes
         t0 = time.perf_counter()
         ks = self._plan(running, n_seqs=len(running) + len(prefill))
-        rounds = self._propose(running, ks)
-        if len(running) > 1 and not queued:
-            self._all_or_none(running, ks)
+        closed = len(running) > 1 and not queued
+        # the draft model drafts for all of them or for none (see _all_or_none); lookups cost nothing
+        model = not closed or all(seq.policy.wants_model() for seq in self._may_draft(running))
+        rounds = self._propose(running, ks, model=model)
+        if closed:
+            self._all_or_none(running)
         t1 = time.perf_counter()
         rows = [Rows(seq.slot, seq.history[len(self.oracle.seq_tokens(seq.slot)):][:n], 0)
                 for seq, n in prefill.items()]
@@ -349,10 +352,10 @@ class Engine:
             ks[seq] = k
         return ks
 
-    def _propose(self, running: Sequence[Seq], ks: Mapping[Seq, int]) -> list[tuple[list[int], list[int], float]]:
+    def _propose(self, running: Sequence[Seq], ks: Mapping[Seq, int], *, model: bool = True) -> list:
         """Every running sequence's draft (`seq.draft`): the draft model drafts for all of them
-        together, one decode per draft position. Returns the draft decodes (tokens per sequence,
-        their contexts, seconds)."""
+        together, one decode per draft position (`model`: it may run at all). Returns the draft
+        decodes (`proposers.Round`s)."""
         proposals, drafting = [], []
         for seq in running:
             seq.draft = EMPTY_DRAFT
@@ -360,7 +363,7 @@ class Engine:
             if ks[seq] > 0:
                 chooser = seq.policy if hasattr(seq.policy, "choose") else None
                 proposals.append(seq.proposer.propose_steps(seq.history, ks[seq], seq.request.sampling, seq.rng,
-                                                            seq.walk, chooser))
+                                                            seq.walk, chooser, model=model))
                 drafting.append(seq)
         if not proposals:
             return []
@@ -371,15 +374,20 @@ class Engine:
             self._drafting = 0.7 * self._drafting + 0.3 * max(1, sum(1 for d in drafts if len(d)))
         return rounds
 
-    def _all_or_none(self, running: Sequence[Seq], ks: Mapping[Seq, int]) -> None:
+    def _may_draft(self, running: Sequence[Seq]) -> list[Seq]:
+        """The running sequences past their first token with room to draft."""
+        return [seq for seq in running if seq.stats.steps and self._draft_limit(seq) > 0]
+
+    def _all_or_none(self, running: Sequence[Seq]) -> None:
         """With nobody waiting for a slot, the batch runs until its longest answer ends: a draft
         that speeds one sequence up and slows the pass for all of them shortens nothing (the others
         still need as many passes) unless every sequence drafts. So the step drafts for every
-        sequence that may draft, or for none: their drafts are dropped when one of them has none.
+        sequence that may draft, or for none: the draft model runs only when every one of them
+        would draft with it (`step`), and the drafts are dropped when one of them has none.
         (Measured on the reference CPU, 8 clients of 256-token answers: a few prompt-lookup copies
-        and short model drafts for some sequences left the passes as many and made them dearer,
-        0.85x plain batched decoding.)"""
-        eligible = [seq for seq in running if seq.stats.steps and self._draft_limit(seq) > 0]
+        and short model drafts for some sequences, probes among them, left the passes as many and
+        made them dearer, 0.85x plain batched decoding.)"""
+        eligible = self._may_draft(running)
         if all(len(seq.draft) for seq in eligible) or not any(len(seq.draft) for seq in eligible):
             return
         for seq in eligible:

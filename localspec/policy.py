@@ -128,6 +128,9 @@ class LengthPolicy(Protocol):
         """The policy of one more request running beside others: what it learned shared, a request
         state of its own (the engine runs every request on a fork)."""
 
+    def wants_model(self) -> bool:
+        """Whether the step just sized (`draft_length`) runs the draft model (a probe included)."""
+
     def batch_price(self, contexts: Sequence[int], context: int, drafting: float) -> "BatchPrice | None":
         """What a draft costs a sequence at `context` in a pass shared with the sequences at `contexts`
         (None: this policy prices nothing)."""
@@ -178,6 +181,9 @@ class FixedLength:
 
     def fork(self) -> "FixedLength":
         return self  # no state of its own
+
+    def wants_model(self) -> bool:
+        return self.k > 0
 
     def batch_price(self, contexts: Sequence[int], context: int, drafting: float) -> None:
         return None
@@ -809,6 +815,9 @@ class AdaptiveLength:
     def set_price(self, price: BatchPrice | None) -> None:
         self.price = price
 
+    def wants_model(self) -> bool:
+        return self.model_draft and self.last_k > 0
+
     def observe_pass(self, passes: Sequence[tuple[Sequence[int], Sequence[int]]], seconds: float) -> None:
         """An oracle decode of several sequences, which llama.cpp ran as `passes` (its ubatches: the
         tokens of each sequence in it and their contexts), took `seconds`."""
@@ -992,6 +1001,9 @@ class HybridLength:
     def batch_price(self, contexts: Sequence[int], context: int, drafting: float) -> BatchPrice | None:
         return self.model.batch_price(contexts, context, drafting)
 
+    def wants_model(self) -> bool:
+        return self._model_k > 0
+
     def set_price(self, price: BatchPrice | None) -> None:
         self.model.set_price(price)
         self.lookup.set_price(price)
@@ -1092,6 +1104,9 @@ class LookupLength:
 
     def batch_price(self, contexts: Sequence[int], context: int, drafting: float) -> BatchPrice | None:
         return self.lookup.batch_price(contexts, context, drafting)
+
+    def wants_model(self) -> bool:
+        return False  # no model: its drafts cost nothing to make
 
     def set_price(self, price: BatchPrice | None) -> None:
         self.lookup.set_price(price)

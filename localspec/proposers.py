@@ -66,7 +66,8 @@ class Proposer(Protocol):
     draft_context: LlamaContext | None  # the context its decodes run on (None: it never decodes)
 
     def propose_steps(self, history: Sequence[int], max_len: int, sampling: SamplingParams,
-                      rng: np.random.Generator, constraint=None, chooser=None) -> ProposeSteps: ...
+                      rng: np.random.Generator, constraint=None, chooser=None, model: bool = True) -> ProposeSteps:
+        """`model`: the draft model may run (False: only what costs no decode, prompt lookup)."""
 
     def start(self, *, catch_up: bool) -> None:
         """A new request begins. `catch_up`: the first proposal conditions on the whole prompt
@@ -249,7 +250,9 @@ class DraftModelProposer(_Drives):
         return tokens if n_draft >= self.n_vocab else [t for t in tokens if t < n_draft]
 
     def propose_steps(self, history: Sequence[int], max_len: int, sampling: SamplingParams,
-                      rng: np.random.Generator, constraint=None, chooser=None) -> ProposeSteps:
+                      rng: np.random.Generator, constraint=None, chooser=None, model: bool = True) -> ProposeSteps:
+        if not model:
+            return EMPTY_DRAFT
         prompt, self.prompt_pending = self.prompt_pending, False
         adopting = self._adoptable(history)  # judged once: it compares the caches with the text
         view = self._view(history, adopting=adopting)
@@ -363,7 +366,8 @@ class PromptLookupProposer:
         self.is_end = is_end
 
     def propose_steps(self, history: Sequence[int], max_len: int, sampling: SamplingParams | None = None,
-                      rng: np.random.Generator | None = None, constraint=None, chooser=None) -> ProposeSteps:
+                      rng: np.random.Generator | None = None, constraint=None, chooser=None,
+                      model: bool = True) -> ProposeSteps:
         return self.propose(history, max_len, sampling, rng, constraint, chooser)
         yield  # a proposal that decodes nothing
 
@@ -503,7 +507,8 @@ class HybridProposer(_Wrapper):
         chooser.score_lookup(shared_prefix(tokens, emitted), len(emitted))
 
     def propose_steps(self, history: Sequence[int], max_len: int, sampling: SamplingParams,
-                      rng: np.random.Generator, constraint=None, chooser: SourceChooser | None = None) -> ProposeSteps:
+                      rng: np.random.Generator, constraint=None, chooser: SourceChooser | None = None,
+                      model: bool = True) -> ProposeSteps:
         self._score_offer(history, chooser)
         found = self.lookup.propose(history, max_len, sampling, rng, constraint)  # pushed onto the walk
         choice = chooser.choose(len(found), max_len, found.match_length) if chooser is not None else None
@@ -515,7 +520,7 @@ class HybridProposer(_Wrapper):
         if source == "lookup":
             self._last = "lookup"
             return Draft(found.tokens[:k], None, source="lookup") if k else EMPTY_DRAFT
-        if k <= 0:
+        if k <= 0 or not model:
             return EMPTY_DRAFT
         if self._last == "lookup" and not (chooser is not None and chooser.idle):
             self.model.resync()
@@ -560,10 +565,10 @@ class CrossTokenizerProposer(_Wrapper):
         return b"".join(self._pieces).decode("utf-8", errors="ignore")
 
     def propose_steps(self, history: Sequence[int], max_len: int, sampling: SamplingParams,
-                      rng: np.random.Generator, constraint=None, chooser=None) -> ProposeSteps:
+                      rng: np.random.Generator, constraint=None, chooser=None, model: bool = True) -> ProposeSteps:
         """Under a grammar the draft model drafts freely (its ids are not the oracle's) and the
         re-tokenized draft is cut at the first token the grammar refuses."""
-        if max_len <= 0:
+        if max_len <= 0 or not model:
             return EMPTY_DRAFT
         draft_history = self.draft.tokenize(self._text(history), add_special=True, parse_special=True)
         proposal = yield from self.inner.propose_steps(draft_history, max_len, sampling, rng)
