@@ -195,11 +195,16 @@ class ConstraintWalk:
                                   f"{self._matcher.get_error().strip()}")
         self._bits = np.zeros((n_vocab + 31) // 32, dtype=np.int32)  # llguidance writes the bitmask here
         self._masks: dict[int, np.ndarray] = {}  # depth -> bool [n_vocab]
+        self._eos = frozenset(int(t) for t in tokenizer.eos_tokens)
+        self._ended_at: int | None = None  # the depth an end-of-generation token was pushed at
+        self._end_mask: np.ndarray | None = None  # bool [n_vocab]: after the end, only the end again
         self.depth = 0
         self.seconds = 0.0
 
     def allowed(self) -> np.ndarray:
         """bool [n_vocab]: the tokens that may come next (read-only; EOS only once complete)."""
+        if self._ended_at is not None:
+            return self._after_end()
         mask = self._masks.get(self.depth)
         if mask is None:
             t0 = time.perf_counter()
@@ -217,7 +222,19 @@ class ConstraintWalk:
         return int(allowed[0]) if allowed.size == 1 else None
 
     def push(self, token: int) -> None:
-        """Advance over `token`, which must be allowed (a bug otherwise: nothing masked proposes it)."""
+        """Advance over `token`, which must be allowed (a bug otherwise: nothing masked proposes it).
+
+        An end-of-generation token is not given to llguidance: rolling a matcher back over a
+        consumed EOS leaves its lexer wrong (llguidance 1.9.1: after a draft of `"]`, `}`, EOS was
+        rejected, a string went on past its maxLength). The walk marks the end itself (it was
+        allowed, so the text was a whole instance), and anything after it is the end again."""
+        if self._ended_at is not None or token in self._eos:
+            if self._ended_at is None:
+                if not self.allowed()[token]:
+                    raise RuntimeError(f"token {token} (the end) is not allowed here: the text is incomplete")
+                self._ended_at = self.depth
+            self.depth += 1
+            return
         t0 = time.perf_counter()
         ok = self._matcher.consume_token(int(token))
         self.seconds += time.perf_counter() - t0
@@ -242,9 +259,14 @@ class ConstraintWalk:
             return
         if n > self.depth:
             raise ValueError(f"cannot roll back {n} tokens of {self.depth}")
+        consumed = n
+        if self._ended_at is not None:  # the end and what followed it never reached llguidance
+            consumed = max(0, n - (self.depth - self._ended_at))
+            if self.depth - n <= self._ended_at:
+                self._ended_at = None
         t0 = time.perf_counter()
-        if not self._matcher.rollback(n):
-            raise RuntimeError(f"llguidance could not roll back {n} tokens: {self._matcher.get_error()}")
+        if consumed and not self._matcher.rollback(consumed):
+            raise RuntimeError(f"llguidance could not roll back {consumed} tokens: {self._matcher.get_error()}")
         self.seconds += time.perf_counter() - t0
         for d in range(self.depth - n + 1, self.depth + 1):
             self._masks.pop(d, None)
@@ -254,7 +276,20 @@ class ConstraintWalk:
         """bool [depth - start + 1, n_vocab]: the masks after `start`, `start + 1`, ... `depth` tokens
         (the verified positions of a step that began at `start`)."""
         self.allowed()
-        return np.stack([self._masks[d] for d in range(start, self.depth + 1)])  # every one was needed to push
+        return np.stack([self._mask_at(d) for d in range(start, self.depth + 1)])  # every one was needed to push
+
+    def _mask_at(self, depth: int) -> np.ndarray:
+        if self._ended_at is not None and depth > self._ended_at:
+            return self._after_end()
+        return self._masks[depth]
+
+    def _after_end(self) -> np.ndarray:
+        if self._end_mask is None:
+            mask = np.zeros(self.n_vocab, dtype=bool)
+            mask[[t for t in self._eos if t < self.n_vocab]] = True
+            mask.flags.writeable = False
+            self._end_mask = mask
+        return self._end_mask
 
     def settle(self) -> None:
         """The step is over: drop the masks of earlier positions (only the current one is kept)."""
@@ -265,13 +300,14 @@ class ConstraintWalk:
 
     @property
     def complete(self) -> bool:
-        """Only the end of the generation can follow: the text is a whole instance of the grammar."""
-        return self._matcher.is_stopped() and self._matcher.is_accepting()
+        """Only the end of the generation can follow: the text is a whole instance of the grammar
+        (or the end was pushed: it is allowed only then)."""
+        return self._ended_at is not None or (self._matcher.is_stopped() and self._matcher.is_accepting())
 
     @property
     def accepting(self) -> bool:
         """The text so far is a whole instance of the grammar (more may still follow)."""
-        return self._matcher.is_accepting()
+        return self._ended_at is not None or self._matcher.is_accepting()
 
     def _check(self) -> None:
         if self._matcher.is_error():

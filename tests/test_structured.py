@@ -15,7 +15,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from localspec.constraints import ConstraintError
+from localspec.constraints import Constraint, ConstraintError
 from serving import CLI, cli_serve, wait_ready
 
 pytestmark = pytest.mark.model
@@ -113,6 +113,24 @@ def test_sampled_outputs_follow_the_schema(engine):
     r = engine.generate(PERSON_PROMPT, max_tokens=200, temperature=1.0, schema=Person)  # unseeded
     assert r.finish_reason == "length" or Person.model_validate_json(r.text)
     assert finished >= 8
+
+
+def test_a_rejected_end_leaves_the_length_limits_in_force(engine):
+    """A draft of `"}` and the end, rejected, rolls back: the string's maxLength still counts what
+    came before (llguidance 1.9.1 rolled back over a consumed EOS lost count; a sampled answer once
+    ran a 24-character string to 31)."""
+    model = engine.oracle_model
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 5}}, "required": ["a"],
+              "additionalProperties": False}
+    tokens = lambda text: model.tokenize(text, add_special=False, parse_special=False)  # noqa: E731
+    walk = engine.constraint_walk(Constraint.json_schema(schema))
+    walk.extend(tokens('{"a": "ab'))
+    end = tokens('"}') + [model.eos]
+    assert walk.extend(end) == len(end) and walk.complete
+    walk.pop(len(end))
+    assert not walk.complete
+    pushed = [walk.extend([t]) for t in tokens("cdefgh")]  # "c", "def", "gh": "abcdef" would be too long
+    assert pushed == [1, 0, 1]
 
 
 def test_greedy_constrained_output_is_the_same_with_any_drafting(engine, pair_paths):
