@@ -41,6 +41,83 @@ if TYPE_CHECKING:
 JSON_OPTIONS = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
 GRAMMAR_SYNTAXES = ("auto", "lark", "gbnf", "regex")
 
+# Numbers are bounded too, or a small model writes `"population": 1111111111...` until max_tokens:
+# at most 16 digits before the point (as llama.cpp's JSON-schema grammars) and 10 after it (llguidance
+# takes a `multipleOf` of at most 10 decimals; llama.cpp allows 16), no exponent. A schema's own
+# bounds or multipleOf win. Values a schema leaves open (`{}`, an array without `items`, an object
+# without `properties`, JSON mode) are any JSON value with numbers so bounded; an object that names
+# its properties gets only those unless it says otherwise with additionalProperties.
+INTEGRAL_DIGITS = 16
+FRACTION_DIGITS = 10
+_ANY_NAME = "localspec_any_value"
+_ANY_REF = f"#/$defs/{_ANY_NAME}"
+_INTEGER_BOUNDS = {"minimum": -(10 ** INTEGRAL_DIGITS - 1), "maximum": 10 ** INTEGRAL_DIGITS - 1}
+_NUMBER_BOUNDS = {"exclusiveMinimum": -float(10 ** INTEGRAL_DIGITS), "exclusiveMaximum": float(10 ** INTEGRAL_DIGITS)}
+_ANY_VALUE = {"anyOf": [
+    {"type": "null"}, {"type": "boolean"}, {"type": "string"},
+    {"type": "number", **_NUMBER_BOUNDS, "multipleOf": float(f"1e-{FRACTION_DIGITS}")},  # integers included
+    {"type": "array", "items": {"$ref": _ANY_REF}},
+    {"type": "object", "additionalProperties": {"$ref": _ANY_REF}},
+]}
+# the keywords that say something about a value's shape; a schema with none of them accepts anything
+_SHAPE_KEYWORDS = {"type", "enum", "const", "$ref", "anyOf", "oneOf", "allOf", "not", "properties", "items",
+                   "prefixItems", "additionalProperties", "patternProperties", "required", "if", "minimum",
+                   "maximum", "pattern", "format", "minLength", "maxLength"}
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMAS = ("additionalProperties", "items", "additionalItems", "not", "if", "then", "else", "contains")
+
+
+def bounded_schema(schema: dict[str, Any] | bool) -> dict[str, Any]:
+    """`schema` with every number bounded and every open value an any-JSON-value with bounded
+    numbers (see INTEGRAL_DIGITS): what a small model cannot loop in. A new dict; the schema given
+    is not changed."""
+    used = [False]
+    out = _bounded(schema, used, root=True)
+    if out == {"$ref": _ANY_REF}:
+        out = dict(_ANY_VALUE)
+    if used[0]:
+        out = {**out, "$defs": {**out.get("$defs", {}), _ANY_NAME: _ANY_VALUE}}
+    return out
+
+
+def _bounded(node: Any, used: list[bool], root: bool = False) -> Any:
+    if node is True or (isinstance(node, dict) and not node.keys() & _SHAPE_KEYWORDS
+                        and not (root and node.keys() & {"$defs", "definitions"})):
+        used[0] = True
+        return {"$ref": _ANY_REF}
+    if not isinstance(node, dict):
+        return node  # false, or something llguidance will refuse with its own message
+    out = dict(node)
+    types = node.get("type")
+    types = set(types) if isinstance(types, list) else {types}
+    if "integer" in types:
+        for side, bound in _INTEGER_BOUNDS.items():
+            if side not in node and "exclusive" + side.capitalize() not in node:
+                out[side] = bound
+    if "number" in types:
+        for side, bound in _NUMBER_BOUNDS.items():
+            if side not in node and side.removeprefix("exclusive").lower() not in node:
+                out[side] = bound
+        out.setdefault("multipleOf", float(f"1e-{FRACTION_DIGITS}"))
+    if "additionalProperties" not in node and "patternProperties" not in node:
+        if "properties" in node:  # only the properties it names, as llama.cpp's grammars do: the output is
+            out["additionalProperties"] = False  # valid either way, and a small model invents keys to max_tokens
+        elif "object" in types:
+            out["additionalProperties"] = True  # open: any value, bounded below
+    if "array" in types and "items" not in node and "prefixItems" not in node:
+        out["items"] = True
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _bounded(sub, used) for name, sub in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_bounded(sub, used) for sub in out[key]]
+    for key in _SUBSCHEMAS:
+        if key in out and (isinstance(out[key], dict) or out[key] is True):
+            out[key] = _bounded(out[key], used)
+    return out
+
 
 class ConstraintError(ValueError):
     """A schema or grammar that is invalid, or that llguidance cannot compile."""
@@ -67,6 +144,7 @@ class Constraint:
             schema = {} if schema else {"not": {}}
         if not isinstance(schema, dict):
             raise ConstraintError(f"a JSON schema must be a JSON object, got {type(schema).__name__}")
+        schema = bounded_schema(schema)
         from llguidance import LLMatcher
 
         try:

@@ -10,7 +10,7 @@ import re
 import numpy as np
 import pytest
 
-from localspec.constraints import Constraint, ConstraintError, tokenizer_for
+from localspec.constraints import Constraint, ConstraintError, bounded_schema, tokenizer_for
 from localspec.engine import Request
 from localspec.policy import FixedLength
 from localspec.sampling import SamplingParams, mask_logits
@@ -146,6 +146,32 @@ def test_the_constrained_test_tells_the_unconstrained_oracle_apart():
 
 
 # --- schemas ---------------------------------------------------------------------------------------
+
+
+def test_bounded_schema_bounds_numbers_and_closes_named_objects():
+    person = {"type": "object", "properties": {
+        "age": {"type": "integer", "minimum": 0},
+        "height": {"type": ["number", "null"]},
+        "ratio": {"type": "number", "multipleOf": 0.5, "maximum": 1},
+        "tags": {"type": "array"},
+        "extra": {"description": "anything"}}}
+    before = json.dumps(person)
+    out = bounded_schema(person)
+    assert json.dumps(person) == before  # the schema given is not changed
+    props = out["properties"]
+    assert props["age"] == {"type": "integer", "minimum": 0, "maximum": 10 ** 16 - 1}  # its own bound kept
+    assert props["height"]["exclusiveMinimum"] == -1e16 and props["height"]["exclusiveMaximum"] == 1e16
+    assert props["height"]["multipleOf"] == 1e-10
+    assert props["ratio"]["multipleOf"] == 0.5 and props["ratio"]["maximum"] == 1 and "exclusiveMaximum" not in props["ratio"]
+    assert props["tags"]["items"] == props["extra"] == {"$ref": "#/$defs/localspec_any_value"}
+    assert out["additionalProperties"] is False  # it names its properties: only those
+    any_value = out["$defs"]["localspec_any_value"]["anyOf"]
+    assert {"type": "number", "exclusiveMinimum": -1e16, "exclusiveMaximum": 1e16, "multipleOf": 1e-10} in any_value
+    # JSON mode: an object of any values, numbers bounded; a schema that says it is open stays open
+    assert bounded_schema({"type": "object"})["additionalProperties"] == {"$ref": "#/$defs/localspec_any_value"}
+    assert bounded_schema({"properties": {}, "additionalProperties": True})["additionalProperties"] == \
+        {"$ref": "#/$defs/localspec_any_value"}
+    assert bounded_schema(True) == bounded_schema({}) == {"anyOf": any_value, "$defs": out["$defs"]}
 
 
 def test_invalid_schemas_and_grammars_say_what_is_wrong():

@@ -74,6 +74,41 @@ def test_openai_parse_returns_the_pydantic_object(client, speculative, sampling)
         assert r.usage.drafted == 0
 
 
+class City(BaseModel):
+    name: str
+    country: str
+    population: int
+
+
+@pytest.mark.parametrize("question", ["Describe Paris as JSON.", "Describe Tokyo as JSON.",
+                                      "Give me a JSON object about London."])
+def test_parse_of_strings_and_an_integer_returns_the_object(client, question):
+    """Greedy, the model writes `"population": 1111...`: the integer ends after 16 digits (it once
+    ran to max_tokens and parse() raised LengthFinishReasonError)."""
+    r = client.chat.completions.parse(model="smollm2", messages=[{"role": "user", "content": question}],
+                                      response_format=City, max_tokens=200, temperature=0)
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(r.choices[0].message.parsed, City)
+
+
+def test_numbers_and_open_values_are_bounded(engine):
+    model = engine.oracle_model
+    tokens = lambda text: model.tokenize(text, add_special=False, parse_special=False)  # noqa: E731
+
+    def longest(constraint: Constraint, text: str) -> str:
+        walk = engine.constraint_walk(constraint)
+        pushed = tokens(text)[:walk.extend(tokens(text))]
+        return model.detokenize(pushed)
+
+    city = Constraint.json_schema(City)
+    start = '{"name": "Paris", "country": "France", "population": '
+    assert longest(city, start + "1" * 30 + "}") == start + "1" * 16  # 16 digits, then only the end of it
+    assert longest(city, start + '5, "mayor": "x"}') == start + "5"  # the object names its properties
+    json_mode = Constraint.json_object()
+    assert longest(json_mode, '{"a": [0.' + "3" * 30) == '{"a": [0.' + "3" * 10
+    assert longest(json_mode, '{"b": -' + "7" * 30) == '{"b": -' + "7" * 16
+
+
 def test_json_object_and_metrics(client, served):
     url = wait_ready(served)
     before = _metric(url, "localspec_tokens_accepted_total")

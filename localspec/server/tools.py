@@ -22,7 +22,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from ..constraints import JSON_OPTIONS, Constraint, ConstraintError
+from ..constraints import JSON_OPTIONS, Constraint, ConstraintError, bounded_schema
 from .schemas import InvalidParam
 
 def _invalid(message: str, param: str) -> InvalidParam:
@@ -151,18 +151,12 @@ def _parse_tools(tools: list[dict[str, Any]]) -> list[Tool]:
     return out
 
 
-def _closed(schema: dict[str, Any]) -> dict[str, Any]:
-    """A function's parameter schema without room for arguments it does not name (unless it says
-    otherwise with additionalProperties): a small model fills open objects with made-up keys."""
-    if "properties" in schema and "additionalProperties" not in schema:
-        return {**schema, "additionalProperties": False}
-    return schema
-
-
 def _call_schema(tools: tuple[Tool, ...]) -> dict[str, Any]:
-    options = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": _closed(t.parameters)},
+    """Each call an object of the tool's name and its arguments, numbers and open values bounded and
+    objects closed (`constraints.bounded_schema`): a small model fills open objects with made-up keys."""
+    options = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
                 "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
-    return {"anyOf": options, "x-guidance": JSON_OPTIONS}
+    return {**bounded_schema({"anyOf": options}), "x-guidance": JSON_OPTIONS}
 
 
 def tool_grammar(plan: ToolPlan) -> Constraint:
