@@ -256,6 +256,21 @@ def test_streamed_tool_calls_reassemble_to_the_same_calls_and_a_follow_up_is_acc
         assert choice.message.content and not choice.message.content.startswith("<")
 
 
+def test_a_reply_cut_inside_a_tool_call_gives_its_text_both_ways(client):
+    options = dict(model="smollm2", messages=WEATHER, tools=TOOLS, tool_choice="required", max_tokens=12,
+                   temperature=0)
+    whole = client.chat.completions.create(**options).choices[0]
+    assert whole.finish_reason == "length" and not whole.message.tool_calls
+    assert whole.message.content.startswith("<tool_call>")
+    content, finish, calls = "", None, []
+    for chunk in client.chat.completions.create(**options, stream=True):
+        if chunk.choices:
+            content += chunk.choices[0].delta.content or ""
+            calls += chunk.choices[0].delta.tool_calls or []
+            finish = chunk.choices[0].finish_reason or finish
+    assert (content, finish, calls) == (whole.message.content, "length", [])
+
+
 def test_auto_tool_choice_gives_text_or_calls(client):
     r = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Say hello."}],
                                        tools=TOOLS, max_tokens=40, temperature=0)

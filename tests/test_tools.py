@@ -111,6 +111,16 @@ def test_parse_and_stream_calls():
     assert [(d["index"], d["function"]["name"]) for d in sent] == [(0, "get_weather"), (1, "get_time")]
     plain = ToolCallStream()
     assert plain.feed("Hi") == ("Hi", []) and plain.feed(" there") == (" there", [])
+    assert stream.unsent() == "" and plain.unsent() == ""  # everything went out as calls / content
+
+
+def test_a_stream_cut_inside_a_call_keeps_its_text():
+    cut = ToolCallStream()
+    assert cut.feed(CALL[:20]) == ("", [])
+    assert cut.unsent() == CALL[:20]  # no call completed: all of it
+    after_one = ToolCallStream()
+    after_one.feed(CALL + "\n" + CALL2[:15])
+    assert after_one.sent == 1 and after_one.unsent() == "\n" + CALL2[:15]  # what followed the call sent
 
 
 def test_tool_messages_render_for_templates_with_and_without_tools():

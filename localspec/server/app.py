@@ -242,6 +242,8 @@ class _ChatReply(_Reply):
             finish = event.finish_reason
             if calls is not None and calls.sent and event.structure == "complete":
                 finish = "tool_calls"
+            elif calls is not None and calls.unsent():  # cut inside a call: its text, as content
+                yield self._delta(S.Delta(content=calls.unsent()))
             yield self._delta(S.Delta(), finish=finish)
 
     def choice(self, text: str, logprobs: list[TokenLogprob], final: Chunk) -> S.ChatChoice:

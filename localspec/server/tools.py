@@ -310,6 +310,15 @@ class ToolCallStream:
             return "", []
         return "", self._closed_calls()
 
+    def unsent(self) -> str:
+        """The text no delta carried: under "calls", what follows the last call sent (all of it when
+        none was). A reply cut by max_tokens inside a call ends with it as content, as the whole
+        (non-streamed) response gives the text of a reply whose calls did not complete."""
+        if self.mode != "calls":
+            return ""
+        ends = [m.end() for m in _CALL.finditer(self.text)][:self.sent]
+        return self.text[ends[-1] if ends else 0:]
+
     def _closed_calls(self) -> list[dict[str, Any]]:
         deltas = []
         for i, block in enumerate(_CALL.findall(self.text)):
