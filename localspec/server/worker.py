@@ -136,8 +136,11 @@ class EngineWorker:
 
     @property
     def queue_depth(self) -> int:
-        """Jobs waiting for a slot."""
-        return max(0, self._in_flight - self.running)
+        """Jobs waiting for a slot: submitted and not yet handed to the scheduler, or waiting in it
+        (a finished job whose slot is already free is not waiting, though its end is not counted yet)."""
+        active = list(self._active)
+        waiting = sum(1 for job in active if job.seq is not None and job.seq.status == Status.WAITING)
+        return max(0, self._in_flight - len(active)) + waiting
 
     @property
     def running(self) -> int:
@@ -328,10 +331,10 @@ class EngineWorker:
         job.outcome = outcome
         if event is not None:
             job.deliver(event)
-        if job in self._active:
-            self._active.remove(job)
         with self._lock:
             self._in_flight -= 1
+        if job in self._active:
+            self._active.remove(job)
         if job.started is not None and outcome in ("completed", "time_limit"):
             self._mean_duration = 0.8 * self._mean_duration + 0.2 * (time.monotonic() - job.started)
         self.metrics.generations.labels(outcome).inc()
