@@ -28,6 +28,7 @@ bonus tokens come from it), and the walk pops back to the accepted prefix.
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 import time
 from contextlib import contextmanager
@@ -45,16 +46,16 @@ from .llama import Detokenizer, LlamaContext, LlamaModel, Rows
 from .options import GenerationOptions
 from .outputs import Chunk, Result, Stats, StepRecord, TokenLogprob, TopLogprob
 from .policy import LengthPolicy, Regime
-from .proposers import EMPTY_DRAFT, Draft, Proposer, drive_all
-from .sampling import (SamplingParams, coupled_choice, greedy_argmax, log_softmax, logits_to_probs, mask_logits,
-                       seed_key, top_ids)
+from .proposers import EMPTY_DRAFT, Draft, Proposer, drive_all, set_draft_p_min
+from .sampling import (SamplingParams, bias_logits, coupled_choice, greedy_argmax, log_softmax, logits_to_probs,
+                       mask_logits, seed_key, top_ids)
 from .scheduler import Scheduler
 from .sequence import Request, Seq, Status  # noqa: F401 (Request: callers import it from here too)
 from .text import TextStream
 
 log = logging.getLogger("localspec.engine")
 
-Prompt = str | Sequence[Mapping[str, Any]]
+Prompt = str | Sequence[Mapping[str, Any]] | Sequence[int]  # text, chat messages, or token ids
 
 
 # a prefix another slot holds is copied (not evaluated) when it is this many tokens longer than
@@ -176,11 +177,16 @@ class Engine:
                            eos_token=m.token_piece(m.eos, special=True).decode(errors="replace"), tools=tools)
 
     def tokenize_prompt(self, prompt: Prompt, tools: list | None = None) -> list[int]:
-        """A completion prompt (str) or chat messages (rendered with the model's template, with
-        `tools` for a template that takes them)."""
+        """A completion prompt (str), token ids (taken as they are), or chat messages (rendered with
+        the model's template, with `tools` for a template that takes them)."""
         m = self.oracle_model
         if isinstance(prompt, str):
             return m.tokenize(prompt, add_special=True, parse_special=True)
+        if prompt and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
+            bad = next((t for t in prompt if not 0 <= t < m.n_vocab), None)
+            if bad is not None:
+                raise ValueError(f"token id {bad} is not in the vocabulary (ids 0 to {m.n_vocab - 1})")
+            return [int(t) for t in prompt]
         text = self.render(prompt, tools)
         bos_text = m.token_piece(m.bos, special=True).decode(errors="replace")
         has_bos = bool(bos_text) and text.startswith(bos_text)  # templates often write BOS themselves
@@ -247,6 +253,10 @@ class Engine:
         if len(prompt_tokens) >= self.n_ctx:
             raise PromptTooLongError(
                 f"the prompt has {len(prompt_tokens)} tokens; the context holds {self.n_ctx}")
+        biased = [token for token, _ in request.sampling.logit_bias if token >= self.oracle_model.n_vocab]
+        if biased:
+            raise ValueError(f"logit_bias: token id {biased[0]} is not in the vocabulary (ids 0 to "
+                             f"{self.oracle_model.n_vocab - 1})")
         walk = self.constraint_walk(request.constraint) if request.constraint is not None else None
         stats = Stats(prompt_tokens=len(prompt_tokens), flash_attn=self.oracle.flash_attn,
                       draft_flash_attn=self.draft_ctx.flash_attn if self.draft_ctx is not None else None)
@@ -285,10 +295,15 @@ class Engine:
         if source is not None and best >= common + COPY_MIN:
             self.oracle.copy_seq(source, slot, best)
             common = best
+        if seq.request.prompt_logprobs is not None:  # every prompt token's logits: nothing reused
+            common = 0
+            seq.prompt_logprobs = [self._token_logprob(seq.history[0], None)]
         self.oracle.rollback(common, seq=slot)
         seq.stats.prompt_tokens_evaluated = len(target) - common + 1  # the last prompt token is evaluated in step one
         if seq.speculative:
             seq.proposer = self.proposer.fork(slot)
+            if seq.request.draft_p_min is not None:
+                set_draft_p_min(seq.proposer, seq.request.draft_p_min)
             # the draft is not run here: its first proposal catches up on what it has not seen (all of
             # the prompt while drafting pays, copied from the oracle's cache where their layouts match;
             # else a probe's window of it while the policy is idle)
@@ -311,8 +326,8 @@ class Engine:
         if closed:
             self._all_or_none(running)
         t1 = time.perf_counter()
-        rows = [Rows(seq.slot, seq.history[len(self.oracle.seq_tokens(seq.slot)):][:n], 0)
-                for seq, n in prefill.items()]
+        rows = [Rows(seq.slot, seq.history[len(self.oracle.seq_tokens(seq.slot)):][:n],
+                     n if seq.request.prompt_logprobs is not None else 0) for seq, n in prefill.items()]
         rows += [Rows(seq.slot, [seq.history[-1]] + seq.draft.tokens.tolist(), len(seq.draft) + 1) for seq in running]
         rows.sort(key=lambda r: r.seq)
         contexts = {r.seq: len(self.oracle.seq_tokens(r.seq)) for r in rows}
@@ -323,6 +338,12 @@ class Engine:
         for r in rows:
             offsets[r.seq] = offset
             offset += r.n_logits
+        for seq, n in prefill.items():
+            if seq.request.prompt_logprobs is not None:  # row j predicts the token after the j-th of the chunk
+                start = len(seq.prompt_logprobs)
+                targets = np.asarray(seq.history[start:start + n])  # [n]
+                seq.prompt_logprobs += self._logprobs(logits[offsets[seq.slot]:offsets[seq.slot] + n], targets,
+                                                      seq.request.prompt_logprobs)
         outs = [self._verify(seq, logits[offsets[seq.slot]:offsets[seq.slot] + len(seq.draft) + 1]) for seq in running]
         t2 = time.perf_counter()
         batch_tokens = self.last_pass[1]
@@ -370,6 +391,10 @@ class Engine:
         drafts, rounds = drive_all(proposals, self.draft_ctx)
         for seq, draft in zip(drafting, drafts):
             seq.draft = draft
+            if len(draft) < (seq.request.draft_min or 0):  # too short to be worth verifying, as asked
+                if seq.walk is not None:
+                    seq.walk.pop(len(draft))
+                seq.draft = EMPTY_DRAFT
         if len(running) > 1:  # how many share a draft's costs (rounds, a pass split off), as the next prices expect
             self._drafting = 0.7 * self._drafting + 0.3 * max(1, sum(1 for d in drafts if len(d)))
         return rounds
@@ -400,6 +425,7 @@ class Engine:
         its caches: (the tokens it yields, their logprobs if asked, draft tokens accepted)."""
         draft, walk, request = seq.draft, seq.walk, seq.request
         raw = logits
+        logits = bias_logits(logits, request.sampling.logit_bias)  # the target is the biased oracle
         if walk is not None:  # the constrained oracle: each row masked at its position (draft tokens included)
             logits = mask_logits(logits, walk.masks(seq.walk_base))  # [k+1, vocab]
         out, n_accepted = self._accept(draft, logits, request.sampling, seq.rng, len(seq.history))
@@ -542,3 +568,7 @@ class Engine:
             top = tuple(TopLogprob(t, *text_and_bytes(t), float(row[t])) for t in top_ids(row, top_n).tolist())
             out.append(TokenLogprob(token, *text_and_bytes(token), float(row[token]), top))
         return out
+
+    def _token_logprob(self, token: int, logprob: float | None) -> TokenLogprob:
+        piece = self.oracle_model.token_piece(token)
+        return TokenLogprob(token, piece.decode(errors="replace"), piece, logprob)

@@ -51,6 +51,22 @@ def _is_stops(v: object) -> bool:
     return v is None or isinstance(v, str) or (isinstance(v, (list, tuple)) and all(isinstance(s, str) for s in v))
 
 
+def _is_bias(v: object) -> bool:
+    """{token id: bias} (ids as ints, or as the digit strings of JSON keys), or (id, bias) pairs."""
+    if v is None:
+        return True
+    pairs = v.items() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else None
+    if pairs is None:
+        return False
+    try:
+        return all((_is_int(t) or (isinstance(t, str) and t.strip().isdigit())) and _is_real(b) for t, b in pairs)
+    except (TypeError, ValueError):
+        return False
+
+
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's: -100 bans a token, 100 all but forces it
+
+
 def _is_grammar(v: object) -> bool:
     from .constraints import Constraint
 
@@ -79,11 +95,14 @@ class Option:
 
     def type_ok(self, value: Any) -> bool:
         if value is None:
-            return self.nullable or self.kind in ("stops", "schema", "grammar")
+            return self.nullable or self.kind in ("stops", "schema", "grammar", "bias")
         return {"int": _is_int, "number": _is_real, "bool": lambda v: v in (True, False), "stops": _is_stops,
-                "schema": lambda v: True, "grammar": _is_grammar}[self.kind](value)
+                "schema": lambda v: True, "grammar": _is_grammar, "bias": _is_bias}[self.kind](value)
 
     def in_bounds(self, value: Any) -> bool:
+        if self.kind == "bias":
+            return value is None or all(-LOGIT_BIAS_LIMIT <= float(b) <= LOGIT_BIAS_LIMIT and int(t) >= 0
+                                        for t, b in (value.items() if isinstance(value, dict) else value))
         if value is None or self.kind not in ("int", "number"):
             return True
         # written as `not (ok)` so that NaN fails every comparison
@@ -100,6 +119,9 @@ class Option:
             raise OptionError(self.name, f"{self.name} must be {self.expected(finite=True)}{note}, got {value!r}")
         if self.kind == "stops":
             return (value,) if isinstance(value, str) else tuple(value or ())
+        if self.kind == "bias":  # ((token id, bias), ...) by id: hashable, one entry per id
+            pairs = value.items() if isinstance(value, dict) else value or ()
+            return tuple(sorted({int(t): float(b) for t, b in pairs if float(b) != 0.0}.items()))
         if self.kind == "bool":
             return bool(value)
         return value
@@ -111,7 +133,8 @@ class Option:
         interface spells no value (null in JSON, none in /set)."""
         words = {"int": "an integer", "number": "a finite number" if finite and self.le is None else "a number",
                  "bool": "true or false", "stops": "a string or a list of strings", "schema": "a JSON schema",
-                 "grammar": "a string"}[self.kind]
+                 "grammar": "a string",
+                 "bias": f"a map of token ids to biases in [{-LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]"}[self.kind]
         low = self.ge if self.gt is None else self.gt
         if bounds and low is not None and self.le is not None:
             words += f" in {'(' if self.gt is not None else '['}{low:g}, {self.le:g}]"
@@ -172,7 +195,7 @@ class Option:
         return click.option(*(decls or (flag, self.flag or self.name)), **kw)
 
     def wire_field(self, default: Any = None, *, description: str | None = None, extension: bool = False,
-                   **tighter: float) -> Any:
+                   alias: str | None = None, **tighter: float) -> Any:
         """A pydantic Field of a wire format (the server's requests) for this option: its bounds,
         or `tighter` ones (OpenAI's temperature stops at 2), and its help as the description
         (`extension`: a field OpenAI does not have says so)."""
@@ -186,7 +209,7 @@ class Option:
         text = description or self.help
         if extension:
             text = f"Extension: {text[0].lower()}{text[1:]}"
-        return Field(default, description=text, **bounds)
+        return Field(default, description=text, **({"alias": alias} if alias else {}), **bounds)
 
 
 def option(kind: str, default: Any, help: str, **rule: Any) -> Any:
@@ -211,9 +234,21 @@ class GenerationOptions:
     stop: tuple[str, ...] = option("stops", (), "Stop string: the output ends before it.")
     logprobs: int | None = option("int", None, "Return the oracle's log-probability of each emitted token, and "
                                                "of this many most likely tokens.", ge=0, le=20, nullable=True)
+    prompt_logprobs: int | None = option("int", None, "Also return the oracle's log-probability of each prompt token "
+                                                      "(the first has none), and of this many most likely tokens.",
+                                         ge=0, le=20, nullable=True)
     speculative: bool = option("bool", True, "false: the oracle alone (same output, no draft).")
     draft_max: int | None = option("int", None, "Most tokens drafted per step for this request.", ge=0, le=64,
                                    nullable=True)
+    draft_min: int | None = option("int", None, "A draft shorter than this is not verified (the step runs "
+                                                "without it; llama-server's speculative.n_min).", ge=0, le=64,
+                                   nullable=True)
+    draft_p_min: float | None = option("number", None, "The draft model stops drafting once its top probability "
+                                                       "falls below this (llama-server's speculative.p_min; "
+                                                       "default: the engine's).", ge=0, le=1, nullable=True)
+    logit_bias: tuple[tuple[int, float], ...] = option(
+        "bias", (), "Added to the oracle's logits of these token ids before sampling (the draft's too): the output "
+                    "follows the biased oracle.")
     schema: Any = option("schema", None, "The output must be JSON following this JSON schema.", flag="json_schema")
     grammar: Any = option("grammar", None, "The output must follow this grammar (llguidance's Lark syntax, or "
                                            "llama.cpp's GBNF when it has '::=' rules).")

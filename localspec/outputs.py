@@ -121,7 +121,7 @@ class TokenLogprob:
     token: int
     text: str
     bytes: bytes
-    logprob: float
+    logprob: float | None  # None: a prompt's first token (nothing before it to predict it)
     top: tuple[TopLogprob, ...] = ()
 
 
@@ -137,6 +137,7 @@ class Chunk:
     finish_reason: str | None = None  # "stop" | "length"
     stats: Stats | None = None
     structure: str | None = None  # on the last chunk under a schema or grammar: "complete" | "incomplete"
+    prompt_logprobs: list[TokenLogprob] | None = None  # on the first chunk, when asked: each prompt token's
 
 
 @dataclass

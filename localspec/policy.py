@@ -361,7 +361,7 @@ class Regime:
         if sampling.greedy:
             return cls(0, False, constrained)
         band = 1 + bisect.bisect_left(TEMPERATURE_EDGES, sampling.temperature)
-        filtered = sampling.top_k > 0 or sampling.top_p < 1.0 or sampling.min_p > 0.0
+        filtered = sampling.top_k > 0 or sampling.top_p < 1.0 or sampling.min_p > 0.0 or bool(sampling.logit_bias)
         return cls(band, filtered, constrained)
 
     def describe(self) -> str:

@@ -32,8 +32,8 @@ from typing import Callable, Generator, Protocol, Sequence
 import numpy as np
 
 from .llama import LlamaContext, Rows, shared_prefix
-from .sampling import (SamplingParams, coupled_choice, greedy_argmax, logits_to_probs, mask_logits, sample,
-                       top_probability)
+from .sampling import (SamplingParams, bias_logits, coupled_choice, greedy_argmax, logits_to_probs, mask_logits,
+                       sample, top_probability)
 
 
 @dataclass(frozen=True)
@@ -274,7 +274,7 @@ class DraftModelProposer(_Drives):
         keeps_probs = not sampling.greedy and not sampling.coupled  # _pick hands its distributions on
         while True:
             position = len(history) + len(tokens)
-            row = self._in_oracle_vocab(logits[0])  # [oracle vocab]
+            row = bias_logits(self._in_oracle_vocab(logits[0]), sampling.logit_bias)  # [oracle vocab], as the target
             if constraint is not None:
                 row = mask_logits(row, constraint.allowed())
             token, confident = self._pick(row, sampling, rng, probs, position)
@@ -329,6 +329,15 @@ class DraftModelProposer(_Drives):
             probs.append(dist)
             token = sample(dist, rng)
         return token, self.p_min <= 0 or dist.max() >= self.p_min
+
+
+def set_draft_p_min(proposer, p_min: float) -> None:
+    """Set the confidence floor of every draft model in `proposer` (a request's own, on its fork)."""
+    if isinstance(proposer, DraftModelProposer):
+        proposer.p_min = p_min
+    for part in (getattr(proposer, "model", None), getattr(proposer, "inner", None)):
+        if part is not None and part is not proposer:
+            set_draft_p_min(part, p_min)
 
 
 MATCH_CAP = 64  # a lookup match is measured back at most this far

@@ -57,10 +57,13 @@ class SamplingParams:
     top_p: float = OPTIONS["top_p"].default
     min_p: float = OPTIONS["min_p"].default
     seed: int | None = OPTIONS["seed"].default
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, added to the logits first
 
     def __post_init__(self) -> None:
-        for name in ("temperature", "top_k", "top_p", "min_p", "seed"):  # the rules of options.py
-            OPTIONS[name].check(getattr(self, name))
+        for name in ("temperature", "top_k", "top_p", "min_p", "seed", "logit_bias"):  # the rules of options.py
+            value = OPTIONS[name].check(getattr(self, name))
+            if value != getattr(self, name):
+                object.__setattr__(self, name, value)
 
     @property
     def greedy(self) -> bool:
@@ -378,6 +381,18 @@ def coupled_choice(probs: np.ndarray, seed: int, position: int) -> int:
 
 
 # ---------------------------------------------------------------- constrained decoding
+
+
+def bias_logits(logits: np.ndarray, logit_bias: tuple[tuple[int, float], ...]) -> np.ndarray:
+    """logits [n, vocab] or [vocab] with `logit_bias` ((token id, bias) pairs) added (a new array
+    when there is a bias; the logits are not written): OpenAI's logit_bias, applied before a
+    grammar's mask, the temperature and the filters."""
+    if not logit_bias:
+        return logits
+    ids, bias = zip(*logit_bias)
+    out = np.array(logits, copy=True)
+    out[..., list(ids)] += np.asarray(bias, dtype=out.dtype)
+    return out
 
 
 def mask_logits(logits: np.ndarray, allowed: np.ndarray) -> np.ndarray:

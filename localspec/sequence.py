@@ -39,21 +39,27 @@ class Request:
     sampling: SamplingParams = SamplingParams()
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # None: off; n >= 0: the emitted token's logprob and the top n
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (every one evaluated, none reused)
     speculative: bool = True
     draft_max: int | None = None  # per-request cap on the draft length
+    draft_min: int | None = None  # a shorter draft is dropped before verification
+    draft_p_min: float | None = None  # the draft model's confidence floor for this request (None: the engine's)
     constraint: Constraint | None = None  # a JSON schema or grammar the output must follow
 
     def __post_init__(self) -> None:
-        for name in ("max_tokens", "logprobs", "draft_max"):  # the rules of options.py
+        for name in ("max_tokens", "logprobs", "prompt_logprobs", "draft_max", "draft_min",
+                     "draft_p_min"):  # the rules of options.py
             OPTIONS[name].check(getattr(self, name))
 
     @classmethod
     def of(cls, options: GenerationOptions) -> "Request":
         return cls(max_tokens=options.max_tokens,
                    sampling=SamplingParams(temperature=options.temperature, top_k=options.top_k,
-                                           top_p=options.top_p, min_p=options.min_p, seed=options.seed),
-                   stop=options.stop, logprobs=options.logprobs, speculative=options.speculative,
-                   draft_max=options.draft_max, constraint=options.constraint)
+                                           top_p=options.top_p, min_p=options.min_p, seed=options.seed,
+                                           logit_bias=options.logit_bias),
+                   stop=options.stop, logprobs=options.logprobs, prompt_logprobs=options.prompt_logprobs,
+                   speculative=options.speculative, draft_max=options.draft_max, draft_min=options.draft_min,
+                   draft_p_min=options.draft_p_min, constraint=options.constraint)
 
 
 class Status(enum.Enum):
@@ -90,6 +96,7 @@ class Seq:
     outbox: deque[Chunk] = field(default_factory=deque)
     draft: "Draft | None" = None  # the step's draft, between proposing and verifying
     walk_base: int = 0  # the grammar walk's depth before the step's draft was pushed
+    prompt_logprobs: list | None = None  # the prompt's TokenLogprobs as its prefill computes them (when asked)
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.history)
@@ -103,5 +110,7 @@ class Seq:
         return self.history[self.prompt_len:]
 
     def emit(self, text: str, tokens: list[int], logprobs: list[TokenLogprob] | None, *, final: bool = False) -> None:
+        prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, None  # the first chunk carries them
         self.outbox.append(Chunk(text, tokens, logprobs, finish_reason=self.finish_reason if final else None,
-                                 stats=self.stats, structure=self.structure if final else None))
+                                 stats=self.stats, structure=self.structure if final else None,
+                                 prompt_logprobs=prompt_logprobs))

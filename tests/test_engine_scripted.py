@@ -13,7 +13,7 @@ import pytest
 from localspec.engine import Engine, Request
 from localspec.policy import FixedLength
 from localspec.proposers import CrossTokenizerProposer, DraftModelProposer, HybridProposer, PromptLookupProposer
-from localspec.sampling import SamplingParams, logits_to_probs
+from localspec.sampling import SamplingParams, bias_logits, logits_to_probs
 from scripted import (EOS, PAIR_PIECES, ScriptedContext, ScriptedModel, TimedContext, VirtualClock, copying, favoured,
                       hashed_logits, related_logits)
 
@@ -525,3 +525,43 @@ def test_a_stall_that_idles_a_paying_regime_is_re_tried_at_the_next_request(monk
     after = engine.generate("the", max_tokens=60)
     assert after.stats.drafted >= 40 and after.stats.idle_steps == 0
     assert after.text == stalled.text
+
+
+def _bias_for(engine, prompt: list[int]) -> tuple[tuple[int, float], ...]:
+    """A ban of the oracle's favourite first token and a push for its third (so the bias matters)."""
+    order = np.argsort(-engine.oracle.logits(tuple(prompt)))
+    return tuple(sorted(((int(order[0]), -100.0), (int(order[2]), 1.5))))
+
+
+@pytest.mark.parametrize("kind", ["draft40", "lookup", "hybrid"])
+def test_logit_bias_sampled_follows_the_biased_oracle(kind, fixed_entropy):
+    """The target of speculation is the biased oracle: sampled first tokens follow its distribution
+    (a chi-square test), and the banned token never comes first."""
+    engine = proposer_engine(kind)
+    prompt = engine.oracle_model.tokenize(PROMPT)
+    bias = _bias_for(engine, prompt)
+    sampling = SamplingParams(temperature=1.0, logit_bias=bias)
+
+    def biased(history):
+        return bias_logits(engine.oracle.logits(history), bias)
+
+    expected = first_tokens_distribution(biased, prompt, sampling)
+    counts, drafted, accepted = sample_first_tokens(engine, prompt, sampling, N_SAMPLES)
+    banned = next(t for t, b in bias if b < 0)
+    assert all(outcome[0] != banned for outcome in counts)
+    stat, critical = chi_square(counts, expected, N_SAMPLES)
+    assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}"
+    assert accepted > 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_logit_bias_greedy_is_the_biased_oracle_alones(kind):
+    engine, alone = proposer_engine(kind), proposer_engine(kind)
+    alone.policy = FixedLength(0)
+    prompt = engine.oracle_model.tokenize(PROMPT)
+    bias = _bias_for(engine, prompt)
+    request = Request(max_tokens=20, sampling=SamplingParams(temperature=0, logit_bias=bias))
+    plain = [t for c in engine.stream_tokens(prompt, Request(max_tokens=20)) for t in c.tokens]
+    spec = [t for c in engine.stream_tokens(prompt, request) for t in c.tokens]
+    assert spec == [t for c in alone.stream_tokens(prompt, request) for t in c.tokens]
+    assert spec[0] != plain[0]  # the favourite first token was banned

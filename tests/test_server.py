@@ -346,7 +346,7 @@ BAD_CHAT = [
     ({"top_logprobs": 2}, None),  # needs logprobs: true
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"stop": ["a"] * 17}, "stop"),
-    ({"logit_bias": {"50256": -100}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),  # biases are in [-100, 100]
     ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function",
                                                                                    "function": {"name": "g"}}},
      "tool_choice"),
@@ -377,7 +377,7 @@ def test_invalid_chat_parameters_are_400(http, change, param):
 
 @pytest.mark.model
 @pytest.mark.parametrize("change,param", [({"prompt": []}, "prompt"), ({"logprobs": 21}, "logprobs"),
-                                          ({"echo": True}, "echo"), ({"best_of": 3}, "best_of"),
+                                          ({"prompt": [[]]}, "prompt"), ({"best_of": 3}, "best_of"),
                                           ({"n": 9, "prompt": ["a", "b"]}, "n"), ({"prompt": None}, "prompt")])
 def test_invalid_completion_parameters_are_400(http, change, param):
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 4, **change}
@@ -462,6 +462,7 @@ PARAM_PATHS = [
     ({"tools": [{"type": "function"}]}, "tools[0]", "invalid_value"),
     ({"functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),
     ({"n": 0}, "n", "invalid_value"),
+    ({"stream_options": {"include_usage": True}}, "stream_options", "invalid_value"),  # without stream: true
 ]
 
 

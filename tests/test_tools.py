@@ -8,6 +8,7 @@ import json
 import pytest
 from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 
+from localspec.constraints import Constraint
 from localspec.server.schemas import InvalidParam
 from localspec.server.tools import (ToolCallStream, generic_messages, parse_tool_calls, plan_tools,
                                     response_format_constraint, template_messages, tool_grammar)
@@ -89,7 +90,15 @@ def test_response_format():
     assert response_format_constraint(None) is None and response_format_constraint({"type": "text"}) is None
     assert response_format_constraint({"type": "json_object"}).kind == "json_schema"
     with pytest.raises(InvalidParam, match="name"):
-        response_format_constraint({"type": "json_schema", "json_schema": {"schema": {}}})
+        response_format_constraint({"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}})
+    # llama-server's shapes: a json_schema without a name, a schema beside the type
+    assert response_format_constraint({"type": "json_schema", "json_schema": {"schema": {}}}).kind == "json_schema"
+    limited = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    for shape in ({"type": "json_object", "schema": limited}, {"type": "json_schema", "schema": limited}):
+        assert response_format_constraint(shape) == Constraint.json_schema(limited)
+    with pytest.raises(InvalidParam) as e:
+        response_format_constraint({"type": "json_object", "schema": {"type": 3}})
+    assert e.value.param == "response_format.schema"
     with pytest.raises(InvalidParam) as e:
         response_format_constraint({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 3}}})
     assert e.value.param == "response_format.json_schema.schema"

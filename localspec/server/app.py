@@ -103,9 +103,12 @@ class _TextOffsets:
 
 
 def _completion_logprobs(logprobs: list[TokenLogprob], offsets: _TextOffsets, top_n: int) -> S.CompletionLogprobs:
+    """OpenAI's legacy shape; an echoed prompt's first token has null logprobs (nothing predicts it)."""
     return S.CompletionLogprobs(
-        tokens=[lp.text for lp in logprobs], token_logprobs=[_lp(lp.logprob) for lp in logprobs],
-        top_logprobs=[{t.text: _lp(t.logprob) for t in lp.top} for lp in logprobs] if top_n > 0 else None,
+        tokens=[lp.text for lp in logprobs],
+        token_logprobs=[None if lp.logprob is None else _lp(lp.logprob) for lp in logprobs],
+        top_logprobs=[None if lp.logprob is None else {t.text: _lp(t.logprob) for t in lp.top} for lp in logprobs]
+        if top_n > 0 else None,
         text_offset=[offsets.advance(lp.bytes) for lp in logprobs])
 
 
@@ -261,9 +264,11 @@ class _CompletionReply(_Reply):
 
     def __init__(self, model_name: str, body: S.CompletionRequest, prompt: str, index: int = 0,
                  first: _Reply | None = None) -> None:
+        """`prompt`: the prompt's text (token ids detokenized)."""
         super().__init__(model_name, body.stream_options, index, first)
         self.logprobs, self.top_n = body.logprobs, body.logprobs or 0
-        self.offsets = _TextOffsets(len(prompt))  # where each token starts in the text
+        self.echo = prompt if body.echo else None  # sent in front of the text, once
+        self.offsets = _TextOffsets(0 if body.echo else len(prompt))  # where each token starts in the text
 
     def chunk(self, choices: list, usage: S.Usage | None = None) -> S.Completion:
         return S.Completion(id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage)
@@ -272,6 +277,12 @@ class _CompletionReply(_Reply):
         return [S.CompletionChoice(index=self.index, text=text, finish_reason=finish, logprobs=logprobs)]
 
     def events(self, event: Chunk) -> Iterable[str]:
+        if self.echo is not None:
+            lp = None
+            if event.prompt_logprobs is not None and self.logprobs is not None:
+                lp = _completion_logprobs(event.prompt_logprobs, self.offsets, self.top_n)
+            yield self.chunk(self._choice(self.echo, None, lp)).model_dump_json(exclude=self.exclude)
+            self.echo = None
         lp = None
         if event.logprobs is not None and self.logprobs is not None:
             lp = _completion_logprobs(event.logprobs, self.offsets, self.top_n)
@@ -279,8 +290,9 @@ class _CompletionReply(_Reply):
             yield self.chunk(self._choice(event.text, event.finish_reason, lp)).model_dump_json(exclude=self.exclude)
 
     def choice(self, text: str, logprobs: list[TokenLogprob], final: Chunk) -> S.CompletionChoice:
+        """`logprobs`: the prompt's first when echoed (collect puts them in front)."""
         lp = _completion_logprobs(logprobs, self.offsets, self.top_n) if self.logprobs is not None else None
-        return self._choice(text, final.finish_reason, lp)[0]
+        return self._choice((self.echo or "") + text, final.finish_reason, lp)[0]
 
     def whole(self, choices: list, usage: S.Usage) -> S.Completion:
         return self.chunk(choices, usage=usage)
@@ -502,6 +514,7 @@ class _Service:
                 if isinstance(event, Failed):
                     raise shutting_down() if isinstance(event.error, WorkerClosed) else APIError(500, _SERVER_ERROR)
                 parts.append(event.text)
+                logprobs.extend(event.prompt_logprobs or ())  # asked for by an echo, on the first chunk
                 logprobs.extend(event.logprobs or ())
                 final = event
         except asyncio.CancelledError:
@@ -614,9 +627,21 @@ async def completions(body: S.CompletionRequest, request: Request):
     if grammar is not None:
         options["grammar"] = grammar
     prompts = [p for p in body.prompts() for _ in range(body.n)]  # choice i: prompt i // n
-    first = _CompletionReply(svc.model_name, body, prompts[0])
-    replies = [first] + [_CompletionReply(svc.model_name, body, p, i, first) for i, p in enumerate(prompts) if i]
+    texts = [p if isinstance(p, str) else _prompt_text(svc, p) for p in prompts]
+    first = _CompletionReply(svc.model_name, body, texts[0])
+    replies = [first] + [_CompletionReply(svc.model_name, body, t, i, first) for i, t in enumerate(texts) if i]
     return await svc.respond(request, replies, prompts, _per_choice(options, body.n, len(body.prompts())), body.stream)
+
+
+def _prompt_text(svc: _Service, tokens: list[int]) -> str:
+    """A token-id prompt's text (for echo and the logprobs' text offsets); ids outside the
+    vocabulary are a 400."""
+    model = svc.worker.engine.oracle_model
+    bad = next((t for t in tokens if not 0 <= t < model.n_vocab), None)
+    if bad is not None:
+        raise APIError(400, f"prompt: token id {bad} is not in the vocabulary (ids 0 to {model.n_vocab - 1})",
+                       param="prompt", code="invalid_value")
+    return b"".join(model.token_piece(t, special=True) for t in tokens).decode(errors="replace")
 
 
 # ---------------------------------------------------------------- the app

@@ -2,8 +2,8 @@
 
 Requests are strict, as with OpenAI: an unknown field is a 400 ("Unrecognized request argument
 supplied"), values must have their JSON type ("8" is not an integer, true is not a seed, 8.0 is
-not an integer either), and a parameter the engine cannot honour (n > 1, penalties, logit_bias,
-the legacy `functions`, ...) is a 400 rather than silently ignored. `response_format`, `tools` and
+not an integer either), and a parameter the engine cannot honour (penalties, the legacy
+`functions`, ...) is a 400 rather than silently ignored. `response_format`, `tools` and
 `tool_choice` are served by server/tools.py. Responses follow OpenAI's schema; `usage` also carries
 the speculative-decoding counters (drafted, accepted, acceptance_rate).
 """
@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
-from ..options import OPTIONS, GenerationOptions
+from ..options import LOGIT_BIAS_LIMIT, OPTIONS, GenerationOptions
 
 MAX_STOP = 16  # OpenAI allows 4; more costs nothing here
 MAX_CHOICES = 16  # choices one request may ask for (n, and prompts x n for a list of prompts)
@@ -45,12 +45,16 @@ class StreamOptions(BaseModel):
 
 
 class Speculative(BaseModel):
-    """localspec's per-request extension: `"speculative": {"enabled": false, "draft_max": 6}`."""
+    """localspec's per-request extension: `"speculative": {"enabled": false, "draft_max": 6}`; llama-server's
+    names are accepted too (`n_max` for draft_max, `n_min`, `p_min`)."""
 
     model_config = _STRICT
 
     enabled: bool = OPTIONS["speculative"].wire_field(True)
     draft_max: int | None = OPTIONS["draft_max"].wire_field()
+    n_max: int | None = OPTIONS["draft_max"].wire_field(description="llama-server's name of draft_max.")
+    n_min: int | None = OPTIONS["draft_min"].wire_field()
+    p_min: float | None = OPTIONS["draft_p_min"].wire_field()
 
 
 class _Common(BaseModel):
@@ -75,11 +79,28 @@ class _Common(BaseModel):
                    "batch; with a seed, choice i uses seed + i, so each choice is reproducible.")
     presence_penalty: float = Field(0.0, description="Only 0 is supported.")
     frequency_penalty: float = Field(0.0, description="Only 0 is supported.")
-    logit_bias: dict[str, float] | None = Field(None, description="Not supported (only empty).")
+    logit_bias: dict[str, float] | None = Field(
+        None, description="Token id (as a string) -> a bias in [-100, 100] added to the oracle's logits; under "
+                          "speculation the output follows the biased oracle exactly.")
     user: str | None = Field(None, description="Ignored.")
     speculative: Speculative | bool | None = Field(
         None, description="Extension: `{\"enabled\": false}` runs the oracle alone; `draft_max` caps the draft.")
     grammar: str | None = OPTIONS["grammar"].wire_field(extension=True)
+    # llama-server's per-request speculative fields, top-level keys with a dot in their names
+    speculative_n_max: int | None = OPTIONS["draft_max"].wire_field(alias="speculative.n_max", extension=True)
+    speculative_n_min: int | None = OPTIONS["draft_min"].wire_field(alias="speculative.n_min", extension=True)
+    speculative_p_min: float | None = OPTIONS["draft_p_min"].wire_field(alias="speculative.p_min", extension=True)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v):
+        for token, bias in (v or {}).items():
+            if not token.isdigit():
+                raise ValueError(f"keys must be token ids (digit strings), got {token!r}")
+            if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise ValueError(f"biases must be in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], got {bias:g} "
+                                 f"for {token}")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -89,11 +110,11 @@ class _Common(BaseModel):
         return v
 
     def check_supported(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise InvalidParam("stream_options: only allowed when stream is true", "stream_options", "invalid_value")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise InvalidParam(f"{name}: not supported (only 0)", name)
-        if self.logit_bias:
-            raise InvalidParam("logit_bias: not supported", "logit_bias", "unsupported_parameter")
 
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
@@ -103,10 +124,18 @@ class _Common(BaseModel):
         """The request on localspec's options: an omitted field takes their default, except the
         temperature (1, as with OpenAI); `speculative` may be a bool or {"enabled", "draft_max"}.
         A schema or grammar is added by the route (it may come from response_format or tools)."""
-        spec = self.speculative
+        spec = self.speculative if isinstance(self.speculative, Speculative) else Speculative()
+
+        def first(*values):
+            return next((v for v in values if v is not None), None)
+
         given = {"top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p, "seed": self.seed,
-                 "speculative": spec.enabled if isinstance(spec, Speculative) else spec,
-                 "draft_max": spec.draft_max if isinstance(spec, Speculative) else None}
+                 "logit_bias": self.logit_bias or None,
+                 "speculative": self.speculative.enabled if isinstance(self.speculative, Speculative)
+                 else self.speculative,
+                 "draft_max": first(spec.draft_max, spec.n_max, self.speculative_n_max),
+                 "draft_min": first(spec.n_min, self.speculative_n_min),
+                 "draft_p_min": first(spec.p_min, self.speculative_p_min)}
         return GenerationOptions(max_tokens=max_tokens, logprobs=logprobs, stop=self.stop_list(),
                                  temperature=1.0 if self.temperature is None else self.temperature,
                                  **{name: value for name, value in given.items() if value is not None})
@@ -209,35 +238,44 @@ def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] = Field(..., description=f"A string, or a list of up to {MAX_CHOICES} strings (each "
-                                    "its own choices, generated together in one batch).")
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        ..., description=f"A string, token ids, or a list of up to {MAX_CHOICES} strings or token-id lists (each its "
+                         "own choices, generated together in one batch).")
     max_tokens: int | None = OPTIONS["max_tokens"].wire_field(
         description="Most tokens to generate (default 16, as with OpenAI; clamped to the server's --max-tokens-limit).")
     logprobs: int | None = OPTIONS["logprobs"].wire_field(
         description="Return the oracle's logprobs and this many top tokens.")
-    echo: bool = Field(False, description="Only false.")
+    echo: bool = Field(False, description="The prompt in front of the text (with logprobs, its tokens' too: "
+                                          "the first one null).")
     best_of: int | None = Field(None, description="Only 1.")
     suffix: str | None = Field(None, description="Not supported.")
 
     def check_supported(self) -> None:
         super().check_supported()
-        if isinstance(self.prompt, list) and not 1 <= len(self.prompt) <= MAX_CHOICES:
-            raise InvalidParam(f"prompt: give a string or a list of 1 to {MAX_CHOICES} strings", "prompt")
+        prompts = self.prompts()
+        if not 1 <= len(prompts) <= MAX_CHOICES or not all(isinstance(p, str) or p for p in prompts):
+            raise InvalidParam(f"prompt: give a string, token ids, or a list of 1 to {MAX_CHOICES} strings or "
+                               "non-empty token-id lists", "prompt")
         if len(self.prompts()) * self.n > MAX_CHOICES:
             raise InvalidParam(f"n: at most {MAX_CHOICES} choices in all (prompts x n)", "n")
-        if self.echo:
-            raise InvalidParam("echo: not supported", "echo", "unsupported_parameter")
         if self.best_of not in (None, 1):
             raise InvalidParam("best_of: only 1 is supported", "best_of")
         if self.suffix:
             raise InvalidParam("suffix: not supported", "suffix", "unsupported_parameter")
 
-    def prompts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: a string or a list of token ids."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]
+        return list(self.prompt)
 
     def engine_options(self, max_tokens_limit: int) -> dict[str, Any]:
-        """`Engine.stream`'s keyword arguments; max_tokens is clamped to the server's limit."""
-        return self.generation_options(min(self.max_tokens or 16, max_tokens_limit), self.logprobs).as_kwargs()
+        """`Engine.stream`'s keyword arguments; max_tokens is clamped to the server's limit; with echo
+        and logprobs the prompt's logprobs too."""
+        options = self.generation_options(min(self.max_tokens or 16, max_tokens_limit), self.logprobs).as_kwargs()
+        if self.echo and self.logprobs is not None:
+            options["prompt_logprobs"] = self.logprobs
+        return options
 
 
 # ---------------------------------------------------------------- responses
@@ -353,8 +391,8 @@ class ChatCompletionChunk(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None = None
+    token_logprobs: list[float | None] = Field(description="null for an echoed prompt's first token.")
+    top_logprobs: list[dict[str, float] | None] | None = None
     text_offset: list[int] = Field(description="Where each token starts in the prompt + completion text, in "
                                                "characters (a token holding part of a character starts where it does).")
 

@@ -49,30 +49,37 @@ def grammar_constraint(grammar: str | None) -> Constraint | None:
 
 def response_format_constraint(response_format: dict[str, Any] | None) -> Constraint | None:
     """{"type": "text"} (or none): None; {"type": "json_object"}: any JSON object;
-    {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}: that schema."""
+    {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}: that schema.
+    llama-server's shapes too (clients written for it): {"type": "json_object", "schema": {...}} and
+    {"type": "json_schema", "schema": {...}} enforce that schema, and a json_schema may omit its name."""
     if not response_format:
         return None
     kind = response_format.get("type")
     if kind == "text":
         return None
+    if kind not in ("json_object", "json_schema"):
+        raise _invalid(f"response_format.type: expected 'text', 'json_object' or 'json_schema', got {kind!r}",
+                       "response_format.type")
+    if "schema" in response_format:  # llama-server's: the schema beside the type
+        return _schema_constraint(response_format["schema"], "response_format.schema")
     if kind == "json_object":
         return Constraint.json_object()
-    if kind != "json_schema":
-        raise _invalid(f"response_format.type: expected 'text', 'json_object' or 'json_schema', got {kind!r}",
-                           "response_format.type")
     spec = response_format.get("json_schema")
     if not isinstance(spec, dict):
         raise _invalid("response_format.json_schema: missing (an object with 'name' and 'schema')",
-                           "response_format.json_schema")
+                       "response_format.json_schema")
     name = spec.get("name")
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise _invalid("response_format.json_schema.name: required, letters, digits, '_' and '-' (at most 64)",
-                           "response_format.json_schema.name")
-    schema = spec.get("schema", {"type": "object"})
+    if name is not None and (not isinstance(name, str) or not _NAME.match(name)):
+        raise _invalid("response_format.json_schema.name: letters, digits, '_' and '-' (at most 64)",
+                       "response_format.json_schema.name")
+    return _schema_constraint(spec.get("schema", {"type": "object"}), "response_format.json_schema.schema")
+
+
+def _schema_constraint(schema: Any, where: str) -> Constraint:
     try:
         return Constraint.json_schema(schema)
     except ConstraintError as e:
-        raise _invalid(f"response_format.json_schema.schema: {e}", "response_format.json_schema.schema") from None
+        raise _invalid(f"{where}: {e}", where) from None
 
 
 # ---------------------------------------------------------------- tools
