@@ -73,9 +73,14 @@ class FakeHF(http.server.ThreadingHTTPServer):
                 return entry | {"revision": rev}
         return None
 
+    def file_requests(self) -> list[dict]:
+        """The requests for files (not, say, the agent-harness list huggingface_hub 2 fetches once a
+        day into a new HF_HOME), in order."""
+        return [e for e in self.log if "/resolve/" in e["path"]]
+
     def gets(self) -> list[dict]:
         """The GETs that reached a file's bytes (the hub's or the CDN's), in order."""
-        return [e for e in self.log if e["method"] == "GET" and e["status"] in (200, 206)]
+        return [e for e in self.file_requests() if e["method"] == "GET" and e["status"] in (200, 206)]
 
 
 class FakeHFHandler(http.server.BaseHTTPRequestHandler):

@@ -617,6 +617,18 @@ def test_hf_download_resumes_a_transfer_cut_short(hf, tmp_path):
     assert [g["range"] for g in gets] == [None, f"bytes={DOWNLOAD_CHUNK_SIZE}-"]
 
 
+def test_hf_download_copies_the_file_huggingface_hubs_cache_holds(hf, tmp_path):
+    import huggingface_hub
+
+    hf.add("org/repo", "m.gguf", BLOB, redirect=True)
+    huggingface_hub.hf_hub_download("org/repo", "m.gguf", endpoint=hf.endpoint)  # as another program would
+    del hf.log[:]
+    messages: list[str] = []
+    assert _dl(tmp_path, HFSource("org/repo", "m.gguf"), progress=messages.append).read_bytes() == BLOB
+    assert [e["method"] for e in hf.file_requests()] == ["HEAD"]
+    assert any(m.startswith("  model.gguf: copying it from the Hugging Face cache") for m in messages)
+
+
 def test_hf_download_follows_cdn_redirect_and_keeps_the_token_home(hf, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_secret")
     hf.add("org/repo", "m.gguf", BLOB, redirect=True)

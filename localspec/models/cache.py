@@ -13,6 +13,7 @@ import hashlib
 import os
 import re
 import secrets
+import shutil
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -78,6 +79,16 @@ def temp_beside(dest: Path) -> Path:
             return tmp
         except FileExistsError:
             continue
+
+
+def check_free_space(directory: Path, need: int, *, label: str, more: str = "") -> None:
+    """ModelError when the disk holding directory has less than ``need`` bytes free: said before a
+    fetch writes its first byte, not when the disk is full, the file half written and every other
+    program on that disk short of space too.  ``more`` follows the size needed in the message."""
+    free = shutil.disk_usage(directory).free
+    if need > free:
+        raise ModelError(f"{label}: not enough disk space: needs {human_size(need)}{more}, "
+                         f"{human_size(free)} free on {directory}")
 
 
 def write_text_atomically(dest: Path, text: str) -> None:
