@@ -123,6 +123,27 @@ def test_a_download_killed_with_sigkill_resumes(hub, gguf):
     assert_resumed(hub, gguf, gets_before=1)
 
 
+def test_ctrl_c_during_a_pull_keeps_the_bytes_and_the_same_command_resumes(hub, gguf):
+    hub.add(REPO, FILE, gguf, stall_at=STOP)
+    proc = pull(hub)
+    wait_for(hub.stalled.is_set, "the transfer to reach the stall")
+    wait_for(lambda: holds_one_piece(hub), "the partial file to hold a piece")
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    hub.release.set()
+    assert proc.returncode == 130 and out == ""
+    assert err.splitlines()[-1] == \
+        "localspec: interrupted: kept 10.5 MB of 24.0 MB of m; the same command resumes the download"
+    assert "Traceback" not in err and holds_one_piece(hub)
+
+    again = pull(hub)
+    out, err = again.communicate(timeout=60)
+    assert again.returncode == 0, err
+    assert out == f"m: {hub.models / 'm.gguf'}\n"
+    assert "localspec:   m: resuming: 10.5 MB of 24.0 MB kept from an earlier run" in err.splitlines()
+    assert_resumed(hub, gguf, gets_before=1)
+
+
 def test_a_resumed_file_that_fails_its_sha256_is_discarded(hub, gguf):
     hub.add(REPO, FILE, gguf, cut_at=STOP, down_after_cut=True)
     with pytest.raises(ModelError, match="kept 10.5 MB"):
@@ -215,4 +236,15 @@ def test_two_pulls_at_once_make_one_good_file_from_one_transfer(hub, gguf):
     assert path.read_bytes() == gguf and C.read_sidecar(path) == sha(gguf)
     assert [(e["method"], e["range"], e["sent"]) for e in hub.file_requests()] == [("HEAD", None, 0), ("GET", None, SLICE)]
     assert partial(hub) is None
+
+
+def test_ctrl_c_while_waiting_for_another_pull_exits_130(hub):
+    with C.locked(hub.models / "m.gguf", "m", None):  # another process is fetching m
+        waiting = pull(hub)
+        lines = lines_of(waiting.stderr)
+        wait_for_line(lines, "localspec: waiting for another process that is fetching m ...")
+        waiting.send_signal(signal.SIGINT)
+        assert waiting.wait(30) == 130
+    assert list(iter(lines.get, None)) == ["localspec: interrupted while fetching m"]
+    assert hub.file_requests() == []
 
