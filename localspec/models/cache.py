@@ -9,6 +9,7 @@ place; a per-file ``fcntl`` lock keeps two processes from fetching the same mode
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import os
 import re
@@ -102,6 +103,16 @@ def write_text_atomically(dest: Path, text: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def remove_leftovers(dest: Path) -> None:
+    """What killed fetches of dest left beside it: temporary files (``temp_beside``) and pip's
+    download directories; never the partial file a download resumes from.  Hold dest's lock."""
+    prefix = f".{glob.escape(dest.name)}."
+    for stale in dest.parent.glob(prefix + "*.tmp"):
+        stale.unlink(missing_ok=True)
+    for stale in dest.parent.glob(prefix + "pip-download-*"):
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 @contextlib.contextmanager

