@@ -49,12 +49,19 @@ class _Meter:
     def __init__(self, progress: Progress | None, label: str, total: int | None, done: int = 0, every: float = 1.0):
         self.progress, self.label, self.total, self.done, self.every = progress, label, total, done, every
         self.last = time.monotonic()
-        self.closed = False
+        self.finished = False
 
     def update(self, n: int) -> None:
         self.done += n
         if self.progress is not None and time.monotonic() - self.last >= self.every:
             self.emit()
+
+    def finish(self) -> None:
+        """The closing report, once, of a transfer that got all its bytes (one cut short says what it
+        kept in its own words)."""
+        if not self.finished and self.done and (not self.total or self.done >= self.total):
+            self.emit()
+        self.finished = True
 
     def emit(self) -> None:
         self.last = time.monotonic()
@@ -63,7 +70,6 @@ class _Meter:
             say(self.progress, f"  {self.label}: {human_size(self.done)} / {human_size(self.total)} ({pct:.0f}%)")
         else:
             say(self.progress, f"  {self.label}: {human_size(self.done)}")
-
 
 
 # ----------------------------------------------------------------------------- PyPI
@@ -358,10 +364,8 @@ def _progress_bar(progress: Progress | None, label: str):
             self.meter.update(n)
             return super().update(n)
 
-        def close(self):  # when the transfer ends, and again when the bar is collected: report once
-            if progress is not None and self.meter.done and not self.meter.closed:
-                self.meter.emit()
-            self.meter.closed = True
+        def close(self):  # when the transfer ends, and again when the bar is collected
+            self.meter.finish()
             super().close()
 
     return Bar
