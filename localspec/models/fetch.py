@@ -235,13 +235,9 @@ def hf_download(
     if meta.size is not None:
         more = f" more ({_kept(part, meta.size)} kept from an earlier run)" if _size(part) else ""
         check_free_space(dest.parent, meta.size - _size(part), label=label, more=more)
-    if urllib.parse.unquote(meta.location) != urllib.parse.unquote(asked):
-        where = meta.location  # a CDN's address for these very bytes
-    else:  # at the commit the hub named, not at a branch that may move on during the transfer
-        where = hub.hf_hub_url(source.repo, source.file, revision=meta.commit_hash or source.revision,
-                               endpoint=endpoint)
     try:
-        _fill(part, where, source, meta, endpoint=endpoint, label=label, progress=progress)
+        _fill(part, _bytes_url(source, meta, asked, endpoint), source, meta, endpoint=endpoint, label=label,
+              progress=progress)
         actual = sha256_file(part)
     except KeyboardInterrupt:
         message = f"interrupted: kept {_kept(part, meta.size)} of {label}; the same command resumes the download"
@@ -254,12 +250,22 @@ def hf_download(
     etag = (meta.etag or "").lower()  # an LFS file's is its sha256 (a git file's is a sha1)
     expected = sha256.lower() if sha256 else etag if HEX64.match(etag) else None
     if expected is not None and actual != expected:
-        part.unlink(missing_ok=True)
+        part.unlink(missing_ok=True)  # resuming from bytes that are wrong somewhere would never end well
         raise ModelError(f"sha256 mismatch for {label}: expected {expected}, got {actual} (download discarded)")
     if expected is None:
         say(progress, f"  {label}: no sha256 published; recording {actual}")
     os.replace(part, dest)
     return actual
+
+
+def _bytes_url(source: HFSource, meta, asked: str, endpoint: str) -> str:
+    """Where to GET the file's bytes: the CDN address the hub redirected ``asked`` to, else the file
+    at the commit the hub named (not at a branch, which may move on during a long transfer)."""
+    import huggingface_hub as hub
+
+    if urllib.parse.unquote(meta.location) != urllib.parse.unquote(asked):
+        return meta.location
+    return hub.hf_hub_url(source.repo, source.file, revision=meta.commit_hash or source.revision, endpoint=endpoint)
 
 
 def _size(path: Path) -> int:
