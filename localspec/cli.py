@@ -41,7 +41,7 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
 
 def friendly_errors(fn: Callable) -> Callable:
     """Expected failures (bad model, bad option value, ...) become one line and exit code 2;
-    --debug shows the traceback."""
+    --debug shows the traceback. Ctrl-C during a model's download says what is kept, exit 130."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -49,6 +49,13 @@ def friendly_errors(fn: Callable) -> Callable:
             return fn(*args, **kwargs)
         except (click.ClickException, BrokenPipeError):
             raise  # a reader that went away (`| head`): click ends quietly, status 1
+        except KeyboardInterrupt as e:
+            from .models import DownloadInterrupted
+
+            if not isinstance(e, DownloadInterrupted):
+                raise
+            progress(str(e))  # "interrupted: kept 1.2 GB of 4.9 GB of NAME; the same command resumes ..."
+            sys.exit(EXIT_INTERRUPTED)
         except _expected_errors() as e:
             if logging.getLogger("localspec").isEnabledFor(logging.DEBUG):
                 traceback.print_exc()
@@ -390,14 +397,21 @@ def models_cmd(as_json: bool) -> None:
 @click.argument("names", nargs=-1, required=True)
 @friendly_errors
 def pull(names: tuple[str, ...]) -> None:
-    """Fetch (or derive) models, or both models of a pair, into the cache."""
-    from .models import Registry
+    """Fetch (or derive) models, or both models of a pair, into the cache. A download stopped
+    short (Ctrl-C, a dropped connection) resumes when the same command runs again."""
+    from .models import DownloadInterrupted, Registry
 
     reg = Registry.load()
     for name in names:
         targets = [reg.pairs[name].oracle, reg.pairs[name].draft] if name in reg.pairs else [name]
         for target in targets:
-            path = reg.pull(target, progress=progress)
+            try:
+                path = reg.pull(target, progress=progress)
+            except KeyboardInterrupt as e:
+                if isinstance(e, DownloadInterrupted):
+                    raise  # friendly_errors says what the download kept
+                progress(f"interrupted while fetching {target}")  # waiting, pip, quantizing, hashing
+                sys.exit(EXIT_INTERRUPTED)
             click.echo(f"{target}: {path}")
 
 

