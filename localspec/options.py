@@ -214,6 +214,8 @@ class GenerationOptions:
     speculative: bool = option("bool", True, "false: the oracle alone (same output, no draft).")
     draft_max: int | None = option("int", None, "Most tokens drafted per step for this request.", ge=0, le=64,
                                    nullable=True)
+    sources: bool = option("bool", False, "Label each chunk's text by where its tokens came from: accepted from "
+                                          "the draft model, from prompt lookup, or the oracle's own token.")
     schema: Any = option("schema", None, "The output must be JSON following this JSON schema.", flag="json_schema")
     grammar: Any = option("grammar", None, "The output must follow this grammar (llguidance's Lark syntax, or "
                                            "llama.cpp's GBNF when it has '::=' rules).")

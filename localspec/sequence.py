@@ -41,6 +41,7 @@ class Request:
     logprobs: int | None = None  # None: off; n >= 0: the emitted token's logprob and the top n
     speculative: bool = True
     draft_max: int | None = None  # per-request cap on the draft length
+    sources: bool = False  # each chunk says where its text's tokens came from (Chunk.sources)
     constraint: Constraint | None = None  # a JSON schema or grammar the output must follow
 
     def __post_init__(self) -> None:
@@ -53,7 +54,7 @@ class Request:
                    sampling=SamplingParams(temperature=options.temperature, top_k=options.top_k,
                                            top_p=options.top_p, min_p=options.min_p, seed=options.seed),
                    stop=options.stop, logprobs=options.logprobs, speculative=options.speculative,
-                   draft_max=options.draft_max, constraint=options.constraint)
+                   draft_max=options.draft_max, sources=options.sources, constraint=options.constraint)
 
 
 class Status(enum.Enum):
@@ -103,5 +104,8 @@ class Seq:
         return self.history[self.prompt_len:]
 
     def emit(self, text: str, tokens: list[int], logprobs: list[TokenLogprob] | None, *, final: bool = False) -> None:
+        """Send `text`, just released by `self.text`, and the step's tokens (with their sources when
+        the request asked: the released text's spans, which add up to it)."""
+        sources = self.text.spans() if self.request.sources else None
         self.outbox.append(Chunk(text, tokens, logprobs, finish_reason=self.finish_reason if final else None,
-                                 stats=self.stats, structure=self.structure if final else None))
+                                 stats=self.stats, structure=self.structure if final else None, sources=sources))
