@@ -1,5 +1,6 @@
 """The FastAPI app: OpenAI's /v1/chat/completions, /v1/completions and /v1/models over one engine
-worker, plus /health, /metrics and the OpenAPI docs (/docs, /openapi.json). What every request
+worker, plus /health, /metrics, the OpenAPI docs (/docs, /openapi.json) and a chat page at /
+(webui.py). What every request
 goes through first (Host, Origin, CORS, the API key, the body) is in gate.py; the error bodies in
 errors.py."""
 
@@ -33,6 +34,7 @@ from . import tools as T
 from .errors import (SERVER_ERROR, APIError, on_api_error, on_http_error, on_internal_error, on_validation_error,
                      shutting_down)
 from .gate import DEFAULT_BODY_TIMEOUT, Gate, Guard, HostRule, OriginRule
+from .webui import router as webui_router
 from .worker import CANCELLED, DEFAULT_MAX_QUEUE, STARTED, EngineWorker, Failed, Job, QueueFull, WorkerClosed
 
 log = logging.getLogger("localspec.server")
@@ -651,7 +653,7 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
                max_queue: int | None = None, max_body: int = DEFAULT_MAX_BODY, log_prompts: bool = False,
                max_tokens_limit: int | None = None, time_limit: float | None = DEFAULT_TIME_LIMIT,
                host: str = "127.0.0.1", allowed_hosts: Iterable[str] = (), cors_origins: Iterable[str] = (),
-               body_timeout: float = DEFAULT_BODY_TIMEOUT) -> FastAPI:
+               body_timeout: float = DEFAULT_BODY_TIMEOUT, webui: bool = True) -> FastAPI:
     """An OpenAI-compatible app over an Engine (the app then owns a worker for it, stopped at
     shutdown) or an EngineWorker (the caller owns it). `model_name` is what /v1/models lists;
     requests may also name any of `aliases` (e.g. the oracle's registry name).
@@ -661,7 +663,7 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
     generation that runs longer with finish_reason "length". `host` is the address the server is
     bound to: with `allowed_hosts` it decides which Host headers are answered; `cors_origins` are
     the web origins allowed to call it (besides its own pages). `body_timeout`: seconds a request
-    body may take to arrive."""
+    body may take to arrive. `webui`: serve the chat page at / (server/webui.py)."""
     if isinstance(engine_or_worker, EngineWorker):
         worker, owns_worker = engine_or_worker, False
         if max_queue is not None:
@@ -684,7 +686,7 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
         description="OpenAI-compatible API over localspec's speculative-decoding engine. "
                     "Extension: `\"speculative\": {\"enabled\": false, \"draft_max\": 6, \"sources\": true}` per "
                     "request (`sources`: each choice says where its tokens came from, and its figures); "
-                    "`usage` also reports drafted/accepted tokens and the acceptance rate.")
+                    "`usage` also reports drafted/accepted tokens and the acceptance rate. A chat page is at /.")
     app.state.service = service
     app.state.worker = worker
     app.state.metrics = metrics
@@ -709,6 +711,8 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(Exception, on_internal_error)
     app.include_router(router)
+    if webui:
+        app.include_router(webui_router)
     return app
 
 
