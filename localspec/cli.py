@@ -496,14 +496,15 @@ def _is_loopback(host: str) -> bool:
 @click.option("--shutdown-grace", type=click.FloatRange(0), default=5, show_default=True,
               help="Seconds the running generation gets to finish after SIGTERM/Ctrl-C (queued ones get 503 at once).")
 @click.option("--log-prompts", is_flag=True, help="Log prompt and completion text (never logged otherwise).")
+@click.option("--no-webui", is_flag=True, help="Do not serve the chat page at /.")
 @click.pass_context
 @friendly_errors
 def serve(ctx: click.Context, host: str, port: int, model_name: str | None, api_key: str | None,
           api_key_file: str | None, parallel: int, max_queue: int, max_body: int, max_tokens_limit: int | None,
           time_limit: float, cors_origins: tuple[str, ...], allowed_hosts: tuple[str, ...], shutdown_grace: float,
-          log_prompts: bool, **kw) -> None:
+          log_prompts: bool, no_webui: bool, **kw) -> None:
     """Serve an OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models
-    (plus /health, /metrics and the docs at /docs)."""
+    (plus /health, /metrics, the docs at /docs and a chat page at /)."""
     api_key = resolve_api_key(ctx, api_key, api_key_file)
     for origin in cors_origins:
         if origin not in ("*", "null") and not re.fullmatch(r"[a-z][a-z0-9+.-]*://[^/?#\s]+/?", origin, re.I):
@@ -528,7 +529,7 @@ def serve(ctx: click.Context, host: str, port: int, model_name: str | None, api_
         run_server(engine, host=host, port=port, grace=shutdown_grace, model_name=name, aliases=aliases,
                    api_key=api_key, max_queue=max_queue, max_body=max_body, max_tokens_limit=max_tokens_limit,
                    time_limit=time_limit or None, cors_origins=cors_origins, allowed_hosts=allowed_hosts,
-                   log_prompts=log_prompts)
+                   log_prompts=log_prompts, webui=not no_webui)
 
 
 @main.command()

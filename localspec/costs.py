@@ -395,6 +395,22 @@ def oracle_alone_time(steps: Sequence["StepRecord"], verify: PassCost) -> float:
     return sum((s.accepted + 1) * verify(1, s.context) for s in steps)
 
 
+def estimated_speedup(spent: Any, verify: PassCost | None = None) -> float | None:
+    """What `localspec chat`'s /stats and the server's chat page show: the oracle alone's time for
+    the tokens of `spent` (a reply's Stats, or the chat's session totals: step `records`,
+    `draft_time`, `verify_time`) over the draft + verify time they took. `verify`: the oracle's
+    one-token pass fitted elsewhere (the chat fits the session's steps); None: fitted to `spent`'s
+    own steps (every reply's first step is a one-token pass). Nothing is timed on purpose; the
+    oracle's prompt evaluation is left out on both sides (the draft's catch-up on it counts: only
+    speculation pays it). None when no one-token step anchors the fit."""
+    if verify is None:
+        fit = fit_steps(spent.records)
+        if fit is None:
+            return None
+        verify = fit[0]
+    return speedup(oracle_alone_time(spent.records, verify), spent.draft_time, spent.verify_time)
+
+
 def predicted_speedup(steps: Sequence["StepRecord"], verify: PassCost, draft: PassCost | None,
                       alone: PassCost | None = None) -> float | None:
     """The speedup the fitted costs predict for the steps taken: the oracle alone's time for their

@@ -263,9 +263,9 @@ class Engine:
         seed = request.sampling.seed
         detok = Detokenizer(self.oracle_model)
         speculative = request.speculative and self.proposer is not None
+        text = TextStream(detok.feed, detok.flush, request.stop, labelled=request.sources)
         seq = Seq(list(prompt_tokens), request, rng=np.random.default_rng(None if seed is None else seed_key(seed)),
-                  text=TextStream(detok.feed, detok.flush, request.stop), stats=stats, policy=self.policy.fork(),
-                  speculative=speculative, walk=walk)
+                  text=text, stats=stats, policy=self.policy.fork(), speculative=speculative, walk=walk)
         if speculative:
             regime = Regime.of(request.sampling, constrained=request.constraint is not None)
             stats.regime = regime.describe()
@@ -451,7 +451,7 @@ class Engine:
             stats.idle_steps += stats.steps > 0 and self._draft_limit(seq) > 0 and not step.drafted
         stats.add_step(step)
         seq.draft = None
-        emitted, finish = self._emit(out, seq)
+        emitted, finish = self._emit(out, seq, _sources(draft, n_accepted, len(out)) if seq.request.sources else None)
         structure = None
         if seq.walk is not None:
             stats.constraint_time = seq.walk.seconds
@@ -512,18 +512,19 @@ class Engine:
             return "stop", "complete"
         return finish, "incomplete"
 
-    def _emit(self, out: list[int], seq: Seq) -> tuple[list[int], str | None]:
+    def _emit(self, out: list[int], seq: Seq, sources: list[str] | None = None) -> tuple[list[int], str | None]:
         """Append a step's tokens to the history until one of them ends the generation:
-        end-of-generation token, stop string, max_tokens, or a full context."""
+        end-of-generation token, stop string, max_tokens, or a full context. `sources`: where
+        each token came from, for a request that asked (its text is labelled with them)."""
         emitted: list[int] = []
         stats, history = seq.stats, seq.history
-        for token in out:
+        for i, token in enumerate(out):
             if self.oracle_model.is_eog(token):
                 return emitted, "stop"
             emitted.append(token)
             history.append(token)
             stats.completion_tokens += 1
-            if seq.text.add(token):
+            if seq.text.add(token, sources[i] if sources else ""):
                 return emitted, "stop"
             if stats.completion_tokens >= seq.request.max_tokens or len(history) > self.n_ctx:
                 return emitted, "length"
@@ -572,3 +573,11 @@ class Engine:
     def _token_logprob(self, token: int, logprob: float | None) -> TokenLogprob:
         piece = self.oracle_model.token_piece(token)
         return TokenLogprob(token, piece.decode(errors="replace"), piece, logprob)
+
+_DRAFT_SOURCES = {"model": "draft", "lookup": "lookup"}  # a Draft's source -> outputs.SOURCES
+
+
+def _sources(draft: Draft, n_accepted: int, n: int) -> list[str]:
+    """Where each of a step's `n` tokens came from: the accepted draft tokens from the draft's
+    source, the last one (recovered or bonus) from the oracle."""
+    return [_DRAFT_SOURCES.get(draft.source, "draft")] * n_accepted + ["oracle"] * (n - n_accepted)

@@ -249,6 +249,8 @@ class GenerationOptions:
     logit_bias: tuple[tuple[int, float], ...] = option(
         "bias", (), "Added to the oracle's logits of these token ids before sampling (the draft's too): the output "
                     "follows the biased oracle.")
+    sources: bool = option("bool", False, "Label each chunk's text by where its tokens came from: accepted from "
+                                          "the draft model, from prompt lookup, or the oracle's own token.")
     schema: Any = option("schema", None, "The output must be JSON following this JSON schema.", flag="json_schema")
     grammar: Any = option("grammar", None, "The output must follow this grammar (llguidance's Lark syntax, or "
                                            "llama.cpp's GBNF when it has '::=' rules).")

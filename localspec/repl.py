@@ -21,7 +21,7 @@ from typing import Any, Iterable, TextIO
 
 import click
 
-from .costs import fit_steps, oracle_alone_time, speedup
+from .costs import estimated_speedup, fit_steps
 from .options import GenerationOptions
 from .outputs import Stats, StepRecord
 
@@ -440,10 +440,7 @@ class Chat:
             lines.append("speedup vs oracle alone: n/a (no one-token oracle step recorded yet)")
             return lines
         verify, _ = fit
-        # the oracle's prompt evaluation is left out on both sides; the draft's (in its first proposal,
-        # after the first token) counts: only speculation pays it
-        last = speedup(oracle_alone_time(s.records, verify), s.draft_time, s.verify_time)
-        sess = speedup(oracle_alone_time(t.records, verify), t.draft_time, t.verify_time)
+        last, sess = estimated_speedup(s, verify), estimated_speedup(t, verify)
 
         def fmt(x: float | None) -> str:
             return f"{x:.2f}x" if x is not None else "n/a"

@@ -44,6 +44,7 @@ class Request:
     draft_max: int | None = None  # per-request cap on the draft length
     draft_min: int | None = None  # a shorter draft is dropped before verification
     draft_p_min: float | None = None  # the draft model's confidence floor for this request (None: the engine's)
+    sources: bool = False  # each chunk says where its text's tokens came from (Chunk.sources)
     constraint: Constraint | None = None  # a JSON schema or grammar the output must follow
 
     def __post_init__(self) -> None:
@@ -59,7 +60,7 @@ class Request:
                                            logit_bias=options.logit_bias),
                    stop=options.stop, logprobs=options.logprobs, prompt_logprobs=options.prompt_logprobs,
                    speculative=options.speculative, draft_max=options.draft_max, draft_min=options.draft_min,
-                   draft_p_min=options.draft_p_min, constraint=options.constraint)
+                   draft_p_min=options.draft_p_min, sources=options.sources, constraint=options.constraint)
 
 
 class Status(enum.Enum):
@@ -110,7 +111,11 @@ class Seq:
         return self.history[self.prompt_len:]
 
     def emit(self, text: str, tokens: list[int], logprobs: list[TokenLogprob] | None, *, final: bool = False) -> None:
-        prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, None  # the first chunk carries them
+        """Send `text`, just released by `self.text`, and the step's tokens (with their sources when
+        the request asked: the released text's spans, which add up to it; the prompt's logprobs on the
+        first chunk when asked)."""
+        sources = self.text.spans() if self.request.sources else None
+        prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, None
         self.outbox.append(Chunk(text, tokens, logprobs, finish_reason=self.finish_reason if final else None,
                                  stats=self.stats, structure=self.structure if final else None,
-                                 prompt_logprobs=prompt_logprobs))
+                                 prompt_logprobs=prompt_logprobs, sources=sources))

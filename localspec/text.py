@@ -3,15 +3,23 @@
 `TextStream` turns emitted tokens into text (UTF-8 safe when a character spans tokens), finds stop
 strings even when they span several tokens, and only releases text that can no longer turn out to
 be the start of a stop string, so streamed text never contains one.
+
+A labelled stream also says which token each piece of released text came from (`spans`): every
+token added carries a label (where it came from: the draft, prompt lookup, the oracle), and the
+released text is handed out again cut at the tokens' boundaries, each piece with its token's label.
+The pieces follow the text exactly: held back with it, cut with it at a stop string, and a
+character whose bytes span several tokens belongs to the token that completed it.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Callable, Sequence
 
 
 class TextStream:
-    def __init__(self, feed: Callable[[int], str], flush: Callable[[], str], stops: Sequence[str] = ()) -> None:
+    def __init__(self, feed: Callable[[int], str], flush: Callable[[], str], stops: Sequence[str] = (), *,
+                 labelled: bool = False) -> None:
         self._feed = feed
         self._flush = flush
         self._stops = [s for s in stops if s]
@@ -19,10 +27,17 @@ class TextStream:
         self.text = ""  # all text so far (cut at the stop string once one is found)
         self._released = 0  # chars of self.text already handed out
         self.stopped = False
+        # labelled: where each token's text ended in self.text when it was added, and its label,
+        # until `spans` has handed that text out (None: not kept, nothing to pay)
+        self._ends: deque[tuple[int, str]] | None = deque() if labelled else None
+        self._spanned = 0  # chars of self.text `spans` has handed out
 
-    def add(self, token: int) -> bool:
-        """Append one token; True when a stop string has just completed (text is cut before it)."""
+    def add(self, token: int, label: str = "") -> bool:
+        """Append one token; True when a stop string has just completed (text is cut before it).
+        `label`: where the token came from (kept by a labelled stream)."""
         self._append(self._feed(token))
+        if self._ends is not None:
+            self._ends.append((len(self.text), label))
         return self.stopped
 
     def _append(self, piece: str) -> None:
@@ -48,8 +63,29 @@ class TextStream:
         """End of generation: flush the detokenizer and release everything left."""
         if not self.stopped:
             self._append(self._flush())
+            if self._ends:  # what the detokenizer held (part of a character) ends the last token's text
+                self._ends[-1] = (len(self.text), self._ends[-1][1])
         self.stopped = True
         return self.release()
+
+    def spans(self) -> list[tuple[str, str]]:
+        """The text released since the last call, as (piece, label) pairs: one per token that
+        contributed to it, in order (a token whose text is all held back, cut off or empty has
+        none). Call it after each `release` / `finish`: the pieces then add up to what it returned."""
+        assert self._ends is not None, "spans() needs TextStream(..., labelled=True)"
+        out, at, limit = [], self._spanned, self._released
+        while self._ends and at < limit:
+            end, label = self._ends[0]
+            # a stop string cuts the text: a token's end may lie past what is left of it
+            cut = min(end, limit)
+            if cut > at:
+                out.append((self.text[at:cut], label))
+                at = cut
+            if end > limit:  # the rest of this token's text is still held back (or was cut off)
+                break
+            self._ends.popleft()
+        self._spanned = at
+        return out
 
     def _held_back(self) -> int:
         """Length of the longest suffix of the text that is a proper prefix of a stop string."""

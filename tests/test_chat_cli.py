@@ -18,7 +18,8 @@ from localspec.engine import PromptTooLongError
 from localspec.outputs import Chunk, Stats
 from localspec.policy import FixedLength
 from localspec.outputs import StepRecord
-from localspec.repl import Chat, Console, Settings, speedup
+from localspec.costs import estimated_speedup, speedup
+from localspec.repl import Chat, Console, Settings
 
 CLI = [sys.executable, "-m", "localspec.cli"]
 # one thread: the test machine is shared, and llama.cpp's spinning threads collapse under contention
@@ -175,6 +176,10 @@ def test_stats_estimate_speedup_from_the_recorded_steps():
     assert "speedup vs oracle alone (estimate): 1.00x last reply" in out
     assert "oracle one-token step 20." in out  # 20 ms at the first step's context, the prior's slope after it
     assert "acceptance 50% (3/6)" in out and "prompt tokens evaluated: 5 of 5" in out
+    # the same estimate from the reply's own steps (what the server's chat page shows); none
+    # without a one-token step to fit the oracle's pass to
+    assert estimated_speedup(chat.last) == pytest.approx(1.0, abs=0.005)
+    assert estimated_speedup(Stats(records=[r for r in chat.last.records if r.drafted])) is None
 
 
 # ---------------------------------------------------------------- errors: one line, exit code 2

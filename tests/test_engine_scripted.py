@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from localspec.engine import Engine, Request
+from localspec.llama import Detokenizer
 from localspec.policy import FixedLength
 from localspec.proposers import CrossTokenizerProposer, DraftModelProposer, HybridProposer, PromptLookupProposer
 from localspec.sampling import SamplingParams, bias_logits, logits_to_probs
@@ -565,3 +566,42 @@ def test_logit_bias_greedy_is_the_biased_oracle_alones(kind):
     spec = [t for c in engine.stream_tokens(prompt, request) for t in c.tokens]
     assert spec == [t for c in alone.stream_tokens(prompt, request) for t in c.tokens]
     assert spec[0] != plain[0]  # the favourite first token was banned
+
+
+# --- where each token came from (sources=True) --------------------------------------------------
+
+
+def labelled_chars(engine: Engine, tokens: list[int], records) -> list[tuple[str, str]]:
+    """Each character of `tokens`' text with where its token came from, as the step records say
+    (a step's first `accepted` tokens from its draft's source, the next from the oracle); a
+    character whose bytes span tokens is the one that completed it."""
+    labels = []
+    for r in records:
+        labels += [{"model": "draft", "lookup": "lookup"}.get(r.source)] * r.accepted + ["oracle"]
+    detok = Detokenizer(engine.oracle_model)
+    out = [(c, label) for token, label in zip(tokens, labels) for c in detok.feed(token)]
+    return out + [(c, labels[len(tokens) - 1]) for c in detok.flush()]
+
+
+@pytest.mark.parametrize("kind, prompt, stop", [("hybrid", PROMPT, ()), ("hybrid", PROMPT, ("ezst",)),
+                                                ("lookup", "caf\u00e9 \u00e8. caf\u00e9 \u00e8. ", ())])
+def test_sources_label_each_chunks_text_by_the_step_that_made_its_tokens(kind, prompt, stop):
+    """With sources=True each chunk's text comes cut at its tokens, each piece labelled with where
+    its token came from, in step with the text: held back and cut at a stop string with it, a
+    character split over tokens (\u00e9 is two tokens here) given to the token completing it."""
+    engine = proposer_engine(kind)
+    chunks = list(engine.stream(prompt, max_tokens=40, stop=list(stop), sources=True))
+    for chunk in chunks:
+        assert "".join(piece for piece, _ in chunk.sources) == chunk.text
+        assert all(piece for piece, _ in chunk.sources)
+    text = "".join(c.text for c in chunks)
+    tokens = [t for c in chunks for t in c.tokens]
+    got = [(c, label) for chunk in chunks for piece, label in chunk.sources for c in piece]
+    assert got == labelled_chars(engine, tokens, chunks[-1].stats.records)[:len(text)]
+    assert {label for _, label in got} >= ({"draft", "lookup", "oracle"} if kind == "hybrid" else {"lookup", "oracle"})
+    if stop:
+        assert chunks[-1].finish_reason == "stop" and len(text) < len(engine.oracle_model.detokenize(tokens))
+    # asking changes nothing else; not asking costs nothing
+    plain = list(proposer_engine(kind).stream(prompt, max_tokens=40, stop=list(stop)))
+    assert [(c.text, c.tokens) for c in plain] == [(c.text, c.tokens) for c in chunks]
+    assert all(c.sources is None for c in plain)

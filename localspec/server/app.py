@@ -1,5 +1,6 @@
 """The FastAPI app: OpenAI's /v1/chat/completions, /v1/completions and /v1/models over one engine
-worker, plus /health, /metrics and the OpenAPI docs (/docs, /openapi.json). What every request
+worker, plus /health, /metrics, the OpenAPI docs (/docs, /openapi.json) and a chat page at /
+(webui.py). What every request
 goes through first (Host, Origin, CORS, the API key, the body) is in gate.py; the error bodies in
 errors.py."""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import dataclasses
 import json
 import logging
 import math
@@ -26,11 +28,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from ..outputs import Chunk, Stats, TokenLogprob
+from . import report as R
 from . import schemas as S
 from . import tools as T
 from .errors import (SERVER_ERROR, APIError, on_api_error, on_http_error, on_internal_error, on_validation_error,
                      shutting_down)
 from .gate import DEFAULT_BODY_TIMEOUT, Gate, Guard, HostRule, OriginRule
+from .webui import router as webui_router
 from .worker import CANCELLED, DEFAULT_MAX_QUEUE, STARTED, EngineWorker, Failed, Job, QueueFull, WorkerClosed
 
 log = logging.getLogger("localspec.server")
@@ -219,14 +223,15 @@ class _ChatReply(_Reply):
         super().__init__(model_name, body.stream_options, index, first)
         self.body, self.plan = body, plan
         self.calls = T.ToolCallStream() if plan is not None else None
+        self.report = R.asked(body)  # where each token came from, and the figures: only when asked
 
     def chunk(self, choices: list, usage: S.Usage | None = None) -> S.ChatCompletionChunk:
         return S.ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=choices,
                                      usage=usage)
 
-    def _delta(self, delta: S.Delta, finish=None, logprobs=None) -> str:
-        return self.chunk([S.ChatChunkChoice(index=self.index, delta=delta, finish_reason=finish,
-                                             logprobs=logprobs)]).model_dump_json(exclude=self.exclude)
+    def _delta(self, delta: S.Delta, finish=None, logprobs=None, report=None) -> str:
+        return self.chunk([S.ChatChunkChoice(index=self.index, delta=delta, finish_reason=finish, logprobs=logprobs,
+                                             speculative=report)]).model_dump_json(exclude=self.exclude)
 
     def head(self) -> Iterable[str]:
         yield self._delta(S.Delta(role="assistant", content=""))
@@ -237,8 +242,8 @@ class _ChatReply(_Reply):
         content, deltas = calls.feed(event.text) if calls is not None else (event.text, [])
         if calls is not None and calls.mode != "text":
             lp = None  # a call's tokens are not content
-        if content or lp:
-            yield self._delta(S.Delta(content=content), logprobs=lp)
+        if content or lp:  # content: all of the chunk's text (a call's is none of it), as its sources say
+            yield self._delta(S.Delta(content=content), logprobs=lp, report=R.sources(event) if self.report else None)
         if deltas:
             yield self._delta(S.Delta(tool_calls=deltas))
         if event.finish_reason is not None:
@@ -247,13 +252,14 @@ class _ChatReply(_Reply):
                 finish = "tool_calls"
             elif calls is not None and calls.unsent():  # cut inside a call: its text, as content
                 yield self._delta(S.Delta(content=calls.unsent()))
-            yield self._delta(S.Delta(), finish=finish)
+            yield self._delta(S.Delta(), finish=finish, report=R.last(event, text=False) if self.report else None)
 
     def choice(self, text: str, logprobs: list[TokenLogprob], final: Chunk) -> S.ChatChoice:
         calls = T.parse_tool_calls(text) if self.plan is not None and final.structure == "complete" else None
         message = S.AssistantMessage(content=text) if not calls else S.AssistantMessage(tool_calls=calls)
         return S.ChatChoice(index=self.index, message=message, finish_reason="tool_calls" if calls else final.finish_reason,
-                            logprobs=_chat_logprobs(logprobs) if self.body.logprobs and not calls else None)
+                            logprobs=_chat_logprobs(logprobs) if self.body.logprobs and not calls else None,
+                            speculative=R.last(final, text=not calls) if self.report else None)
 
     def whole(self, choices: list, usage: S.Usage) -> S.ChatCompletion:
         return S.ChatCompletion(id=self.rid, created=self.created, model=self.model, usage=usage, choices=choices)
@@ -269,12 +275,19 @@ class _CompletionReply(_Reply):
         self.logprobs, self.top_n = body.logprobs, body.logprobs or 0
         self.echo = prompt if body.echo else None  # sent in front of the text, once
         self.offsets = _TextOffsets(0 if body.echo else len(prompt))  # where each token starts in the text
+        self.report = R.asked(body)  # where each token came from, and the figures: only when asked
 
     def chunk(self, choices: list, usage: S.Usage | None = None) -> S.Completion:
         return S.Completion(id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage)
 
-    def _choice(self, text: str, finish=None, logprobs=None) -> list[S.CompletionChoice]:
-        return [S.CompletionChoice(index=self.index, text=text, finish_reason=finish, logprobs=logprobs)]
+    def _choice(self, text: str, finish=None, logprobs=None, report=None) -> list[S.CompletionChoice]:
+        return [S.CompletionChoice(index=self.index, text=text, finish_reason=finish, logprobs=logprobs,
+                                   speculative=report)]
+
+    def _report(self, event: Chunk) -> S.SpeculationReport | None:
+        if not self.report:
+            return None
+        return R.last(event) if event.finish_reason is not None else R.sources(event)
 
     def events(self, event: Chunk) -> Iterable[str]:
         if self.echo is not None:
@@ -287,12 +300,13 @@ class _CompletionReply(_Reply):
         if event.logprobs is not None and self.logprobs is not None:
             lp = _completion_logprobs(event.logprobs, self.offsets, self.top_n)
         if event.text or lp or event.finish_reason:
-            yield self.chunk(self._choice(event.text, event.finish_reason, lp)).model_dump_json(exclude=self.exclude)
+            yield self.chunk(self._choice(event.text, event.finish_reason, lp, self._report(event))).model_dump_json(
+                exclude=self.exclude)
 
     def choice(self, text: str, logprobs: list[TokenLogprob], final: Chunk) -> S.CompletionChoice:
         """`logprobs`: the prompt's first when echoed (collect puts them in front)."""
         lp = _completion_logprobs(logprobs, self.offsets, self.top_n) if self.logprobs is not None else None
-        return self._choice((self.echo or "") + text, final.finish_reason, lp)[0]
+        return self._choice((self.echo or "") + text, final.finish_reason, lp, self._report(final))[0]
 
     def whole(self, choices: list, usage: S.Usage) -> S.Completion:
         return self.chunk(choices, usage=usage)
@@ -508,7 +522,7 @@ class _Service:
     async def collect(self, job: Job, events: asyncio.Queue, request: Request) -> tuple[str, list, Chunk] | None:
         """A whole (non-streamed) generation: its text, logprobs and last chunk; None when the
         client went away before the end (nobody reads the answer)."""
-        parts, logprobs, final = [], [], None
+        parts, logprobs, sources, final = [], [], [], None
         try:
             async for event in self.chunks(job, events, request):
                 if isinstance(event, Failed):
@@ -516,6 +530,7 @@ class _Service:
                 parts.append(event.text)
                 logprobs.extend(event.prompt_logprobs or ())  # asked for by an echo, on the first chunk
                 logprobs.extend(event.logprobs or ())
+                sources.extend(event.sources or ())
                 final = event
         except asyncio.CancelledError:
             if not self.draining:
@@ -525,6 +540,8 @@ class _Service:
             raise shutting_down() from None
         if final is None or final.finish_reason is None:
             return None
+        if final.sources is not None:  # asked for: the last chunk says where all of the text came from
+            final = dataclasses.replace(final, sources=sources)
         return "".join(parts), logprobs, final
 
     def log_done(self, rid: str, endpoint: str, job: Job, text: str | None) -> None:
@@ -663,7 +680,7 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
                max_queue: int | None = None, max_body: int = DEFAULT_MAX_BODY, log_prompts: bool = False,
                max_tokens_limit: int | None = None, time_limit: float | None = DEFAULT_TIME_LIMIT,
                host: str = "127.0.0.1", allowed_hosts: Iterable[str] = (), cors_origins: Iterable[str] = (),
-               body_timeout: float = DEFAULT_BODY_TIMEOUT) -> FastAPI:
+               body_timeout: float = DEFAULT_BODY_TIMEOUT, webui: bool = True) -> FastAPI:
     """An OpenAI-compatible app over an Engine (the app then owns a worker for it, stopped at
     shutdown) or an EngineWorker (the caller owns it). `model_name` is what /v1/models lists;
     requests may also name any of `aliases` (e.g. the oracle's registry name).
@@ -673,7 +690,7 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
     generation that runs longer with finish_reason "length". `host` is the address the server is
     bound to: with `allowed_hosts` it decides which Host headers are answered; `cors_origins` are
     the web origins allowed to call it (besides its own pages). `body_timeout`: seconds a request
-    body may take to arrive."""
+    body may take to arrive. `webui`: serve the chat page at / (server/webui.py)."""
     if isinstance(engine_or_worker, EngineWorker):
         worker, owns_worker = engine_or_worker, False
         if max_queue is not None:
@@ -694,8 +711,9 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
     app = FastAPI(
         title="localspec", version=_version(), lifespan=_lifespan,
         description="OpenAI-compatible API over localspec's speculative-decoding engine. "
-                    "Extension: `\"speculative\": {\"enabled\": false, \"draft_max\": 6}` per request; "
-                    "`usage` also reports drafted/accepted tokens and the acceptance rate.")
+                    "Extension: `\"speculative\": {\"enabled\": false, \"draft_max\": 6, \"sources\": true}` per "
+                    "request (`sources`: each choice says where its tokens came from, and its figures); "
+                    "`usage` also reports drafted/accepted tokens and the acceptance rate. A chat page is at /.")
     app.state.service = service
     app.state.worker = worker
     app.state.metrics = metrics
@@ -720,6 +738,8 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(Exception, on_internal_error)
     app.include_router(router)
+    if webui:
+        app.include_router(webui_router)
     return app
 
 

@@ -45,8 +45,8 @@ class StreamOptions(BaseModel):
 
 
 class Speculative(BaseModel):
-    """localspec's per-request extension: `"speculative": {"enabled": false, "draft_max": 6}`; llama-server's
-    names are accepted too (`n_max` for draft_max, `n_min`, `p_min`)."""
+    """localspec's per-request extension: `"speculative": {"enabled": false, "draft_max": 6, "sources": true}`;
+    llama-server's names are accepted too (`n_max` for draft_max, `n_min`, `p_min`)."""
 
     model_config = _STRICT
 
@@ -55,6 +55,10 @@ class Speculative(BaseModel):
     n_max: int | None = OPTIONS["draft_max"].wire_field(description="llama-server's name of draft_max.")
     n_min: int | None = OPTIONS["draft_min"].wire_field()
     p_min: float | None = OPTIONS["draft_p_min"].wire_field()
+    sources: bool = OPTIONS["sources"].wire_field(
+        False, description="Each choice also says where its text came from: its `speculative.sources` cut the "
+                           "text at its tokens, each piece with its token's source; its last chunk adds the "
+                           "reply's `speculative.figures`.")
 
 
 class _Common(BaseModel):
@@ -135,7 +139,8 @@ class _Common(BaseModel):
                  else self.speculative,
                  "draft_max": first(spec.draft_max, spec.n_max, self.speculative_n_max),
                  "draft_min": first(spec.n_min, self.speculative_n_min),
-                 "draft_p_min": first(spec.p_min, self.speculative_p_min)}
+                 "draft_p_min": first(spec.p_min, self.speculative_p_min),
+                 "sources": spec.sources}
         return GenerationOptions(max_tokens=max_tokens, logprobs=logprobs, stop=self.stop_list(),
                                  temperature=1.0 if self.temperature is None else self.temperature,
                                  **{name: value for name, value in given.items() if value is not None})
@@ -343,7 +348,56 @@ class AssistantMessage(BaseModel):
         return d
 
 
-class ChatChoice(BaseModel):
+class ReplyFigures(BaseModel):
+    """How speculation went for one choice: the figures `localspec chat`'s /stats shows."""
+
+    completion_tokens: int
+    steps: int = Field(description="Oracle verify passes.")
+    drafted: int
+    accepted: int
+    lookup_accepted: int = Field(description="Of the accepted draft tokens, those prompt lookup proposed.")
+    acceptance_rate: float | None = Field(description="accepted / drafted (null when nothing was drafted).")
+    mean_accepted_length: float = Field(description="Draft tokens accepted per verify pass.")
+    tokens_per_second: float = Field(description="After the oracle's evaluation of the prompt.")
+    speedup: float | None = Field(description="Estimated speedup over the oracle alone: its one-token pass, fitted "
+                                              "to the reply's steps, for every token, over the time drafting and "
+                                              "verifying took (null: no estimate).")
+
+
+class SpeculationReport(BaseModel):
+    """Extension, only when the request asks (`"speculative": {"sources": true}`)."""
+
+    sources: list[tuple[str, Literal["draft", "lookup", "oracle"]]] = Field(
+        default_factory=list, description="The text this choice carries (a chunk's delta, or the whole reply) cut "
+        "at its tokens: [piece, source] pairs that add up to it; source: accepted from the draft model (\"draft\"), "
+        "accepted from prompt lookup (\"lookup\"), or the oracle's own token (\"oracle\": recovered after a "
+        "rejection, or the bonus after a fully accepted draft). A character split over tokens is the one's that "
+        "completed it.")
+    figures: ReplyFigures | None = Field(None, description="With the choice's last chunk (its finish_reason).")
+
+    @model_serializer(mode="wrap")
+    def _drop_no_figures(self, handler):
+        d = handler(self)
+        if d.get("figures") is None:
+            d.pop("figures", None)
+        return d
+
+
+class _Reported(BaseModel):
+    """A choice that carries the `speculative` report when the request asked for it, and nothing new otherwise."""
+
+    speculative: SpeculationReport | None = None
+
+    @model_serializer(mode="wrap")
+    def _report_if_asked(self, handler):
+        d = handler(self)
+        report = d.pop("speculative", None)
+        if report is not None:
+            d["speculative"] = report  # after OpenAI's own fields
+        return d
+
+
+class ChatChoice(_Reported):
     index: int = 0
     message: AssistantMessage
     logprobs: ChoiceLogprobs | None = None
@@ -372,7 +426,7 @@ class Delta(BaseModel):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(_Reported):
     index: int = 0
     delta: Delta
     logprobs: ChoiceLogprobs | None = None
@@ -397,7 +451,7 @@ class CompletionLogprobs(BaseModel):
                                                "characters (a token holding part of a character starts where it does).")
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(_Reported):
     index: int = 0
     text: str
     logprobs: CompletionLogprobs | None = None

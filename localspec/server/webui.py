@@ -1,0 +1,46 @@
+"""The chat page at `/` (`localspec serve --no-webui` leaves it out): HTML, CSS and JavaScript
+shipped in the package (static/), nothing built and nothing fetched from anywhere else.
+
+The page is a client like any other: it calls the server's own /v1/chat/completions (asking for
+the speculative report, server/report.py) and reads /metrics, under the same Host and Origin
+checks (gate.py) and with the API key the person types in. Serving it adds nothing a request
+could not already do; its Content-Security-Policy lets it talk to this server only, and no other
+site may frame it.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from importlib.resources import files
+
+from fastapi import APIRouter
+from fastapi.responses import Response
+
+FILES = {"/": "index.html", "/webui/app.js": "app.js", "/webui/app.css": "app.css"}
+_TYPES = {"html": "text/html; charset=utf-8", "js": "text/javascript; charset=utf-8", "css": "text/css; charset=utf-8"}
+_HEADERS = {
+    # its own script and style, requests to this server, nothing else; never inside another site's frame
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+                               "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",  # a newer localspec's page at once
+}
+
+router = APIRouter(include_in_schema=False)
+
+
+@lru_cache(maxsize=None)
+def _read(name: str) -> bytes:
+    return (files(__package__) / "static" / name).read_bytes()
+
+
+def _route(name: str):
+    async def page() -> Response:
+        return Response(_read(name), media_type=_TYPES[name.rsplit(".", 1)[1]], headers=_HEADERS)
+
+    return page
+
+
+for _path, _name in FILES.items():
+    router.add_api_route(_path, _route(_name), methods=["GET"], name=_name)

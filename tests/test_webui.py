@@ -1,0 +1,365 @@
+"""The chat page at / and the extension it reads (`"speculative": {"sources": true}`), for real: one
+`localspec serve` of the default pair with an API key (started first, loading while the rest
+runs), the extension over raw HTTP, and the page in headless Chromium driven by selenium.
+
+Chromium and its driver are Debian's (`apt-get install chromium chromium-driver`, which .ci/run
+does on a fresh machine): without them the browser tests fail, they are never skipped."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Iterator
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from serving import cli_serve, free_port, wait_ready
+
+API_KEY = "webui-test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+PARALLEL = 2
+SOURCES = {"draft", "lookup", "oracle"}
+COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"  # greedy SmolLM2 keeps counting
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+
+
+@pytest.fixture(scope="module")
+def served(pair_paths, tmp_path_factory):
+    """The real command with an API key and a fixed draft length (so that replies draft whatever
+    this machine's timings would make the adaptive policy choose), and beside it one with
+    --no-webui; both load while other tests run, and are waited for on first use."""
+    keyfile = tmp_path_factory.mktemp("key") / "api.key"
+    keyfile.write_text(API_KEY + "\n")
+    with cli_serve("--api-key-file", str(keyfile), "--parallel", str(PARALLEL), "--ctx", "1024",
+                   "--threads", "1", "--draft-length", "4") as handle, \
+            cli_serve("--no-webui", "--no-draft", "--parallel", "1", "--ctx", "256", "--threads", "1") as bare:
+        yield {"page": handle, "bare": bare}
+
+
+@pytest.fixture(scope="module")
+def url(served) -> str:
+    return wait_ready(served["page"])
+
+
+def post(url: str, path: str, body: dict) -> dict:
+    r = httpx.post(url + path, json=body, headers=AUTH, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def stream(url: str, path: str, body: dict) -> list[dict]:
+    """The JSON chunks of a streamed request ([DONE] checked and left out)."""
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, headers=AUTH, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        data = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+def metric(url: str, name: str, **labels) -> float:
+    text = httpx.get(url + "/metrics", headers=AUTH, timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+def pieces_of(choice: dict) -> list[tuple[str, str]]:
+    return [tuple(p) for p in choice["speculative"]["sources"]]
+
+
+# ---------------------------------------------------------------- the extension, over HTTP
+
+
+@pytest.mark.model
+def test_each_chunk_says_where_its_text_came_from_and_the_last_one_gives_the_figures(url):
+    body = {"messages": [{"role": "user", "content": "List the numbers from 1 to 30, separated by commas."}],
+            "max_tokens": 48, "temperature": 0, "stream_options": {"include_usage": True}}
+    chunks = stream(url, "/v1/chat/completions", {**body, "speculative": {"sources": True}})
+    choices = [c["choices"][0] for c in chunks if c["choices"]]
+    pieces, figures = [], None
+    for choice in choices[1:]:  # after the role's chunk
+        spans = pieces_of(choice)  # every chunk of the reply carries its report
+        assert "".join(p for p, _ in spans) == choice["delta"].get("content", "")
+        assert all(p and source in SOURCES for p, source in spans)
+        pieces += spans
+        if choice["finish_reason"] is not None:
+            figures = choice["speculative"]["figures"]
+    usage = chunks[-1]["usage"]
+    assert figures is not None and "figures" not in choices[-2]["speculative"]  # the last chunk's only
+    for name in ("completion_tokens", "steps", "drafted", "accepted"):
+        assert figures[name] == usage[name], name
+    assert figures["acceptance_rate"] == usage["acceptance_rate"] > 0
+    assert figures["mean_accepted_length"] == pytest.approx(usage["accepted"] / usage["steps"], abs=1e-3)
+    assert figures["tokens_per_second"] > 0 and figures["speedup"] > 0
+    # ASCII digits and commas: every token has text of its own, so one piece per token
+    count = {s: sum(1 for _, source in pieces if source == s) for s in SOURCES}
+    assert sum(count.values()) == usage["completion_tokens"]
+    assert 0 < count["oracle"] <= usage["steps"]  # one per step, the last step's maybe cut off by max_tokens
+    assert 0 < count["draft"] + count["lookup"] <= usage["accepted"]
+    assert count["lookup"] <= figures["lookup_accepted"]
+    # asking changes nothing but the report
+    plain = stream(url, "/v1/chat/completions", body)
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in plain if c["choices"]) \
+        == "".join(p for p, _ in pieces)
+
+
+@pytest.mark.model
+def test_clients_that_do_not_ask_see_nothing_new(url):
+    for extra in ({}, {"speculative": {"enabled": True, "draft_max": 3}}, {"speculative": True}):
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, **extra}
+        for chunk in stream(url, "/v1/chat/completions", body):
+            for choice in chunk["choices"]:
+                assert set(choice) == {"index", "delta", "logprobs", "finish_reason"}, choice
+        whole = post(url, "/v1/chat/completions", body)
+        assert set(whole["choices"][0]) == {"index", "message", "logprobs", "finish_reason"}
+        completion = post(url, "/v1/completions", {"prompt": COUNTING, "max_tokens": 4, **extra})
+        assert set(completion["choices"][0]) == {"index", "text", "logprobs", "finish_reason"}
+
+
+@pytest.mark.model
+def test_the_pieces_follow_the_text_through_a_stop_string_whole_replies_and_completions(url):
+    """A stop string spanning tokens: the text that could start it is held back, then cut; the
+    pieces are held back and cut with it, streamed or whole."""
+    body = {"prompt": COUNTING, "max_tokens": 40, "temperature": 0, "stop": ["15, 16"],
+            "speculative": {"sources": True}}
+    chunks = [c["choices"][0] for c in stream(url, "/v1/completions", body)]
+    for choice in chunks:
+        assert "".join(p for p, _ in pieces_of(choice)) == choice["text"]
+    text = "".join(c["text"] for c in chunks)
+    assert text == " 11, 12, 13, 14, " and chunks[-1]["finish_reason"] == "stop"
+    assert chunks[-1]["speculative"]["figures"]["completion_tokens"] > len(" 11, 12, 13, 14,".split())
+    whole = post(url, "/v1/completions", body)["choices"][0]
+    assert whole["text"] == text == "".join(p for p, _ in pieces_of(whole))
+    assert whole["speculative"]["figures"]["steps"] > 0
+    chat = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Count to 20: " + COUNTING}],
+                                              "max_tokens": 40, "temperature": 0, "stop": ["9"],
+                                              "speculative": {"sources": True}})["choices"][0]
+    content = chat["message"]["content"]
+    assert content == "".join(p for p, _ in pieces_of(chat)) and "9" not in content
+
+
+@pytest.mark.model
+def test_the_page_is_served_from_the_package_and_only_talks_to_this_server(url):
+    page = httpx.get(url + "/", timeout=10)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    policy = page.headers["content-security-policy"]
+    assert "connect-src 'self'" in policy and "default-src 'none'" in policy and "frame-ancestors 'none'" in policy
+    for asset in ("/", "/webui/app.js", "/webui/app.css"):  # no address elsewhere: nothing comes from anywhere else
+        r = httpx.get(url + asset, timeout=10)
+        assert r.status_code == 200 and "://" not in r.text, asset
+    assert httpx.get(url + "/webui/app.py", timeout=10).status_code == 404  # its three files, nothing else
+
+
+@pytest.mark.model
+def test_no_webui_leaves_the_page_out(served):
+    bare = wait_ready(served["bare"])
+    for path in ("/", "/webui/app.js"):
+        assert httpx.get(bare + path, timeout=10).status_code == 404, path
+    assert httpx.get(bare + "/v1/models", timeout=10).status_code == 200  # the API is all there is
+
+
+# ---------------------------------------------------------------- the page, in a real browser
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Headless Chromium (as root: no sandbox). Missing, the test fails: .ci/run installs it."""
+    assert os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER), \
+        "Chromium is missing: apt-get install chromium chromium-driver (.ci/run does)"
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1280,860"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
+    yield driver
+    driver.quit()
+
+
+def wait_for(driver, what, timeout: float, message: str):
+    """What `what()` returns once it is truthy, asked every 50 ms; a TimeoutException saying `message`."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(driver, timeout, poll_frequency=0.05).until(lambda d: what(), message)
+
+
+class Page:
+    """The chat page in the browser, as a person uses it: its fields, buttons and what it shows."""
+
+    def __init__(self, driver, url: str) -> None:
+        self.driver = driver
+        driver.get(url + "/")
+
+    def el(self, id_: str):
+        from selenium.webdriver.common.by import By
+
+        return self.driver.find_element(By.ID, id_)
+
+    def wait(self, what, timeout: float, message: str):
+        return wait_for(self.driver, what, timeout, message)
+
+    def fill(self, id_: str, text: str) -> None:
+        field = self.el(id_)
+        field.clear()
+        field.send_keys(text)
+
+    def send(self, text: str) -> None:
+        self.fill("input", text)
+        self.el("send").click()
+
+    def js(self, script: str):
+        return self.driver.execute_script(script)
+
+    def messages(self) -> list[str]:
+        """The roles of the messages shown."""
+        return self.js("return [...document.querySelectorAll('#messages .message')].map(m => m.classList[1])")
+
+    def reply(self) -> dict:
+        """The last reply as shown: its pieces [text, source] (the shaded spans) and the lines under it."""
+        return self.js("""
+            const m = [...document.querySelectorAll('#messages .message.assistant')].pop();
+            if (!m) return null;
+            return {pieces: [...m.querySelectorAll('.tok')].map(t => [t.textContent, t.classList[1]]),
+                    lines: [...m.querySelectorAll('.figures, .error')].map(p => p.textContent)};""")
+
+
+def finished(page: Page) -> dict | None:
+    reply = page.reply()
+    return reply if reply and reply["lines"] else None
+
+
+@pytest.mark.model
+def test_the_page_asks_for_the_key_then_streams_a_shaded_reply_with_its_figures(browser, url):
+    page = Page(browser, url)
+    page.wait(lambda: page.el("key-box").is_displayed(), 10, "the key's field did not show")  # /v1/models said 401
+    page.send("Hello")
+    page.wait(lambda: "401" in page.el("status").text, 10, "no 401 shown")
+    assert page.messages() == [] and page.el("input").get_attribute("value") == "Hello"  # the message is kept
+
+    page.fill("api-key", API_KEY + "\t")  # leaving the field stores it (session storage only)
+    assert page.js("return sessionStorage.getItem('localspec.apiKey')") == API_KEY
+    assert page.js("return localStorage.length") == 0
+    page.fill("temperature", "0")
+    page.fill("max-tokens", "40")
+    question = "List the numbers from 1 to 30, separated by commas."
+    page.send(question)
+    # streamed: the shaded tokens grow, a few at a time, before the reply's figures show
+    seen = []
+    reply = page.wait(lambda: seen.append(page.reply()) or finished(page), 60, "the reply did not finish")
+    growing = {len(r["pieces"]) for r in seen if r and not r["lines"]}
+    assert len(growing - {0}) >= 3, f"the reply did not stream: {sorted(growing)}"
+    assert page.messages() == ["user", "assistant"] and page.el("status").text == ""
+
+    sources = {source for _, source in reply["pieces"]}
+    assert sources <= SOURCES and "oracle" in sources and sources & {"draft", "lookup"}
+    expected = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": question}],
+                                                  "max_tokens": 40, "temperature": 0})
+    assert "".join(p for p, _ in reply["pieces"]) == expected["choices"][0]["message"]["content"]  # faithfully
+    figures = reply["lines"][0]
+    for words in (" tokens · ", " tok/s · acceptance ", "% · mean accepted length ", "speedup ~",
+                  "x vs the oracle alone"):
+        assert words in figures, figures
+    legend = page.js("return [...document.querySelectorAll('#legend .tok')].map(t => t.classList[1])")
+    assert legend == ["draft", "lookup", "oracle"]
+    live = page.wait(lambda: "tok/s" in page.el("live").text and page.el("live").text, 10, "no live panel")
+    assert f"/{PARALLEL} in use" in live and "waiting 0" in live and "acceptance since start" in live, live
+
+
+@pytest.mark.model
+def test_stop_regenerate_speculation_off_and_new_chat(browser, url):
+    page = Page(browser, url)  # the same tab's session: the key is still there
+    page.wait(lambda: page.el("model").text, 10, "no model name: the key was not kept")
+    assert not page.el("key-box").is_displayed()
+    page.fill("temperature", "0")
+    page.fill("max-tokens", "400")
+    cancelled = metric(url, "localspec_generations_total", outcome="cancelled")
+    page.send("Count from 1 to 300, separated by commas.")
+    page.wait(lambda: len((page.reply() or {}).get("pieces", ())) >= 12, 60, "the reply did not start")
+    page.el("stop").click()
+    page.wait(lambda: not page.el("stop").is_enabled(), 10, "Stop did not stop")
+    stopped = page.reply()
+    assert stopped["lines"] == ["stopped"] and len(stopped["pieces"]) < 300
+    # the server stopped generating too: the closed stream cancelled the generation within a step
+    page.wait(lambda: metric(url, "localspec_generations_total", outcome="cancelled") == cancelled + 1, 10,
+              "the generation was not cancelled")
+    assert page.reply()["pieces"] == stopped["pieces"]  # nothing came after Stop
+
+    page.fill("max-tokens", "8")
+    page.el("regenerate").click()  # the stopped reply is replaced by a new one
+    page.wait(lambda: finished(page) and finished(page)["lines"] != ["stopped"], 60, "no regenerated reply")
+    assert page.messages() == ["user", "assistant"]
+    assert "stopped at max tokens" in page.reply()["lines"][0]
+
+    page.el("speculative").click()  # off: the oracle alone
+    page.send("Hi")
+    reply = page.wait(lambda: len(page.messages()) == 4 and finished(page), 60, "no reply without speculation")
+    assert {source for _, source in reply["pieces"]} == {"oracle"} and "oracle alone" in reply["lines"][0]
+
+    page.el("new-chat").click()
+    assert page.messages() == [] and not page.el("regenerate").is_enabled()
+
+
+class _OtherSite(BaseHTTPRequestHandler):
+    """A page of another origin that tries to drive the server: a text/plain POST (the classic
+    cross-site request, no preflight) and a fetch with the API key (a preflight)."""
+
+    target = ""
+
+    def do_GET(self) -> None:
+        body = json.dumps(json.dumps({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}))
+        page = f"""<!doctype html><script>
+            const url = {json.dumps(self.target + "/v1/chat/completions")};
+            const attempts = [
+              fetch(url, {{method: "POST", mode: "no-cors", headers: {{"Content-Type": "text/plain"}}, body: {body}}}),
+              fetch(url, {{method: "POST", body: {body},
+                          headers: {{"Content-Type": "application/json", "Authorization": "Bearer {API_KEY}"}}}}),
+            ];
+            Promise.allSettled(attempts).then(results => window.results = results.map(
+              x => x.status === "fulfilled" ? x.value.type : String(x.reason)));
+            </script>"""
+        data = page.encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@contextmanager
+def other_site(target: str) -> Iterator[str]:
+    handler = type("Handler", (_OtherSite,), {"target": target})
+    server = ThreadingHTTPServer(("127.0.0.1", free_port()), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.model
+def test_a_page_from_another_origin_still_cannot_drive_the_server(browser, url):
+    generations = metric(url, "localspec_generations_total", outcome="completed")
+    refused = metric(url, "localspec_requests_total", endpoint="/v1/chat/completions", status="403")
+    with other_site(url) as site:
+        browser.get(site)
+        results = wait_for(browser, lambda: browser.execute_script("return window.results"), 10,
+                           "the other site's page hung")
+    # the POST went out (an opaque answer the page cannot read), the keyed one died at its preflight
+    assert results[0] == "opaque" and results[1].startswith("TypeError"), results
+    assert metric(url, "localspec_requests_total", endpoint="/v1/chat/completions", status="403") == refused + 2
+    assert metric(url, "localspec_generations_total", outcome="completed") == generations  # nothing ran
