@@ -307,6 +307,12 @@ def test_stop_regenerate_speculation_off_and_new_chat(browser, url):
 
     page.el("new-chat").click()
     assert page.messages() == [] and not page.el("regenerate").is_enabled()
+    page.fill("max-tokens", "400")  # New chat in the middle of a reply: it stops, and leaves nothing behind
+    page.send("Count from 1 to 300, separated by commas.")
+    page.wait(lambda: len((page.reply() or {}).get("pieces", ())) >= 4, 60, "the reply did not start")
+    page.el("new-chat").click()
+    page.wait(lambda: not page.el("stop").is_enabled(), 10, "New chat did not stop the reply")
+    assert page.messages() == [] and page.js("return chat.messages") == []
 
 
 class _OtherSite(BaseHTTPRequestHandler):
