@@ -19,7 +19,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from serving import cli_serve, free_port, wait_ready
+from serving import ThreadedServer, cli_serve, free_port, paced_engine, wait_ready
 
 API_KEY = "webui-test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -369,3 +369,21 @@ def test_a_page_from_another_origin_still_cannot_drive_the_server(browser, url):
     assert results[0] == "opaque" and results[1].startswith("TypeError"), results
     assert metric(url, "localspec_requests_total", endpoint="/v1/chat/completions", status="403") == refused + 2
     assert metric(url, "localspec_generations_total", outcome="completed") == generations  # nothing ran
+
+
+def test_a_failure_in_the_middle_of_a_reply_shows_and_keeps_what_came(browser):
+    """The engine fails on its second pass (a scripted engine, tests/serving.py): the stream's error
+    event shows under the reply's first token, which stays in the conversation."""
+    from localspec.server import create_app
+    from localspec.server.errors import SERVER_ERROR
+
+    server = ThreadedServer(create_app(paced_engine(fail="mid"), model_name="fake"))
+    try:
+        page = Page(browser, server.url)
+        page.send("Hi")
+        reply = page.wait(lambda: finished(page), 10, "no error shown")
+        assert reply["pieces"] == [[" 1,", "oracle"]] and reply["lines"] == [SERVER_ERROR]
+        assert page.js("return chat.messages") == [{"role": "user", "content": "Hi"},
+                                                   {"role": "assistant", "content": " 1,"}]
+    finally:
+        server.stop()

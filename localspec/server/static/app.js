@@ -174,8 +174,9 @@ async function reply() {
     } else {
       for await (const data of events(response)) {
         if (data === "[DONE]") break;
-        if (data.error) {
-          addLine(view, "error", data.error.message);
+        if (data.error) { // the server failed mid-stream (or is shutting down): what came stays
+          if (text) addLine(view, "error", data.error.message);
+          else setStatus(data.error.message);
           break;
         }
         for (const choice of data.choices) {
