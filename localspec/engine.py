@@ -545,7 +545,7 @@ class Engine:
         return out
 
 
-_DRAFT_SOURCES = {"model": "draft", "lookup": "lookup"}  # a Draft's source -> outputs.SOURCES
+_DRAFT_SOURCES = {"model": "draft", "lookup": "lookup"}  # a Draft's source -> a token's (outputs.Chunk.sources)
 
 
 def _sources(draft: Draft, n_accepted: int, n: int) -> list[str]:
