@@ -574,7 +574,7 @@ class Engine:
         piece = self.oracle_model.token_piece(token)
         return TokenLogprob(token, piece.decode(errors="replace"), piece, logprob)
 
-_DRAFT_SOURCES = {"model": "draft", "lookup": "lookup"}  # a Draft's source -> outputs.SOURCES
+_DRAFT_SOURCES = {"model": "draft", "lookup": "lookup"}  # a Draft's source -> a token's (outputs.Chunk.sources)
 
 
 def _sources(draft: Draft, n_accepted: int, n: int) -> list[str]:

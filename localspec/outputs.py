@@ -139,14 +139,11 @@ class Chunk:
     structure: str | None = None  # on the last chunk under a schema or grammar: "complete" | "incomplete"
     prompt_logprobs: list[TokenLogprob] | None = None  # on the first chunk, when asked: each prompt token's
     # asked for (`sources=True`): `text` cut at its tokens, each piece with where its token came
-    # from (SOURCES); the pieces add up to `text`, which may hold text of earlier steps' tokens
-    # (held back for a possible stop string) and leave some of this step's for later
+    # from: "draft" (accepted from the draft model), "lookup" (accepted from prompt lookup) or
+    # "oracle" (the token each step adds: recovered after a rejection, or the bonus). The pieces add
+    # up to `text`, which may hold text of earlier steps' tokens (held back for a possible stop
+    # string) and leave some of this step's for later
     sources: list[tuple[str, str]] | None = None
-
-
-# where a token of the output came from: accepted from the draft model, accepted from prompt
-# lookup, or the oracle's own (the token each step adds: recovered after a rejection, or the bonus)
-SOURCES = ("draft", "lookup", "oracle")
 
 
 @dataclass

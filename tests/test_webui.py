@@ -19,7 +19,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from serving import cli_serve, free_port, wait_ready
+from serving import ThreadedServer, cli_serve, free_port, paced_engine, wait_ready
 
 API_KEY = "webui-test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -252,12 +252,15 @@ def test_the_page_asks_for_the_key_then_streams_a_shaded_reply_with_its_figures(
     page.fill("temperature", "0")
     page.fill("max-tokens", "40")
     question = "List the numbers from 1 to 30, separated by commas."
+    # streamed: the shaded tokens grow, a few at a time, before the reply's figures show (counted
+    # in the page every 5 ms, faster than any step)
+    page.js("""window.seen = new Set(); window.sampler = setInterval(() => {
+        const m = [...document.querySelectorAll('#messages .message.assistant')].pop();
+        if (m && !m.querySelector('.figures')) seen.add(m.querySelectorAll('.tok').length); }, 5);""")
     page.send(question)
-    # streamed: the shaded tokens grow, a few at a time, before the reply's figures show
-    seen = []
-    reply = page.wait(lambda: seen.append(page.reply()) or finished(page), 60, "the reply did not finish")
-    growing = {len(r["pieces"]) for r in seen if r and not r["lines"]}
-    assert len(growing - {0}) >= 3, f"the reply did not stream: {sorted(growing)}"
+    reply = page.wait(lambda: finished(page), 60, "the reply did not finish")
+    growing = set(page.js("clearInterval(sampler); return [...seen]")) - {0}
+    assert len(growing) >= 3, f"the reply did not stream: {sorted(growing)}"
     assert page.messages() == ["user", "assistant"] and page.el("status").text == ""
 
     sources = {source for _, source in reply["pieces"]}
@@ -307,6 +310,12 @@ def test_stop_regenerate_speculation_off_and_new_chat(browser, url):
 
     page.el("new-chat").click()
     assert page.messages() == [] and not page.el("regenerate").is_enabled()
+    page.fill("max-tokens", "400")  # New chat in the middle of a reply: it stops, and leaves nothing behind
+    page.send("Count from 1 to 300, separated by commas.")
+    page.wait(lambda: len((page.reply() or {}).get("pieces", ())) >= 4, 60, "the reply did not start")
+    page.el("new-chat").click()
+    page.wait(lambda: not page.el("stop").is_enabled(), 10, "New chat did not stop the reply")
+    assert page.messages() == [] and page.js("return chat.messages") == []
 
 
 class _OtherSite(BaseHTTPRequestHandler):
@@ -363,3 +372,21 @@ def test_a_page_from_another_origin_still_cannot_drive_the_server(browser, url):
     assert results[0] == "opaque" and results[1].startswith("TypeError"), results
     assert metric(url, "localspec_requests_total", endpoint="/v1/chat/completions", status="403") == refused + 2
     assert metric(url, "localspec_generations_total", outcome="completed") == generations  # nothing ran
+
+
+def test_a_failure_in_the_middle_of_a_reply_shows_and_keeps_what_came(browser):
+    """The engine fails on its second pass (a scripted engine, tests/serving.py): the stream's error
+    event shows under the reply's first token, which stays in the conversation."""
+    from localspec.server import create_app
+    from localspec.server.errors import SERVER_ERROR
+
+    server = ThreadedServer(create_app(paced_engine(fail="mid"), model_name="fake"))
+    try:
+        page = Page(browser, server.url)
+        page.send("Hi")
+        reply = page.wait(lambda: finished(page), 10, "no error shown")
+        assert reply["pieces"] == [[" 1,", "oracle"]] and reply["lines"] == [SERVER_ERROR]
+        assert page.js("return chat.messages") == [{"role": "user", "content": "Hi"},
+                                                   {"role": "assistant", "content": " 1,"}]
+    finally:
+        server.stop()

@@ -4,6 +4,8 @@
     worker.py   the one thread that owns the engine, and its job queue
     metrics.py  Prometheus metrics (/metrics)
     app.py      the FastAPI app: create_app(engine_or_worker, model_name=..., ...)
+    report.py   the extension "speculative": {"sources": true}: where each token came from
+    webui.py    the chat page at / (static/: its HTML, CSS and JavaScript)
 """
 
 from .app import create_app

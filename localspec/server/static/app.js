@@ -153,6 +153,7 @@ function updateButtons() {
 // Stream a reply to the conversation as it stands. Returns whether any text came (a stopped reply
 // keeps what it got, as `localspec chat` does).
 async function reply() {
+  const conversation = chat.messages; // New chat while this streams starts another: this one keeps the reply
   const request = replyRequest();
   const view = addMessage("assistant", "");
   const controller = new AbortController();
@@ -173,8 +174,9 @@ async function reply() {
     } else {
       for await (const data of events(response)) {
         if (data === "[DONE]") break;
-        if (data.error) {
-          addLine(view, "error", data.error.message);
+        if (data.error) { // the server failed mid-stream (or is shutting down): what came stays
+          if (text) addLine(view, "error", data.error.message);
+          else setStatus(data.error.message);
           break;
         }
         for (const choice of data.choices) {
@@ -204,7 +206,7 @@ async function reply() {
     chat.running = null;
   }
   if (text) {
-    chat.messages.push({role: "assistant", content: text});
+    conversation.push({role: "assistant", content: text});
   } else {
     view.remove();
   }
@@ -217,11 +219,12 @@ async function send(event) {
   const text = $("input").value.trim();
   if (!text || chat.running) return;
   $("input").value = "";
-  chat.messages.push({role: "user", content: text});
+  const conversation = chat.messages;
+  conversation.push({role: "user", content: text});
   const view = addMessage("user", text);
-  if (!(await reply())) {
+  if (!(await reply()) && conversation === chat.messages) {
     // nothing came back (an error, or stopped at once): the message goes back to the box
-    chat.messages.pop();
+    conversation.pop();
     view.remove();
     $("input").value = text;
     updateButtons();
