@@ -183,6 +183,19 @@ def generated_text(stdout: str, prompt_echo: str) -> str:
     return s[i + len(tail):] if i >= 0 else s
 
 
+def last_lines(text: str, n: int) -> str:
+    """The last n lines of `text` (a log's tail, for an error message)."""
+    return "\n".join(text.strip().splitlines()[-n:])
+
+
+def file_tail(path: str | os.PathLike, n: int) -> str:
+    """The last n lines of the log file at `path` ("" when it cannot be read)."""
+    try:
+        return last_lines(Path(path).read_text("utf-8", errors="replace"), n)
+    except OSError:
+        return ""
+
+
 def run(binary: str | os.PathLike, *, oracle: str, draft: str | None, prompt_text: str, prompt_echo: str,
         n_predict: int, k: int | None, threads: int, n_ctx: int, p_min: float | None = None,
         spec_type: str | None = None, flash_attn: str | None = None, timeout: float = 1800.0) -> dict:
@@ -202,8 +215,7 @@ def run(binary: str | os.PathLike, *, oracle: str, draft: str | None, prompt_tex
         stdout = Path(out_path).read_text("utf-8", errors="replace")
         stderr = Path(err_path).read_text("utf-8", errors="replace")
     if status != 0:
-        tail = "\n".join(stderr.strip().splitlines()[-8:])
-        raise RuntimeError(f"{Path(str(binary)).name} exited with status {status}:\n{tail}")
+        raise RuntimeError(f"{Path(str(binary)).name} exited with status {status}:\n{last_lines(stderr, 8)}")
     stats = parse_stats(stderr + "\n" + stdout)
     stats.update(text=generated_text(stdout, prompt_echo), wall_time=wall, command=cmd,
                  peak_rss=rusage.ru_maxrss * 1024 if rusage is not None else None)

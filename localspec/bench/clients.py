@@ -182,10 +182,7 @@ class Server:
         raise ServingError(f"{self.name} did not come up in {timeout} s: {self.tail()}")
 
     def tail(self, n: int = 8) -> str:
-        try:
-            return "\n".join(Path(self.log.name).read_text("utf-8", errors="replace").strip().splitlines()[-n:])
-        except OSError:
-            return ""
+        return anchor.file_tail(self.log.name, n)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -102,10 +102,7 @@ class Worker:
         return reply
 
     def log_tail(self, n: int = 10) -> str:
-        try:
-            return "\n".join(Path(self.log.name).read_text("utf-8", errors="replace").strip().splitlines()[-n:])
-        except OSError:
-            return ""
+        return anchor.file_tail(self.log.name, n)
 
     def close(self) -> None:
         if self.proc.poll() is None:
