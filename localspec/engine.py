@@ -297,7 +297,7 @@ class Engine:
             common = best
         if seq.request.prompt_logprobs is not None:  # every prompt token's logits: nothing reused
             common = 0
-            seq.prompt_logprobs = [self._token_logprob(seq.history[0], None)]
+            seq.prompt_logprobs = [TokenLogprob(seq.history[0], *self._text_and_bytes(seq.history[0]), None)]
         self.oracle.rollback(common, seq=slot)
         seq.stats.prompt_tokens_evaluated = len(target) - common + 1  # the last prompt token is evaluated in step one
         if seq.speculative:
@@ -558,21 +558,16 @@ class Engine:
         """The oracle's own log-probabilities (raw model distribution) of `tokens` [n] from logits
         [n, vocab], with each token's real bytes; the top `top_n` most likely first, ties by token id."""
         logp = log_softmax(logits)  # [n, vocab]
-        model = self.oracle_model
-
-        def text_and_bytes(token: int) -> tuple[str, bytes]:
-            piece = model.token_piece(token)
-            return piece.decode(errors="replace"), piece
-
         out = []
         for row, token in zip(logp, tokens.tolist()):
-            top = tuple(TopLogprob(t, *text_and_bytes(t), float(row[t])) for t in top_ids(row, top_n).tolist())
-            out.append(TokenLogprob(token, *text_and_bytes(token), float(row[token]), top))
+            top = tuple(TopLogprob(t, *self._text_and_bytes(t), float(row[t])) for t in top_ids(row, top_n).tolist())
+            out.append(TokenLogprob(token, *self._text_and_bytes(token), float(row[token]), top))
         return out
 
-    def _token_logprob(self, token: int, logprob: float | None) -> TokenLogprob:
+    def _text_and_bytes(self, token: int) -> tuple[str, bytes]:
         piece = self.oracle_model.token_piece(token)
-        return TokenLogprob(token, piece.decode(errors="replace"), piece, logprob)
+        return piece.decode(errors="replace"), piece
+
 
 _DRAFT_SOURCES = {"model": "draft", "lookup": "lookup"}  # a Draft's source -> a token's (outputs.Chunk.sources)
 

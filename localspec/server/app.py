@@ -651,14 +651,14 @@ async def completions(body: S.CompletionRequest, request: Request):
 
 
 def _prompt_text(svc: _Service, tokens: list[int]) -> str:
-    """A token-id prompt's text (for echo and the logprobs' text offsets); ids outside the
-    vocabulary are a 400."""
-    model = svc.worker.engine.oracle_model
-    bad = next((t for t in tokens if not 0 <= t < model.n_vocab), None)
-    if bad is not None:
-        raise APIError(400, f"prompt: token id {bad} is not in the vocabulary (ids 0 to {model.n_vocab - 1})",
-                       param="prompt", code="invalid_value")
-    return b"".join(model.token_piece(t, special=True) for t in tokens).decode(errors="replace")
+    """A token-id prompt's text (for echo and the logprobs' text offsets); ids the engine refuses
+    (outside the vocabulary) are a 400."""
+    engine = svc.worker.engine
+    try:
+        engine.tokenize_prompt(tokens)
+    except ValueError as e:
+        raise APIError(400, f"prompt: {e}", param="prompt", code="invalid_value") from None
+    return b"".join(engine.oracle_model.token_piece(t, special=True) for t in tokens).decode(errors="replace")
 
 
 # ---------------------------------------------------------------- the app
