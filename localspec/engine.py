@@ -392,9 +392,7 @@ class Engine:
         for seq, draft in zip(drafting, drafts):
             seq.draft = draft
             if len(draft) < (seq.request.draft_min or 0):  # too short to be worth verifying, as asked
-                if seq.walk is not None:
-                    seq.walk.pop(len(draft))
-                seq.draft = EMPTY_DRAFT
+                self._drop_draft(seq)
         if len(running) > 1:  # how many share a draft's costs (rounds, a pass split off), as the next prices expect
             self._drafting = 0.7 * self._drafting + 0.3 * max(1, sum(1 for d in drafts if len(d)))
         return rounds
@@ -416,9 +414,14 @@ class Engine:
         if all(len(seq.draft) for seq in eligible) or not any(len(seq.draft) for seq in eligible):
             return
         for seq in eligible:
-            if seq.walk is not None:
-                seq.walk.pop(len(seq.draft))
-            seq.draft = EMPTY_DRAFT
+            self._drop_draft(seq)
+
+    @staticmethod
+    def _drop_draft(seq: Seq) -> None:
+        """`seq`'s step runs without its draft (its tokens come off the grammar walk too)."""
+        if seq.walk is not None:
+            seq.walk.pop(len(seq.draft))
+        seq.draft = EMPTY_DRAFT
 
     def _verify(self, seq: Seq, logits: np.ndarray) -> tuple[list[int], list[TokenLogprob] | None, int]:
         """Accept `seq`'s draft against its rows of the verify pass (logits [k+1, vocab]) and trim
