@@ -58,7 +58,7 @@ def run(engine, prompt, **options) -> dict:
     r = engine.generate([{"role": "user", "content": prompt}], **options)
     s = r.stats
     return {"tokens_per_second": round(s.tokens_per_second, 1), "tokens": s.completion_tokens,
-            "drafted": s.drafted, "accepted": s.accepted, "idle_steps": getattr(s, "idle_steps", None),
+            "drafted": s.drafted, "accepted": s.accepted, "lookup_drafted": s.lookup_drafted, "idle_steps": getattr(s, "idle_steps", None),
             "idle_reason": getattr(s, "idle_reason", None), "text": r.text}
 
 
@@ -123,7 +123,7 @@ def main() -> None:
         for name in ("fresh_state", "oracle_alone", "after_sampled", "fixed_k8"):
             r = row[name]
             print(f"  {name:14} {r['tokens_per_second']:6.1f} tok/s ({r['tokens_per_second'] / base:.2f}x), "
-                  f"drafted {r['drafted']:3}, accepted {r['accepted']:3}"
+                  f"drafted {r['drafted']:3} (lookup {r['lookup_drafted']:3}), accepted {r['accepted']:3}"
                   + (f"  [{r['idle_reason']}]" if r.get("idle_reason") else ""))
         s = row["sampled"]
         print(f"  sampled        {s['requests']} requests, {s['tokens_per_second']} tok/s, drafted {s['drafted']}, "

@@ -614,6 +614,38 @@ def test_an_offer_that_was_not_drafted_teaches_the_lookup_what_the_text_is_like_
     assert not p.lookup.aligned
 
 
+def test_a_request_whose_lookup_always_finds_something_still_lets_the_model_probe_and_re_try():
+    """An idle draft model's probes and re-tries used to lose to the lookup's offers whenever it had
+    one: on a text that repeats itself the request kept to the lookup for its whole answer, the
+    model never tried again (its estimates never learned the text had become easy for it). Now a
+    draft made for evidence goes first; the lookup's offer of that step is still scored."""
+    verify = lambda n: 0.020 + 0.002 * (n - 1)  # noqa: E731
+    p = hybrid(verify, 0.010, model_acceptance=0.9, lookup_acceptance=0.9)
+    p.model.probe_every, p.model.probe_budget = 5, 0.05
+    for _ in range(40):  # the model's drafts all rejected: idle
+        p.model.update(step(4, 0, 0.05, verify(5)))
+    assert p.model.idle
+    sources = []
+    for _ in range(30):  # the lookup finds a long match at every step, and its drafts hold
+        p.draft_length(64, CONTEXT)
+        source, k = p.choose(found=12, allowance=64, match_length=8)
+        sources.append(source)
+        if source == "lookup":
+            p.update(lookup_step(k, k, verify(k + 1)))
+        else:  # the model's probe, all of it accepted: the text is easy for it now
+            p.update(step(k, k, 0.02, verify(k + 1), k=k))
+            p.score_lookup(k + 1, k + 1)
+    assert sources.count("model") >= 1 and sources[0] == "lookup"
+    assert p.model._retry_wanted or p.model.est.exploring or p.model.est.fresh_trials < p.model.min_trials
+    # the re-try the probe asked for drafts from the model too, its first trials judged on this text
+    p.draft_length(64, CONTEXT)
+    assert p.choose(found=12, allowance=64, match_length=8)[0] == "model"
+
+    judged = hybrid(verify, 0.010, model_acceptance=0.9, lookup_acceptance=0.9)  # nothing to find out
+    judged.draft_length(64, CONTEXT)
+    assert judged.choose(found=12, allowance=64, match_length=8)[0] == "lookup"
+
+
 def test_the_hybrids_lookup_estimates_are_kept_beside_the_models():
     verify = lambda n: 0.020 + 0.002 * (n - 1)  # noqa: E731
     p = hybrid(verify, 0.003, model_acceptance=0.8, lookup_acceptance=0.8)
