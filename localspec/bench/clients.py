@@ -220,12 +220,13 @@ def start_server(system: str, *, n_slots: int, oracle: str, draft: str | None, t
 
 
 def batched_bench(*, oracle: str, n_clients: list[int], prompt_tokens: int, max_tokens: int, threads: int,
-                  anchor_bin: str | None) -> dict[int, float]:
-    """llama.cpp's plain batched decoding of the oracle alone: N sequences' generation tokens/s."""
+                  anchor_bin: str | None, unified_kv: bool = False) -> dict[int, float]:
+    """llama.cpp's plain batched decoding of the oracle alone: N sequences' generation tokens/s
+    (`unified_kv`: one KV cache all sequences attend over, not a stream per sequence)."""
     binary = str(anchor.find_binary("llama-batched-bench", anchor_bin))
     argv = [binary, "-m", oracle, "-c", str(CTX_PER_SLOT * max(n_clients)), "-b", "512", "-ub", "512",
             "-npp", str(prompt_tokens), "-ntg", str(max_tokens), "-npl", ",".join(map(str, n_clients)),
-            "-t", str(threads), "-fa", "off", "--no-repack", "-ngl", "0"]
+            "-t", str(threads), "-fa", "off", "--no-repack", "-ngl", "0"] + (["-kvu"] if unified_kv else [])
     p = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
     out = {}
     for line in (p.stdout + p.stderr).splitlines():
