@@ -52,10 +52,9 @@ class RPCError(LlamaError):
 
 def build_dir(version: str | None = None) -> Path:
     """Where scripts/build_rpc.sh puts the RPC-enabled llama-cpp-python (site/) and rpc-server (bin/)."""
-    from .bench.anchor import llama_cpp_python_version
     from .models import cache_dir
 
-    return cache_dir() / "rpc" / f"llama.cpp-{version or llama_cpp_python_version()}"
+    return cache_dir() / "rpc" / f"llama.cpp-{version or VERSION}"
 
 
 def supports_rpc() -> bool:
@@ -66,9 +65,7 @@ def require_rpc() -> None:
     """Raise RPCError, naming the way to a build with RPC, unless the loaded llama.cpp has it."""
     if supports_rpc():
         return
-    from .bench.anchor import llama_cpp_python_version
-
-    version = llama_cpp_python_version()
+    version = VERSION
     raise RPCError(
         f"RPC was asked for, but the installed llama-cpp-python {version} ({PACKAGE_DIR}) was "
         f"built without llama.cpp's RPC backend. Rebuild it with RPC: CMAKE_ARGS=\"-DGGML_RPC=on\" pip install "

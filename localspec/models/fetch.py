@@ -26,21 +26,13 @@ import time
 import urllib.parse
 import zipfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 from .cache import (
     CHUNK, HEX64, ModelError, Progress, check_free_space, check_sha, human_size, say, sha256_file, temp_beside,
 )
 
-if TYPE_CHECKING:
-    from .registry import HFSource, PyPISource
-
-DEFAULT_HF_ENDPOINT = "https://huggingface.co"
-
-
-def hf_endpoint() -> str:
-    """$HF_ENDPOINT (a mirror), read when asked (huggingface_hub reads it once, at import), else the hub."""
-    return (os.environ.get("HF_ENDPOINT") or DEFAULT_HF_ENDPOINT).rstrip("/")
+from .sources import HFSource, PyPISource, hf_endpoint
 
 
 class _Meter:

