@@ -386,12 +386,13 @@ class PromptLookupProposer:
         if max_len <= 0:
             return EMPTY_DRAFT
         tokens = np.asarray(history, dtype=np.int32)  # [n]
+        ends = np.flatnonzero(tokens[:-1] == tokens[-1]) if len(tokens) else tokens  # [m] earlier places of the last token
         for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
-            suffix = tokens[-n:]
-            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)  # [len-n, n], excludes the suffix itself
-            starts = np.flatnonzero((windows == suffix).all(axis=1))
-            if starts.size:
-                follow, held = best_source(tokens, starts[-SOURCES_COMPARED:] + n)
+            found = ends[ends >= n - 1]  # [m'] ends of the earlier occurrences of the last n tokens
+            for back in range(1, n):
+                found = found[tokens[found - back] == tokens[-1 - back]]
+            if found.size:
+                follow, held = best_source(tokens, found[-SOURCES_COMPARED:] + 1)
                 guess = tokens[follow:follow + max_len].copy()
                 if self.is_end is not None:
                     guess = guess[:next((i + 1 for i, t in enumerate(guess.tolist()) if self.is_end(t)), len(guess))]
