@@ -22,6 +22,33 @@ def test_ngram_match_proposes_what_followed():
     assert lookup(history, 3) == [8, 9, 1]
 
 
+def _lookup_by_brute_force(history, max_len, max_ngram=4, min_ngram=2):
+    """What prompt lookup should propose, spelled out: the longest n whose last-n tokens occurred
+    before, the occurrence whose preceding text agrees longest (latest on a tie, among the latest
+    SOURCES_COMPARED), what followed it."""
+    from localspec.proposers import SOURCES_COMPARED, match_length
+
+    tokens = np.asarray(history, dtype=np.int32)
+    for n in range(min(max_ngram, len(history) - 1), min_ngram - 1, -1):
+        follows = [s + n for s in range(len(history) - n) if history[s:s + n] == history[-n:]]
+        if follows:
+            follows = follows[-SOURCES_COMPARED:]
+            held = [match_length(tokens, f) for f in follows]
+            best = max(range(len(follows)), key=lambda i: (held[i], i))
+            return history[follows[best]:follows[best] + max_len], held[best]
+    return [], 0
+
+
+def test_the_lookup_finds_what_a_search_of_every_earlier_window_finds():
+    rng = np.random.default_rng(7)
+    for _ in range(400):
+        history = rng.integers(0, int(rng.integers(2, 9)), int(rng.integers(0, 120))).tolist()
+        max_len = int(rng.integers(1, 12))
+        draft = PromptLookupProposer().propose(history, max_len, GREEDY, np.random.default_rng(0))
+        tokens, held = _lookup_by_brute_force(history, max_len)
+        assert draft.tokens.tolist() == tokens and (draft.match_length == held or not tokens)
+
+
 def test_longest_match_wins_over_a_more_recent_shorter_one():
     # suffix [1, 2, 3]: the 3-gram occurs at 0 (followed by 40); "3" alone occurs later at 6 (followed by 50)
     history = [1, 2, 3, 40, 41, 9, 3, 50, 51, 1, 2, 3]
