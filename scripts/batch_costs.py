@@ -23,33 +23,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import time
 from pathlib import Path
 
 import numpy as np
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def cpu_flags() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("flags"):
-                flags = line.split(":", 1)[1].split()
-                return " ".join(f for f in flags if f.startswith(("avx", "amx")))
-    except OSError:
-        pass
-    return ""
 
 
 def pass_times(path: str, seqs: list[int], tokens: list[int], *, context: int, reps: int,
@@ -113,6 +90,8 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
 
+    from localspec.backend import default_threads
+    from localspec.bench.runner import machine_info
     from localspec.models import Registry
 
     registry = Registry.load()
@@ -122,7 +101,8 @@ def main() -> None:
     seqs = [int(x) for x in args.seqs.split(",")]
     tokens = list(range(1, args.k_max + 2))
     oracle = pass_times(oracle_path, seqs, tokens, context=args.context, reps=args.reps, threads=args.threads)
-    report = {"cpu": cpu_name(), "flags": cpu_flags(), "threads": args.threads or os.cpu_count(),
+    machine = machine_info(args.threads or default_threads())
+    report = {"cpu": machine["cpu"], "flags": " ".join(machine["cpu_flags"]), "threads": machine["threads"],
               "context": args.context, "acceptance": args.acceptance, "oracle": Path(oracle_path).name,
               "oracle_ms": {f"{b}x{n}": round(1000 * t, 2) for (b, n), t in oracle.items()}, "drafts": []}
     lines = [f"CPU: {report['cpu']} ({report['flags']}), {report['threads']} threads; every sequence at "
@@ -144,9 +124,8 @@ def main() -> None:
     if args.kv_layout:
         from localspec.bench.clients import batched_bench
 
-        threads = args.threads or 2
         layouts = {name: batched_bench(oracle=oracle_path, n_clients=seqs, prompt_tokens=128, max_tokens=256,
-                                       threads=threads, anchor_bin=None, unified_kv=unified)
+                                       threads=machine["threads"], anchor_bin=None, unified_kv=unified)
                    for name, unified in (("per_sequence", False), ("unified", True))}
         report["kv_layout"] = {name: {str(b): v for b, v in rates.items()} for name, rates in layouts.items()}
         lines += ["", "llama-batched-bench, the oracle alone, generation tokens/s (128-token prompts, 256 generated):",
