@@ -65,12 +65,11 @@ def require_rpc() -> None:
     """Raise RPCError, naming the way to a build with RPC, unless the loaded llama.cpp has it."""
     if supports_rpc():
         return
-    version = VERSION
     raise RPCError(
-        f"RPC was asked for, but the installed llama-cpp-python {version} ({PACKAGE_DIR}) was "
+        f"RPC was asked for, but the installed llama-cpp-python {VERSION} ({PACKAGE_DIR}) was "
         f"built without llama.cpp's RPC backend. Rebuild it with RPC: CMAKE_ARGS=\"-DGGML_RPC=on\" pip install "
-        f"--force-reinstall --no-deps --no-cache-dir llama-cpp-python=={version} ; or run {BUILD_SCRIPT} (it builds "
-        f"an RPC-enabled copy and rpc-server into {build_dir(version)}) and put its site/ directory first on "
+        f"--force-reinstall --no-deps --no-cache-dir llama-cpp-python=={VERSION} ; or run {BUILD_SCRIPT} (it builds "
+        f"an RPC-enabled copy and rpc-server into {build_dir()}) and put its site/ directory first on "
         f"PYTHONPATH")
 
 
