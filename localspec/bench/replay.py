@@ -1,0 +1,232 @@
+"""Replay recorded drafting traces through a length policy: its speed without timing anything.
+
+A greedy speculative step's outcome depends on the text alone: the draft tokens that agree with the
+oracle's answer are accepted, and the next token is the answer's. A trace (`scripts/record_traces.py`)
+holds, for one prompt, the oracle's answer and, at every position of it, how many of the draft
+model's greedy tokens from there agree with the answer (`agree`) and how sure the draft was of each
+(`sure`: it stops after the first token under p_min). Replaying runs the engine's single-stream
+step against the trace: the policy sizes the draft, the proposers (the real prompt lookup and hybrid
+chooser; the draft model read from the trace) propose, the verify accepts what agrees, and every
+pass is charged from a cost table (measured on a machine, or a GPU-like one), so the policy learns
+its costs as it would live. The simulated tokens per second compare policies on equal terms.
+
+What it leaves out: a probe's draft sees a window of the text, live, and is accepted less often; the
+replay's sees all of it. Sampled requests and batches of several sequences are not replayed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from ..outputs import StepRecord
+from ..policy import GREEDY, LengthPolicy
+from ..proposers import EMPTY_DRAFT, Draft, HybridProposer, PromptLookupProposer
+
+MAX_CATCH_UP = 16  # as DraftModelProposer's: after a pause the draft catches up on a window this long
+
+
+@dataclass(frozen=True)
+class Table:
+    """Milliseconds for a decode of n tokens at a context, measured at a grid [contexts, ns];
+    interpolated linearly between the grid's points (and held flat past its ends)."""
+
+    contexts: tuple[int, ...]
+    ns: tuple[int, ...]
+    ms: np.ndarray  # [len(contexts), len(ns)]
+
+    @classmethod
+    def of(cls, d: dict) -> "Table":
+        return cls(tuple(d["contexts"]), tuple(d["ns"]), np.asarray(d["ms"], dtype=np.float64))
+
+    def seconds(self, n: int, context: int) -> float:
+        by_n = [np.interp(n, self.ns, row) for row in self.ms]  # [len(contexts)]
+        return float(np.interp(context, self.contexts, by_n)) / 1000.0
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What each pass costs in a replay: the oracle's verify of n tokens, the draft's decode of n
+    tokens (a catch-up batch, or one drafted token), and the host's own time per step."""
+
+    name: str
+    oracle: Table
+    draft: Table
+    host_step: float = 0.0  # seconds of the controller's own work per step (outside llama.cpp)
+
+    @classmethod
+    def gpu_like(cls, *, oracle_ms: float = 10.0, draft_ms: float = 2.5) -> "Costs":
+        """An 8B oracle and a 1B draft on a workstation GPU (issue 38's figures): a pass of up to 17
+        tokens costs hardly more than one, and a draft token a quarter of an oracle pass."""
+        ns = (1, 2, 4, 8, 17)
+        oracle = Table((0, 2048), ns, np.array([[oracle_ms * (1 + 0.01 * (n - 1)) for n in ns]] * 2))
+        draft = Table((0, 2048), ns, np.array([[draft_ms * (1 + 0.02 * (n - 1)) for n in ns]] * 2))
+        return cls("gpu-like", oracle, draft, host_step=0.0003)
+
+
+@dataclass(frozen=True)
+class Trace:
+    """One prompt's recording (see the module docstring). agree[j] and sure[j] are of the draft's
+    continuation after answer[:j + 1] (the first token comes from the prompt's pass)."""
+
+    prompt: str
+    prompt_ids: tuple[int, ...]
+    answer: tuple[int, ...]
+    agree: np.ndarray  # [len(answer) - 1] int
+    sure: np.ndarray  # [len(answer) - 1, k_max] float
+    max_tokens: int  # the request's (an answer that ended before it stopped at the end-of-generation token)
+
+    def model_draft(self, emitted: int, k: int, p_min: float) -> tuple[int, int]:
+        """(drafted, accepted) for a draft model's greedy draft of at most k tokens after `emitted`
+        answer tokens: it stops after its first token under p_min."""
+        sure = self.sure[emitted - 1, :k]  # [<=k]
+        unsure = np.flatnonzero(sure < p_min)
+        drafted = int(unsure[0]) + 1 if unsure.size else len(sure)
+        agree = int(self.agree[emitted - 1])
+        if len(self.answer) < self.max_tokens and emitted + agree == len(self.answer):
+            # the answer ended at the end-of-generation token, which the draft proposed too: it stops there
+            drafted = min(drafted, agree + 1)
+        return drafted, min(drafted, agree)
+
+
+def load_traces(path: str | Path) -> tuple[list[Trace], dict]:
+    """The traces of a recording and its document's other fields (machine, costs, p_min)."""
+    doc = json.loads(Path(path).read_text())
+    traces = [Trace(t["prompt"], tuple(t["prompt_ids"]), tuple(t["answer"]), np.asarray(t["agree"], dtype=np.int64),
+                    np.asarray(t["sure"], dtype=np.float64), int(doc.get("max_tokens", len(t["answer"]))))
+              for t in doc.pop("traces")]
+    return traces, doc
+
+
+def measured_costs(doc: dict, *, host_step: float = 0.002) -> Costs:
+    """The cost table a recording measured (host_step: the controller's time per step there)."""
+    measured = doc["costs"]["measured"]
+    return Costs("measured", Table.of(measured["oracle"]), Table.of(measured["draft"]), host_step=host_step)
+
+
+class TraceDrafter:
+    """The draft model, read from a trace: a proposer whose proposals decode nothing. It keeps what
+    the real one would hold in its cache, so a draft's catch-up is charged as it would be."""
+
+    draft_context = None
+
+    def __init__(self, trace: Trace, p_min: float) -> None:
+        self.trace, self.p_min = trace, p_min
+        self.held = 0  # tokens of the text the draft holds
+        self.catch_up = True
+        self.last: tuple[int, int] = (0, 0)  # the last proposal's (drafted, tokens evaluated)
+
+    def start(self, *, catch_up: bool) -> None:
+        self.held, self.catch_up = 0, catch_up
+
+    def resync(self) -> None:
+        self.catch_up = True
+
+    def fork(self, seq: int) -> "TraceDrafter":
+        return self
+
+    def describe(self) -> str:
+        return "model"
+
+    def propose_steps(self, history: Sequence[int], max_len: int, sampling=None, rng=None, constraint=None,
+                      chooser=None, model: bool = True):
+        if not model or max_len <= 0:
+            return EMPTY_DRAFT
+        emitted = len(history) - len(self.trace.prompt_ids)
+        drafted, accepted = self.trace.model_draft(emitted, max_len, self.p_min)
+        if self.held < len(self.trace.prompt_ids):  # a new prompt: the oracle's cache of it is copied
+            self.held = len(self.trace.prompt_ids)
+        unseen = len(history) - self.held
+        evaluated = unseen if self.catch_up or unseen <= MAX_CATCH_UP else MAX_CATCH_UP
+        self.catch_up = False
+        self.last = (drafted, evaluated)
+        answer = self.trace.answer
+        tokens = list(answer[emitted:emitted + accepted]) + [-1] * (drafted - accepted)  # -1: not the answer's
+        self.held = len(history) + drafted - 1  # the last drafted token is never decoded
+        return Draft(np.asarray(tokens, dtype=np.int32), None, evaluated + drafted - 1, source="model")
+        yield  # a generator, as a proposer's propose_steps is
+
+
+@dataclass
+class ReplayResult:
+    tokens: int = 0
+    seconds: float = 0.0
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    lookup_drafted: int = 0
+    records: list[StepRecord] = field(default_factory=list, repr=False)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def replay(trace: Trace, policy: LengthPolicy, costs: Costs, *, lookup: bool = True, model: bool = True,
+           p_min: float = 0.3, noise: float = 0.0, rng: np.random.Generator | None = None) -> ReplayResult:
+    """One request of `trace` run as the engine runs a greedy single stream under `policy` (the
+    engine's own: the request runs on a fork of it, as live), drafting from the draft model and/or
+    prompt lookup. `noise`: each pass's time is multiplied by a lognormal factor of this sigma."""
+    rng = rng if rng is not None else np.random.default_rng(0)
+    drafter = TraceDrafter(trace, p_min)
+    finder = PromptLookupProposer()
+    proposer = HybridProposer(finder, drafter) if lookup and model else drafter if model else finder
+    policy = policy.fork()
+    policy.start_request(GREEDY)
+    proposer.start(catch_up=not policy.idle)
+    chooser = policy if hasattr(policy, "choose") else None  # as Engine._propose
+    answer, prompt = trace.answer, list(trace.prompt_ids)
+    history = prompt + [answer[0]]
+    out = ReplayResult()
+
+    def charge(seconds: float) -> float:
+        return seconds * float(np.exp(noise * rng.standard_normal())) if noise else seconds
+
+    # the first token: a plain step over the prompt's last token (the rest of the prompt is not
+    # generation time, as in the engine's Stats)
+    first = StepRecord(k=0, drafted=0, accepted=0, draft_time=0.0,
+                       verify_time=charge(costs.oracle.seconds(1, len(prompt) - 1)) + costs.host_step,
+                       context=len(prompt) - 1)
+    policy.update(first)
+    out.tokens, out.seconds, out.steps, out.records = 1, first.verify_time, 1, [first]
+    while len(history) - len(prompt) < len(answer):
+        emitted = len(history) - len(prompt)
+        context = len(history) - 1
+        limit = max(0, trace.max_tokens - emitted - 1)  # as Engine._draft_limit
+        k = policy.draft_length(limit, context) if limit > 0 else 0
+        if k > 0 and policy.consume_catch_up():
+            proposer.resync()
+        draft, evaluated, draft_time = EMPTY_DRAFT, 0, costs.host_step / 2
+        if k > 0:
+            drafter.last = (0, 0)
+            steps = proposer.propose_steps(history, k, None, None, None, chooser)
+            try:
+                next(steps)
+            except StopIteration as done:
+                draft = done.value
+            drafted, evaluated = drafter.last
+            if draft.source == "model" and drafted:
+                draft_time += charge(costs.draft.seconds(max(1, evaluated), context)
+                                     + (drafted - 1) * costs.draft.seconds(1, context))
+        n = len(draft)
+        accepted = 0
+        while accepted < n and emitted + accepted < len(answer) and draft.tokens[accepted] == answer[emitted + accepted]:
+            accepted += 1
+        verify_time = charge(costs.oracle.seconds(n + 1, context)) + costs.host_step / 2
+        step = StepRecord(k=k, drafted=n, accepted=accepted, draft_time=draft_time, verify_time=verify_time,
+                          context=context, draft_evaluated=draft.evaluated, source=draft.source)
+        policy.update(step)
+        gained = min(accepted + 1, len(answer) - emitted)
+        history += answer[emitted:emitted + gained]
+        out.tokens += gained
+        out.seconds += draft_time + verify_time
+        out.steps += 1
+        out.drafted += n
+        out.accepted += accepted
+        out.lookup_drafted += n if draft.source == "lookup" else 0
+        out.records.append(step)
+    return out

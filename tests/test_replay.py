@@ -1,0 +1,124 @@
+"""The length policy replayed on recorded traces (localspec.bench.replay): no timing, no model.
+
+tests/data/traces/smollm2.json was recorded by scripts/record_traces.py on the default pair (six
+held-out chat prompts, 400-token greedy answers at most) with the cost table of the machine it ran
+on (named in the file); `Costs.gpu_like` prices the same traces as a workstation GPU would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from localspec.bench.replay import Costs, Table, Trace, load_traces, measured_costs, replay
+from localspec.factory import hybrid_policy
+from localspec.policy import AdaptiveLength, FixedLength
+
+TRACES = Path(__file__).parent / "data" / "traces" / "smollm2.json"
+FIXED = (1, 2, 3, 4, 6, 8, 12, 16)
+
+
+@pytest.fixture(scope="module")
+def recording():
+    return load_traces(TRACES)
+
+
+def default_policy(doc: dict):
+    """The engine's default for the pair: the hybrid of the draft model and prompt lookup."""
+    return hybrid_policy(AdaptiveLength(k_max=16, draft_cost_ratio=doc["draft_cost_ratio"]))
+
+
+def flat_costs() -> Costs:
+    table = Table((0, 4096), (1, 17), np.array([[10.0, 10.0], [10.0, 10.0]]))
+    return Costs("flat", table, Table((0, 4096), (1, 17), np.array([[2.0, 2.0], [2.0, 2.0]])))
+
+
+def synthetic(agree: int, sure: float = 1.0, n: int = 41) -> Trace:
+    return Trace("synthetic", (5, 6, 7), tuple(range(100, 100 + n)), np.full(n - 1, agree),
+                 np.full((n - 1, 16), sure), max_tokens=n)
+
+
+def test_a_replayed_step_drafts_what_the_trace_says_and_is_charged_its_passes():
+    trace = synthetic(agree=16)
+    result = replay(trace, FixedLength(4), flat_costs(), lookup=False)
+    # the first token from the prompt's pass, then 5 tokens a step (4 accepted + the bonus): 40 in 8 steps
+    assert (result.tokens, result.steps, result.drafted, result.accepted) == (41, 9, 32, 32)
+    first = 0.010
+    # each step: a catch-up decode and 3 more (2 ms each), a verify pass (10 ms)
+    assert result.seconds == pytest.approx(first + 8 * (4 * 0.002 + 0.010))
+
+
+def test_the_draft_stops_after_its_first_unsure_token_and_only_agreeing_tokens_are_accepted():
+    trace = synthetic(agree=2)
+    trace.sure[:, 4] = 0.1  # the fifth token is under p_min: drafted, then the draft stops
+    result = replay(trace, FixedLength(16), flat_costs(), lookup=False, p_min=0.3)
+    steps = result.records[1:6]  # (the last steps are cut short by max_tokens)
+    assert {(s.drafted, s.accepted) for s in steps} == {(5, 2)}
+    assert result.tokens == 41
+
+
+def speed(trace, policy, costs, **kw) -> float:
+    return replay(trace, policy, costs, **kw).tokens_per_second
+
+
+def best_fixed(trace, costs) -> tuple[float, str]:
+    """The best of K = 0 and every fixed K, with the draft model alone and with prompt lookup beside it."""
+    runs = [(speed(trace, FixedLength(0), costs, lookup=False), "k0")]
+    for k in FIXED:
+        runs.append((speed(trace, FixedLength(k), costs, lookup=False), f"k{k}"))
+        runs.append((speed(trace, FixedLength(k), costs), f"k{k}+lookup"))
+    return max(runs)
+
+
+COSTS = ["measured", "gpu-like"]
+
+
+def costs_of(name: str, doc: dict) -> Costs:
+    return measured_costs(doc) if name == "measured" else Costs.gpu_like()
+
+
+@pytest.mark.parametrize("profile", COSTS)
+def test_the_adaptive_policy_keeps_up_with_the_best_fixed_length_once_it_has_learned(recording, profile):
+    """An engine that served the other requests already (a server; a process after the cost cache's
+    earlier ones): every trace at least 0.97x the best fixed configuration for that trace."""
+    traces, doc = recording
+    costs = costs_of(profile, doc)
+    policy = default_policy(doc)
+    for trace in traces:  # what a running server has learned
+        replay(trace, policy, costs)
+    for trace in traces:
+        best, name = best_fixed(trace, costs)
+        got = speed(trace, policy, costs)
+        assert got >= 0.97 * best, f"{trace.prompt[:40]!r}: {got:.1f} tok/s against {name}'s {best:.1f}"
+
+
+@pytest.mark.parametrize("profile", COSTS)
+def test_a_fresh_policy_pays_little_to_learn(recording, profile):
+    """A process with no learned state: within 10% of the best fixed configuration from the first
+    request on (short answers included: 78 tokens, a dozen steps)."""
+    traces, doc = recording
+    costs = costs_of(profile, doc)
+    for trace in traces:
+        best, name = best_fixed(trace, costs)
+        got = speed(trace, default_policy(doc), costs)
+        assert got >= 0.90 * best, f"{trace.prompt[:40]!r}: {got:.1f} tok/s against {name}'s {best:.1f}"
+
+
+@pytest.mark.parametrize("profile", COSTS)
+def test_a_draft_that_rarely_agrees_is_left_idle(recording, profile):
+    """The same texts with a draft that agrees with the oracle at one position in five (a badly
+    matched pair): the policy gets within 3% of the best, which is K = 0 or close to it."""
+    traces, doc = recording
+    costs = costs_of(profile, doc)
+    rng = np.random.default_rng(0)
+    poor = [dataclasses.replace(t, agree=np.where(rng.random(len(t.agree)) < 0.2, t.agree, 0)) for t in traces]
+    policy = default_policy(doc)
+    for trace in poor:
+        replay(trace, policy, costs)
+    for trace in poor:
+        best, name = best_fixed(trace, costs)
+        got = speed(trace, policy, costs)
+        assert got >= 0.97 * best, f"{trace.prompt[:40]!r}: {got:.1f} tok/s against {name}'s {best:.1f}"
