@@ -580,3 +580,21 @@ def test_lookup_priors_counts_each_guess_by_the_match_it_extends(tmp_path):
     rows = {line.split(" | ")[0].strip("| "): line for line in out.splitlines() if line.startswith("| ")}
     assert "0%" not in rows["copy"].replace("100%", "") and "100% (" in rows["copy"]  # every guess held
     assert " 0% (" in rows["chat"]  # the guess after "100 101 102" says 103 where the answer says 9
+
+
+def test_fixed_lengths_with_prompt_lookup_are_systems_and_the_headline_sets_adaptive_against_the_best_fixed_k():
+    spec = systems.parse_system("k8+lookup")
+    assert spec.params == {"draft": "model", "draft_length": 8, "lookup": True} and spec.uses_draft_model
+    assert {"k4+lookup", "k8+lookup", "k16+lookup"} <= set(systems.DEFAULT_SYSTEMS)
+    rep = _synthetic_report()
+    rep["systems"] += [{"name": n, "kind": "localspec", "params": {"draft": "model"}} for n in ("k8+lookup", "adaptive")]
+    for rep_i in range(3):
+        for pid, base_tps in (("p1", 50.0), ("p2", 40.0)):
+            for name, factor in (("k8+lookup", 2.5), ("adaptive", 2.25)):
+                rep["runs"].append({"system": name, "workload": "chat", "prompt_id": pid, "rep": rep_i,
+                                    "completion_tokens": 100, "tokens_per_second": factor * (base_tps + rep_i),
+                                    "ttft": None, "drafted": 100, "accepted": 75, "steps": 25, "latencies": [],
+                                    "prompt_tokens": 100})
+    rep["results"] = report.aggregate(rep)
+    line = report.headline(rep)[0]
+    assert "2.25x the oracle alone, 0.90x the best fixed K" in line and "best fixed K: k8+lookup 2.50x" in line

@@ -2,6 +2,8 @@
 
     baseline        the oracle alone through localspec (Engine(oracle, None)): the reference
     kN              localspec, the draft model alone, fixed draft length N (k2, k4, k8, ...)
+    kN+lookup       localspec, the draft model and prompt lookup, fixed draft length N (the lookup's
+                    tokens when it finds some, the draft model's otherwise)
     adaptive        localspec's default: the draft model and prompt lookup, each step's source and
                     length chosen from measured costs and acceptance (`hybrid` is another name for it)
     model           localspec, the draft model alone (--no-lookup), adaptive draft length
@@ -31,7 +33,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-DEFAULT_SYSTEMS = ("baseline", "k4", "k8", "k16", "adaptive", "model", "lookup", "llama.cpp-grid", "llama.cpp-ngram",
+DEFAULT_SYSTEMS = ("baseline", "k4", "k8", "k16", "k4+lookup", "k8+lookup", "k16+lookup", "adaptive", "model", "lookup", "llama.cpp-grid", "llama.cpp-ngram",
                    "llama.cpp-ngram-fa-off", "lcp-lookup")
 ANCHOR_K = 8
 ANCHOR_GRID = tuple(f"llama.cpp-k{k}{fa}" for k in (4, 8, 16) for fa in ("", "-fa-off"))
@@ -94,6 +96,10 @@ def _parse(n: str) -> SystemSpec:
         k = _k(m, n)
         return SystemSpec(n, LOCALSPEC, f"localspec, draft model alone, fixed K={k}",
                           {"draft": "model", "draft_length": k, "lookup": False})
+    if m := re.fullmatch(r"k(\d+)\+lookup", n):
+        k = _k(m, n)
+        return SystemSpec(n, LOCALSPEC, f"localspec, draft model and prompt lookup, fixed K={k}",
+                          {"draft": "model", "draft_length": k, "lookup": True})
     if n in ("adaptive", "hybrid"):  # what a user gets by default
         return SystemSpec(n, LOCALSPEC, "localspec's default: draft model and prompt lookup, adaptive K and source",
                           {"draft": "model", "draft_length": None, "lookup": True})
@@ -119,7 +125,7 @@ def _parse(n: str) -> SystemSpec:
         k = _k(m, n) if m.group(1) else None
         desc = f"llama-cpp-python LlamaPromptLookupDecoding, num_pred_tokens={k if k else '2 (CPU) / 10 (GPU)'}"
         return SystemSpec(n, LLAMA_CPP_PYTHON, desc, {"num_pred_tokens": k, "max_ngram_size": 2})
-    raise ValueError(f"unknown system {n!r} (known: baseline, kN, adaptive (hybrid), model, lookup, lookup-kN, "
+    raise ValueError(f"unknown system {n!r} (known: baseline, kN, kN+lookup, adaptive (hybrid), model, lookup, lookup-kN, "
                      f"llama.cpp, llama.cpp-kN, llama.cpp-spec[-kN], llama.cpp-ngram[-kN], lcp-lookup[-kN])")
 
 
