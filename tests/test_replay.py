@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from localspec.bench.replay import Costs, Table, Trace, load_traces, measured_costs, replay
+from localspec.bench.replay import Costs, Table, Trace, hindsight, load_traces, measured_costs, replay
 from localspec.factory import hybrid_policy
 from localspec.policy import AdaptiveLength, FixedLength
 
@@ -122,3 +122,14 @@ def test_a_draft_that_rarely_agrees_is_left_idle(recording, profile):
         best, name = best_fixed(trace, costs)
         got = speed(trace, policy, costs)
         assert got >= 0.97 * best, f"{trace.prompt[:40]!r}: {got:.1f} tok/s against {name}'s {best:.1f}"
+
+
+@pytest.mark.parametrize("profile", COSTS)
+def test_no_fixed_length_of_the_draft_model_beats_hindsight(recording, profile):
+    traces, doc = recording
+    costs = costs_of(profile, doc)
+    for trace in traces:
+        ceiling = hindsight(trace, costs)
+        assert ceiling.tokens == len(trace.answer)
+        for k in FIXED:
+            assert speed(trace, FixedLength(k), costs, lookup=False) <= ceiling.tokens_per_second * 1.001

@@ -230,3 +230,31 @@ def replay(trace: Trace, policy: LengthPolicy, costs: Costs, *, lookup: bool = T
         out.lookup_drafted += n if draft.source == "lookup" else 0
         out.records.append(step)
     return out
+
+
+def hindsight(trace: Trace, costs: Costs, *, k_max: int = 16) -> ReplayResult:
+    """The most any draft length could make of the draft model on `trace`: each step drafts exactly
+    the tokens that will be accepted, plus one that will not (none where the first would fail),
+    knowing the answer. No policy reaches it; how far the best fixed K sits under it bounds what a
+    policy can gain over that K."""
+    out = ReplayResult()
+    prompt, answer = len(trace.prompt_ids), len(trace.answer)
+    out.tokens, out.steps = 1, 1
+    out.seconds = costs.oracle.seconds(1, prompt - 1) + costs.host_step
+    emitted = 1
+    while emitted < answer:
+        context = prompt + emitted - 1
+        agree = int(trace.agree[emitted - 1])
+        drafted = min(agree + 1, k_max, max(0, trace.max_tokens - emitted - 1)) if agree else 0
+        accepted = min(drafted, agree)
+        if drafted:
+            out.seconds += costs.draft.seconds(2 if out.steps > 1 else 1, context) \
+                + (drafted - 1) * costs.draft.seconds(1, context)
+        out.seconds += costs.oracle.seconds(drafted + 1, context) + costs.host_step
+        gained = min(accepted + 1, answer - emitted)
+        emitted += gained
+        out.tokens += gained
+        out.steps += 1
+        out.drafted += drafted
+        out.accepted += accepted
+    return out
