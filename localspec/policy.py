@@ -922,7 +922,12 @@ class AdaptiveLength:
         if not 1 <= caught_up <= 4:  # a probe's window, a re-try's or a prompt's: a batch, another rate
             return
         self.draft_cost.observe_passes(draft_passes(step.drafted, caught_up, step.context), step.draft_time)
-        self.catch_up += 0.1 * (caught_up - self.catch_up)
+        if caught_up <= 2:
+            # NOTE: the catch-up of a proposal after the draft's own step: its bonus token, and its last
+            # drafted one when all were accepted. A longer one follows prompt lookup's tokens, a cost
+            # of that step's source (its decode is still a sample of the draft's cost above): counted
+            # here, a hybrid whose lookup drafted often priced every later draft a token dearer
+            self.catch_up += 0.1 * (caught_up - self.catch_up)
 
     def _observe_continuation(self, n_drafted: int, n_accepted: int, *, allowance: int) -> None:
         """After each drafted token the draft went on (it is not the last) or stopped (the last, short

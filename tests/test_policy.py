@@ -849,3 +849,19 @@ def test_a_free_lookup_draft_stays_worth_it_in_a_full_batch():
     lookup.set_price(model.batch_price([CONTEXT] * 8, CONTEXT, drafting=2))
     assert lookup.draft_length(64, CONTEXT, offered=40, run=30) >= 8
     assert lookup.draft_length(64, CONTEXT, offered=40, run=1) <= 4  # a 2-token coincidence: short or nothing
+
+
+def test_a_catch_up_after_prompt_lookups_tokens_is_not_taken_for_the_drafts_own():
+    """After the draft model's own steps it catches up on one or two tokens; after a stretch of
+    prompt lookup on three or four: that proposal is a sample of the draft's cost, not of its
+    catch-up, which would otherwise price every later draft of the model a token dearer."""
+    p = primed(lambda n: 0.02 + 0.003 * n, draft_cost=0.005)
+    p.catch_up = 1.5
+    for caught_up in (4, 3, 4, 3, 4, 3):
+        p.update(StepRecord(k=4, drafted=4, accepted=2, draft_time=(caught_up + 3) * 0.005, verify_time=0.035,
+                            context=CONTEXT, draft_evaluated=caught_up + 3, source="model"))
+    assert p.catch_up == pytest.approx(1.5)
+    for caught_up in (1, 2) * 20:
+        p.update(StepRecord(k=4, drafted=4, accepted=2, draft_time=(caught_up + 3) * 0.005, verify_time=0.035,
+                            context=CONTEXT, draft_evaluated=caught_up + 3, source="model"))
+    assert p.catch_up == pytest.approx(1.5, abs=0.05)
