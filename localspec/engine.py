@@ -317,7 +317,7 @@ class Engine:
         the next one in)."""
         prefill = dict(prefill or {})
         running = sorted(running, key=lambda seq: seq.slot)  # rows in slot order: llama.cpp's fewest passes
-        t0 = time.perf_counter()
+        t0, l0 = time.perf_counter(), self._llama_seconds()
         ks = self._plan(running, n_seqs=len(running) + len(prefill))
         closed = len(running) > 1 and not queued
         # the draft model drafts for all of them or for none (see _all_or_none); lookups cost nothing
@@ -325,7 +325,7 @@ class Engine:
         rounds = self._propose(running, ks, model=model)
         if closed:
             self._all_or_none(running)
-        t1 = time.perf_counter()
+        t1, l1 = time.perf_counter(), self._llama_seconds()
         rows = [Rows(seq.slot, seq.history[len(self.oracle.seq_tokens(seq.slot)):][:n],
                      n if seq.request.prompt_logprobs is not None else 0) for seq, n in prefill.items()]
         rows += [Rows(seq.slot, [seq.history[-1]] + seq.draft.tokens.tolist(), len(seq.draft) + 1) for seq in running]
@@ -345,16 +345,24 @@ class Engine:
                 seq.prompt_logprobs += self._logprobs(logits[offsets[seq.slot]:offsets[seq.slot] + n], targets,
                                                       seq.request.prompt_logprobs)
         outs = [self._verify(seq, logits[offsets[seq.slot]:offsets[seq.slot] + len(seq.draft) + 1]) for seq in running]
-        t2 = time.perf_counter()
+        t2, l2 = time.perf_counter(), self._llama_seconds()
         batch_tokens = self.last_pass[1]
+        host = {"draft_host_time": (t1 - t0) - (l1 - l0), "verify_host_time": (t2 - t1) - (l2 - l1)}
         for seq, (out, logprobs, n_accepted) in zip(running, outs):
             self._record(seq, out, logprobs, n_accepted, ks[seq], draft_time=t1 - t0, verify_time=t2 - t1,
-                         batch_seqs=len(rows), batch_tokens=batch_tokens)
+                         batch_seqs=len(rows), batch_tokens=batch_tokens, **host)
         for seq in prefill:
             if len(self.oracle.seq_tokens(seq.slot)) >= len(seq.history) - 1:
                 seq.status = Status.RUNNING
                 seq.stats.prompt_time = time.perf_counter() - seq.t_start
         self._observe_batch(rows, contexts, rounds, prefill, t_decoded - t1)
+        other = (time.perf_counter() - t2) - (self._llama_seconds() - l2)  # emitting, the policies' updates
+        for seq in running:
+            seq.stats.host_other_time += other
+
+    def _llama_seconds(self) -> float:
+        """Seconds spent inside llama.cpp so far, on every context."""
+        return sum(ctx.llama_seconds for ctx in self.contexts)
 
     def _plan(self, running: Sequence[Seq], *, n_seqs: int) -> dict[Seq, int]:
         """Each running sequence's draft allowance, from its policy: priced for the shared pass
@@ -442,13 +450,15 @@ class Engine:
         return out.tolist(), logprobs, n_accepted
 
     def _record(self, seq: Seq, out: list[int], logprobs: list[TokenLogprob] | None, n_accepted: int, k: int, *,
-                draft_time: float, verify_time: float, batch_seqs: int, batch_tokens: int) -> None:
+                draft_time: float, verify_time: float, batch_seqs: int, batch_tokens: int,
+                draft_host_time: float = 0.0, verify_host_time: float = 0.0) -> None:
         """Count `seq`'s step (its policy learns from it) and emit what it yielded."""
         draft, stats = seq.draft, seq.stats
         step = StepRecord(k=k, drafted=len(draft), accepted=n_accepted, draft_time=draft_time,
                           verify_time=verify_time, context=len(seq.history) - 1, draft_evaluated=draft.evaluated,
                           draft_prompt_time=draft.prompt_time, source=draft.source, batch_seqs=batch_seqs,
-                          batch_tokens=batch_tokens if batch_seqs > 1 else 0)
+                          batch_tokens=batch_tokens if batch_seqs > 1 else 0, draft_host_time=draft_host_time,
+                          verify_host_time=verify_host_time)
         if seq.request.speculative:  # a request that does not draft teaches the policy nothing
             seq.policy.update(step)
             stats.idle_steps += stats.steps > 0 and self._draft_limit(seq) > 0 and not step.drafted

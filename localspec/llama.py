@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -338,6 +339,9 @@ class LlamaContext(_Owner):
         self.n_batch: int = llama_cpp.llama_n_batch(self._ctx)
         self.n_vocab = model.n_vocab
         self._seqs: list[list[int]] = [[] for _ in range(n_seq)]
+        # seconds spent inside llama.cpp's decodes, the logits' read included (where a GPU's work is
+        # waited for): wall time minus this is the host's own (Stats.host_time)
+        self.llama_seconds = 0.0
 
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         b = self._batch
@@ -476,6 +480,7 @@ class LlamaContext(_Owner):
         starts = {r.seq: len(self._seqs[r.seq]) for r in rows if len(r.tokens)}  # to undo a failure
         pieces: list[np.ndarray] = []
         chunks = range(0, total, self.n_batch)
+        t0 = time.perf_counter()
         try:
             for lo in chunks:
                 hi = min(total, lo + self.n_batch)
@@ -497,6 +502,8 @@ class LlamaContext(_Owner):
             for seq, start in starts.items():  # leave every cache exactly as its mirror says
                 llama_cpp.llama_memory_seq_rm(self._mem, seq, start, -1)
             raise
+        finally:
+            self.llama_seconds += time.perf_counter() - t0
         for r in rows:
             if len(r.tokens):
                 self._seqs[r.seq].extend(int(t) for t in r.tokens)
@@ -506,7 +513,10 @@ class LlamaContext(_Owner):
             out = np.concatenate(pieces)
             out.flags.writeable = False
             return out
-        return self._logits(n_out)
+        t0 = time.perf_counter()
+        logits = self._logits(n_out)  # waits for the device's work, where there is one
+        self.llama_seconds += time.perf_counter() - t0
+        return logits
 
     def ubatches(self, rows: Sequence[tuple[int, int]]) -> list[list[tuple[int, int]]]:
         """How llama.cpp splits a batch of (sequence, tokens) rows, in this order, into the passes it

@@ -20,6 +20,8 @@ class StepRecord:
     source: str = ""  # where the draft came from: "model", "lookup" (a hybrid proposer uses both), "" none
     batch_seqs: int = 1  # sequences the verify pass carried (its time is the whole pass's)
     batch_tokens: int = 0  # tokens the verify pass carried (0: this step's own, drafted + 1)
+    draft_host_time: float = 0.0  # of draft_time, outside llama.cpp (the policy, the proposers' Python)
+    verify_host_time: float = 0.0  # of verify_time, outside llama.cpp (batch building, acceptance, rollback)
 
     @property
     def emitted(self) -> int:
@@ -52,6 +54,11 @@ class Stats:
     idle_steps: int = 0  # steps that could have drafted and did not (the policy judged drafting not worth it)
     idle_reason: str | None = None  # why, when there were some: the policy's estimate against its threshold
     draft_flash_attn: str | None = None  # the draft model's, if there is one
+    # the host's own time (wall time minus time inside llama.cpp) in the steps: proposing, verifying
+    # and the rest (emitting: text, stop strings, the policy's update); on a GPU it adds to every pass
+    host_draft_time: float = 0.0
+    host_verify_time: float = 0.0
+    host_other_time: float = 0.0
     records: list[StepRecord] = field(default_factory=list, repr=False)
 
     def add_step(self, step: StepRecord) -> None:
@@ -66,6 +73,21 @@ class Stats:
         self.draft_time += step.draft_time
         self.draft_prompt_time += step.draft_prompt_time
         self.verify_time += step.verify_time
+        self.host_draft_time += step.draft_host_time
+        self.host_verify_time += step.verify_host_time
+
+    @property
+    def host_time(self) -> float:
+        """Seconds of the steps spent outside llama.cpp."""
+        return self.host_draft_time + self.host_verify_time + self.host_other_time
+
+    @property
+    def host_ms_per_token(self) -> float:
+        return 1000 * self.host_time / self.completion_tokens if self.completion_tokens else 0.0
+
+    @property
+    def host_ms_per_step(self) -> float:
+        return 1000 * self.host_time / self.steps if self.steps else 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -96,7 +118,8 @@ class Stats:
     def to_dict(self, *, records: bool = False) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "records"}
         d.update(acceptance_rate=self.acceptance_rate, mean_accepted_length=self.mean_accepted_length,
-                 tokens_per_step=self.tokens_per_step, tokens_per_second=self.tokens_per_second)
+                 tokens_per_step=self.tokens_per_step, tokens_per_second=self.tokens_per_second,
+                 host_ms_per_token=self.host_ms_per_token, host_ms_per_step=self.host_ms_per_step)
         if records:
             d["records"] = [asdict(r) for r in self.records]
         return d

@@ -111,12 +111,16 @@ class Totals:
     draft_time: float = 0.0
     draft_prompt_time: float = 0.0
     verify_time: float = 0.0
+    host_draft_time: float = 0.0
+    host_verify_time: float = 0.0
+    host_other_time: float = 0.0
     generation_time: float = 0.0
     interrupted: int = 0
     records: list[StepRecord] = field(default_factory=list, repr=False)  # every step of every reply
 
     SUMMED = ("prompt_tokens", "prompt_tokens_evaluated", "completion_tokens", "steps", "drafted", "accepted",
-              "lookup_drafted", "lookup_accepted", "draft_time", "draft_prompt_time", "verify_time")  # the Stats counters kept as session sums
+              "lookup_drafted", "lookup_accepted", "draft_time", "draft_prompt_time", "verify_time",
+              "host_draft_time", "host_verify_time", "host_other_time")  # the Stats counters kept as session sums
 
     def add(self, s: Stats) -> None:
         self.replies += 1
@@ -426,6 +430,11 @@ class Chat:
             f"  prompt tokens evaluated: {t.prompt_tokens_evaluated} of {t.prompt_tokens}",
             f"draft length: {draft}",
         ]
+        if s.steps:
+            lines.append(f"host time (outside llama.cpp): {s.host_ms_per_token:.2f} ms a token, "
+                         f"{s.host_ms_per_step:.2f} ms a step (proposing {1000 * s.host_draft_time / s.steps:.2f}, "
+                         f"verifying {1000 * s.host_verify_time / s.steps:.2f}, the rest "
+                         f"{1000 * s.host_other_time / s.steps:.2f}) last reply")
         if self.speculative and s.regime:
             lines.append(f"  sampling regime: {s.regime} (the policy's estimates are kept per regime)")
         if self.speculative and s.idle_reason:

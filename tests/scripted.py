@@ -9,6 +9,7 @@ known exactly, and the exact distribution of what the oracle alone would emit ca
 
 from __future__ import annotations
 
+import time
 import zlib
 from typing import Callable, Sequence
 
@@ -225,6 +226,7 @@ class ScriptedContext:
         self._seqs: list[list[int]] = [[] for _ in range(n_seq)]
         self.n_decoded = 0  # tokens evaluated over the context's life
         self.passes: list[list[tuple[int, int]]] = []  # each decode: (sequence, tokens) of its rows
+        self.llama_seconds = 0.0  # seconds in decodes (LlamaContext's: the engine's host time is the rest)
 
     def seq_tokens(self, seq: int = 0) -> list[int]:
         return self._seqs[seq]
@@ -272,6 +274,13 @@ class ScriptedContext:
         return self.decode_rows([Rows(seq, tokens, n_logits)])
 
     def decode_rows(self, rows) -> np.ndarray:
+        t0 = time.perf_counter()
+        try:
+            return self._decode(rows)
+        finally:
+            self.llama_seconds += time.perf_counter() - t0
+
+    def _decode(self, rows) -> np.ndarray:
         from localspec.llama import ContextFullError
 
         for r in rows:
@@ -313,4 +322,5 @@ class TimedContext(ScriptedContext):
         n = sum(len(r.tokens) for r in rows)
         if n:
             self.clock.now += self.fixed + self.per_token * n
-        return super().decode_rows(rows)
+            self.llama_seconds += self.fixed + self.per_token * n
+        return self._decode(rows)

@@ -605,3 +605,34 @@ def test_sources_label_each_chunks_text_by_the_step_that_made_its_tokens(kind, p
     plain = list(proposer_engine(kind).stream(prompt, max_tokens=40, stop=list(stop)))
     assert [(c.text, c.tokens) for c in plain] == [(c.text, c.tokens) for c in chunks]
     assert all(c.sources is None for c in plain)
+
+
+class SlowContext(ScriptedContext):
+    """A scripted context whose every decode spends `seconds` inside llama.cpp's place."""
+
+    def __init__(self, *args, seconds: float, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.seconds = seconds
+
+    def _decode(self, rows):
+        import time
+
+        time.sleep(self.seconds)
+        return super()._decode(rows)
+
+
+def test_host_time_is_the_steps_wall_time_less_the_time_inside_the_decodes():
+    """Each decode here takes 30 ms "inside llama.cpp"; the engine's own Python per step is a
+    millisecond or two: the host time reported must leave the decodes out."""
+    oracle_model, logits = oracle_parts()
+    oracle = SlowContext(oracle_model, logits, seconds=0.03)
+    draft = SlowContext(ScriptedModel.sized(ORACLE_VOCAB, "draft"), related_logits(logits, ORACLE_VOCAB, 2, ORACLE_VOCAB),
+                        seconds=0.03)
+    engine = Engine.from_parts(oracle=oracle, proposer=DraftModelProposer(draft), policy=FixedLength(2), draft=draft)
+    s = engine.generate("the cat", max_tokens=12, temperature=0).stats
+    step_wall = s.draft_time + s.verify_time
+    assert step_wall / s.steps >= 0.03  # every step waits for at least one decode
+    assert 0 < s.host_draft_time + s.host_verify_time < 0.5 * step_wall
+    assert s.host_ms_per_step < 15 and s.host_other_time >= 0
+    assert s.to_dict()["host_ms_per_token"] == pytest.approx(1000 * s.host_time / s.completion_tokens)
+    assert oracle.llama_seconds >= 0.03 * (s.steps + 1) and draft.llama_seconds >= 0.03 * s.steps

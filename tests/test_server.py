@@ -295,6 +295,7 @@ def test_metrics(server, http):
     assert metric(server, "localspec_time_to_first_token_seconds_count") >= 1
     assert metric(server, "localspec_request_latency_seconds_count", endpoint="/v1/chat/completions") >= 1
     assert "localspec_queue_depth" in text
+    assert metric(server, "localspec_host_seconds_total", phase="verify") > 0  # wall time outside llama.cpp
 
 
 @pytest.mark.model

@@ -57,6 +57,10 @@ class Metrics:
         self.spec_accepted_per_pos = Counter("localspec_spec_decode_num_accepted_tokens_per_pos",
                                              "Draft tokens accepted, by their place in the draft (0: the first).",
                                              ["position"], registry=r)
+        self.host_seconds = Counter("localspec_host_seconds", "Seconds the steps of completed generations spent "
+                                    "outside llama.cpp (wall time minus time in its decodes), by phase: draft "
+                                    "(proposing), verify (batch, acceptance, rollback), other (emitting).",
+                                    ["phase"], registry=r)
         self._drafted = 0
         self._accepted = 0
 
@@ -69,6 +73,12 @@ class Metrics:
         self.spec_accepted_tokens.inc(step.accepted)
         for position in range(min(step.accepted, MAX_POSITION_LABEL + 1)):
             self.spec_accepted_per_pos.labels(str(position)).inc()
+
+    def record_host_time(self, stats) -> None:
+        """A completed generation's host time (an `outputs.Stats`), by phase."""
+        for phase, seconds in (("draft", stats.host_draft_time), ("verify", stats.host_verify_time),
+                               ("other", stats.host_other_time)):
+            self.host_seconds.labels(phase).inc(max(0.0, seconds))
 
     def record_speculation(self, drafted: int, accepted: int) -> None:
         self.tokens_drafted.inc(drafted)

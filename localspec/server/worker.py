@@ -293,6 +293,7 @@ class EngineWorker:
                 m.prompt_tokens.inc(s.prompt_tokens)
                 m.prompt_tokens_cached.inc(max(0, s.prompt_tokens - s.prompt_tokens_evaluated))
                 m.record_speculation(s.drafted, s.accepted)
+                m.record_host_time(s)
                 self._end(job, "completed", None)
             elif seq.status == Status.ABORTED and not job.cancelled:  # a pass failed
                 self._end(job, "failed", Failed(seq.error or RuntimeError("generation failed"), client_error=False))
