@@ -598,3 +598,14 @@ def test_fixed_lengths_with_prompt_lookup_are_systems_and_the_headline_sets_adap
     rep["results"] = report.aggregate(rep)
     line = report.headline(rep)[0]
     assert "2.25x the oracle alone, 0.90x the best fixed K" in line and "best fixed K: k8+lookup 2.50x" in line
+
+
+def test_the_report_weighs_host_time_per_token_by_tokens():
+    rep = _synthetic_report()
+    for r in rep["runs"]:
+        if r["system"] == "k4":
+            r["stats"] = {"host_ms_per_token": 1.0 if r["prompt_id"] == "p1" else 4.0}
+            r["completion_tokens"] = 100 if r["prompt_id"] == "p1" else 300
+    rows = {(r["system"], r["workload"]): r for r in report.aggregate(rep)}
+    assert rows[("k4", "chat")]["host_ms_per_token"] == pytest.approx((100 + 4 * 300) / 400)
+    assert rows[("baseline", "chat")]["host_ms_per_token"] is None

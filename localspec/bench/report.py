@@ -49,6 +49,7 @@ RESULT_FIELDS = (
     "acceptance_rate", "per_token_acceptance", "mean_accepted_length", "tokens_per_step", "mean_draft_length",
     "ceiling", "efficiency", "one_shot_wall", "one_shot_speedup",
     "ttft", "ttft_ratio", "latency_p50", "latency_p95", "peak_rss", "greedy_match", "mismatched_runs", "costs",
+    "host_ms_per_token",
 )
 COST_SIZES = (1, 2, 5, 9, 17)  # pass sizes the report shows the fitted verify cost at
 
@@ -196,6 +197,8 @@ def _row(system: dict, workload: str, runs: list[dict], base: dict[tuple[str, in
     latencies = [x for r in runs for x in (r.get("latencies") or [])]
     ttfts = [r["ttft"] for r in runs if r.get("ttft") is not None]
     matches = [r["match"] for r in runs if r.get("match") is not None]
+    host = [(r["stats"]["host_ms_per_token"], r["completion_tokens"]) for r in runs
+            if (r.get("stats") or {}).get("host_ms_per_token") is not None and r.get("completion_tokens")]
     return {
         "system": name,
         "workload": workload,
@@ -223,6 +226,8 @@ def _row(system: dict, workload: str, runs: list[dict], base: dict[tuple[str, in
         "greedy_match": sum(matches) / len(matches) if matches else None,
         "mismatched_runs": sum(1 for m in matches if m < 1.0),
         "costs": costs,
+        # the controller's own time per token, outside llama.cpp (localspec's runs only)
+        "host_ms_per_token": sum(h * n for h, n in host) / sum(n for _, n in host) if host else None,
     }
 
 
@@ -278,8 +283,9 @@ def markdown_table(report: dict) -> str:
     paired, shot = _has_paired(report), _has_one_shot(report)
     head = ("| workload | system | tok/s | speedup | " + ("paired speedup | " if paired else "")
             + "ceiling | efficiency | " + ("one-shot s | one-shot speedup | " if shot else "")
-            + "acceptance | accepted/step | TTFT ms | TTFT vs alone | p50 ms/tok | p95 ms/tok | peak RSS MB | greedy match |")
-    lines = [head, "|---|---|" + "---:|" * (12 + paired + 2 * shot)]
+            + "acceptance | accepted/step | TTFT ms | TTFT vs alone | p50 ms/tok | p95 ms/tok | host ms/tok | peak RSS MB "
+              "| greedy match |")
+    lines = [head, "|---|---|" + "---:|" * (13 + paired + 2 * shot)]
     order = {s["name"]: i for i, s in enumerate(report["systems"])}
     wl = _workload_order(report) + [ALL]
     for r in sorted(report["results"], key=lambda r: (wl.index(r["workload"]), order.get(r["system"], 99))):
@@ -298,7 +304,7 @@ def markdown_table(report: dict) -> str:
             _f(r["ceiling"], ".2f") + ("×" if r["ceiling"] is not None else ""), _f(r["efficiency"], ".0%"),
             *(shots if shot else []), _f(r["acceptance_rate"], ".0%"), _f(r["mean_accepted_length"], ".2f"), _f(r["ttft"], ".0f", 1e3),
             _f(r.get("ttft_ratio"), ".2f") + ("×" if r.get("ttft_ratio") is not None else ""),
-            _f(r["latency_p50"], ".1f", 1e3), _f(r["latency_p95"], ".1f", 1e3),
+            _f(r["latency_p50"], ".1f", 1e3), _f(r["latency_p95"], ".1f", 1e3), _f(r.get("host_ms_per_token"), ".2f"),
             _f(r["peak_rss"], ".0f", 1 / 2**20), match]) + " |")
     return "\n".join(lines)
 
@@ -451,6 +457,8 @@ def results_document(report: dict, charts: dict[str, str] | None = None, command
         "**TTFT vs alone**: over the oracle alone's on the same prompt and repetition (median per prompt, "
         "geometric mean over prompts; the TTFT ms of a row is a median over runs of prompts of every length).",
         "- **p50/p95 ms/tok**: per-token latency from chunk arrival times divided by tokens per chunk.",
+        "- **host ms/tok**: the controller's own time per token: the steps' wall time minus the time inside "
+        "llama.cpp (its decodes and the logits' read); localspec's runs only.",
         "- **peak RSS**: of each system's own process (model weights are mmapped, so the file pages it "
         "touched count too); for the anchor, the largest of its per-generation processes.",
         "- **greedy match**: agreement with the baseline's greedy output in the same repetition (common "
