@@ -21,9 +21,8 @@ tokens/s on a 2-core EPYC: a pass costs about w0 + w2*N whoever its tokens are f
 attends to its own cache, and w5 is what another sequence adds beside its tokens. One sequence is
 the form above.
 
-The same form serves the draft model's decodes: a proposal is a decode of its catch-up (the tokens
-accepted since its last step and the one after them) and one decode per drafted token but the last
-(`policy.draft_passes`), fitted as the sum of those passes.
+The same form serves the draft, with n the tokens it drafts in a step (its catch-up on the tokens
+accepted since its last step, one or two, sits in w0).
 
 `PassCost` fits w by exponentially weighted least squares (recent steps count most, so it follows a
 machine whose speed drifts), pulled toward a prior whose shape is a typical CPU's and whose scale is
@@ -63,9 +62,9 @@ CONTEXT_UNIT = 1024.0  # context lengths enter the fit in units of 1024 tokens
 # relative prior shapes (times in units of a one-token pass at no context): an oracle pass of n
 # tokens costs 1 + 0.2 [n > 1] + 0.1 (n - 1) one-token passes, 0.15 + 0.02 n more per 1024 tokens of
 # context (an F32 oracle on a 2-core AVX512 CPU without flash attention; a GPU learns its flatter
-# curve in a few steps); a draft model's decode of n tokens costs a little per decode and nearly n
-# times one token (a small quantized model on a CPU is compute-bound; a GPU learns otherwise), and,
-# a small model's weights being cheap, relatively more for its attention
+# curve in a few steps); a draft proposal that evaluates n tokens (its catch-up, then one decode per
+# drafted token but the last) costs n of its one-token decodes and a little per call, and, a small
+# model's weights being cheap, relatively more for its attention
 VERIFY_SHAPE = (0.9, 0.2, 0.1, 0.15, 0.02, 0.05)
 DRAFT_SHAPE = (0.2, 0.0, 1.0, 0.2, 0.3, 0.05)
 # a draft model's decode of a token for each of several sequences (a round of batched drafting), or
@@ -77,7 +76,7 @@ DRAFT_ROUND_SHAPE = (0.6, 0.1, 0.4, 0.15, 0.05, 0.05)
 # measured step (a shared VM's steps vary by 10-20%): together they say how much evidence moves it
 PRIOR_SPREAD = (1.0, 0.5, 0.5, 0.1, 0.03, 0.2)
 NOISE = 0.15
-STATE_VERSION = 7  # 7: the draft's cost fitted per decode (policy.draft_passes), no longer per proposal
+STATE_VERSION = 6
 START = 3  # passes whose median sets the prior's scale
 
 

@@ -490,20 +490,13 @@ class BatchPrice:
             + self.draft_token * np.asarray(evaluated, dtype=np.float64)
 
 
-def draft_passes(drafted: int, caught_up: int, context: int) -> list[tuple[tuple[int], tuple[int]]]:
-    """The decodes a draft model ran to propose `drafted` tokens after catching up on `caught_up`
-    (each decode's tokens and context, as `PassCost.observe_passes` takes them): the catch-up, whose
-    last token's logits give the first draft token, then one decode per drafted token but the last."""
-    return [((caught_up,), (context,))] + [((1,), (context + caught_up + i,)) for i in range(drafted - 1)]
-
-
 class Learned:
     """What a length policy learned that every request shares (each request's `fork` of the policy
     reads and teaches the same): the pass costs, the draft's catch-up, each regime's estimates."""
 
     def __init__(self) -> None:
         self.verify_cost = PassCost(VERIFY_SHAPE)  # seconds for an oracle pass of n tokens at a context
-        self.draft_cost = PassCost(DRAFT_SHAPE)  # seconds for a draft decode of n tokens (a proposal: draft_passes)
+        self.draft_cost = PassCost(DRAFT_SHAPE)  # seconds for a proposal that evaluates n draft tokens
         self.draft_round_cost = PassCost(DRAFT_ROUND_SHAPE)  # seconds for a draft decode of several sequences
         self.catch_up = 1.5  # tokens a draft model catches up on before it drafts (the last step's accepted + 1)
         self.estimates: dict[Regime, Estimates] = {}
@@ -619,31 +612,20 @@ class AdaptiveLength:
     def draft_times(self, lengths: np.ndarray, context: int, *, optimistic: bool = False) -> np.ndarray:
         """Seconds for the draft to propose each of `lengths` [m] tokens at `context` [m].
         `optimistic`: the lower of the fitted cost and the prior guess."""
-        lengths = np.asarray(lengths, dtype=np.float64)
+        sizes = self.evaluated(lengths)  # [m]
         if self.price is not None:
             if not self.model_draft:
-                return np.zeros(len(lengths))  # a lookup: nothing to decode
-            return self.price.draft_times(lengths, self.evaluated(lengths))
-        return self._draft_times_alone(lengths, context, optimistic=optimistic)
+                return np.zeros(len(sizes))  # a lookup: nothing to decode
+            return self.price.draft_times(lengths, sizes)
+        return self._draft_times_alone(sizes, context, optimistic=optimistic)
 
-    def _draft_times_alone(self, lengths: np.ndarray, context: int, *, optimistic: bool = False) -> np.ndarray:
-        """Seconds for proposals of `lengths` [m] tokens, drafting alone: a draft model's proposal is
-        a decode of its catch-up (the first drafted token's logits come with it) and one decode per
-        drafted token but the last (`draft_passes`). A decode costs its own overhead and its tokens'
-        compute: on a CPU the catch-up's second token costs nearly a decode of its own (12.5 ms one
-        token, 23 ms two here), on a GPU next to nothing; priced per token evaluated, the policy
-        over-priced a GPU's drafts by up to a fifth (scripts/replay_policy.py). A proposer without
-        a model costs one "pass" whatever it proposes."""
-        lengths = np.asarray(lengths, dtype=np.float64)
-        first = self.catch_up if self.model_draft else 1.0  # tokens in the first decode
-        later = np.maximum(0.0, lengths - 1.0) if self.model_draft else np.zeros_like(lengths)  # [m] one-token decodes
-        # the prior guess: a one-token decode costs draft_cost_ratio of a one-token oracle pass
-        unit = self.draft_cost_ratio * self.verify_cost(1, context) / (DRAFT_SHAPE[0] + DRAFT_SHAPE[2])
-        guess = unit * (DRAFT_SHAPE[0] * (1.0 + later) + DRAFT_SHAPE[2] * (first + later))
+    def _draft_times_alone(self, sizes: np.ndarray, context: int, *, optimistic: bool = False) -> np.ndarray:
+        """Seconds for proposals that evaluate `sizes` [m] draft tokens, drafting alone."""
+        per_token = self.draft_cost_ratio * self.verify_cost(1, context)  # the prior guess
+        guess = per_token * (DRAFT_SHAPE[0] + DRAFT_SHAPE[2] * sizes)
         if not self.draft_cost.ready:
             return guess  # not measured yet
-        one, catch = self.draft_cost.predict(np.array([1.0, first]), context)
-        fitted = catch + one * later
+        fitted = self.draft_cost.predict(sizes, context)
         return np.minimum(fitted, guess) if optimistic else fitted
 
     def _step_times(self, k_top: int, context: int, *, optimistic: bool = False) -> np.ndarray:
@@ -865,7 +847,7 @@ class AdaptiveLength:
             draft_token = rounds.token_time(context) + rounds.sequence_time()
             draft_round = max(0.0, one - rounds.token_time(context))
         else:  # no batched drafting measured yet: a draft token alone, split as the prior shape says
-            one, two = self._draft_times_alone(np.array([1.0, 2.0]), context)  # one more drafted token
+            one, two = self._draft_times_alone(np.array([1.0, 2.0]), context)
             alone = float(two - one)
             split = DRAFT_ROUND_SHAPE[2] / (DRAFT_ROUND_SHAPE[0] + DRAFT_ROUND_SHAPE[2])
             draft_token, draft_round = alone * split, alone * (1.0 - split)
@@ -907,7 +889,7 @@ class AdaptiveLength:
             self.est.retry_wait = 1 if paid else min(2 * self.est.retry_wait, MAX_RETRY_WAIT)
 
     def _observe_draft_cost(self, step: StepRecord) -> None:
-        """A step's proposal is a sample of the draft's cost over the decodes it ran: its catch-up
+        """A step's proposal is a sample of the draft's cost at the tokens it evaluated: its catch-up
         of one or two tokens (which updates `catch_up`), then a decode per drafted token but the
         last. A proposal that first evaluated more (a probe's window of recent text, a re-try's or a
         new prompt's catch-up) is left out: those tokens go through as one batch, at another rate
@@ -921,11 +903,11 @@ class AdaptiveLength:
         caught_up = step.draft_evaluated - step.drafted + 1
         if not 1 <= caught_up <= 4:  # a probe's window, a re-try's or a prompt's: a batch, another rate
             return
-        self.draft_cost.observe_passes(draft_passes(step.drafted, caught_up, step.context), step.draft_time)
+        self.draft_cost.observe(max(1, step.draft_evaluated), step.context, step.draft_time)
         if caught_up <= 2:
             # NOTE: the catch-up of a proposal after the draft's own step: its bonus token, and its last
             # drafted one when all were accepted. A longer one follows prompt lookup's tokens, a cost
-            # of that step's source (its decode is still a sample of the draft's cost above): counted
+            # of that step's source (the proposal is still a sample of the draft's cost above): counted
             # here, a hybrid whose lookup drafted often priced every later draft a token dearer
             self.catch_up += 0.1 * (caught_up - self.catch_up)
 

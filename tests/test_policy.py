@@ -14,16 +14,16 @@ FRESH, ALIGNED, LATER = 0, 1, 2  # AcceptanceByPlace's keys for a draft model
 
 
 def primed(verify, draft_cost, k_max=16, **kw):
-    """A policy whose cost models have seen synthetic passes: an oracle pass of n tokens costs
-    verify(n), and a draft decode draft_cost per token in it; the draft catches up on two tokens
-    (the last step's accepted one and its bonus) in its first decode, then decodes once per drafted
-    token but the last, so a draft of l tokens costs (l + 1) * draft_cost, at one context length."""
+    """A policy whose cost models have seen synthetic steps: an oracle pass of n tokens costs
+    verify(n), and the draft draft_cost per token it evaluates; it catches up on two tokens (the last
+    step's accepted one and its bonus) before it drafts, so a draft of l tokens costs (l + 1) *
+    draft_cost, at one context length."""
     policy = AdaptiveLength(k_max=k_max, **kw)
     policy.catch_up = 2.0
     for _ in range(3):
         for n in (1, 2, 4, 8, 16):
             policy.verify_cost.observe(n, CONTEXT, verify(n))
-            policy.draft_cost.observe(n, CONTEXT, n * draft_cost)
+            policy.draft_cost.observe(n + 1, CONTEXT, (n + 1) * draft_cost)
     policy.context = CONTEXT
     return policy
 
@@ -234,7 +234,7 @@ def test_an_early_rejection_does_not_end_drafting():
     while p.est.trials < 8:
         k = p.draft_length(16, CONTEXT)
         ks.append(k)
-        p.update(step(k, 0, (k + 1) * 0.025, 0.062))  # the draft's cost as primed
+        p.update(step(k, 0, 0.050, 0.062))
     assert ks and all(k == 2 for k in ks)
     assert p.draft_length(16, CONTEXT) == 0 and p.idle  # now the evidence says drafting does not pay
 
@@ -295,9 +295,8 @@ def test_a_draft_that_stops_early_is_charged_for_what_it_drafts():
     """E(k) and T(k) with the continuation rates: c for the draft's length, c_acc after an accepted token."""
     p = primed(lambda n: 0.02 + 0.01 * n, draft_cost=0.005, prior_acceptance=0.8)
     p.est.continuation, p.est.continuation_accepted = 0.5, 0.6
-    # drafting l tokens: a decode of the catch-up of two, then a decode per drafted token but the last
-    cost = {l: p.draft_cost(2, CONTEXT) + (l - 1) * p.draft_cost(1, CONTEXT) + p.verify_cost(l + 1, CONTEXT)
-            for l in (1, 2)}
+    # drafting l tokens evaluates l + 1 (a catch-up of two, then a decode per drafted token but the last)
+    cost = {l: p.draft_cost(l + 1, CONTEXT) + p.verify_cost(l + 1, CONTEXT) for l in (1, 2)}
     assert p.step_time(0) == pytest.approx(p.verify_cost(1, CONTEXT))
     assert p.step_time(1) == pytest.approx(cost[1])
     assert p.step_time(2) == pytest.approx(0.5 * cost[1] + 0.5 * cost[2])  # stops after one token half the time
@@ -533,8 +532,7 @@ def test_a_draft_cost_learned_on_a_busy_machine_does_not_keep_the_policy_idle_fo
         if k:
             p.update(step(k, k - (i % 3 == 0), (k + 1) * quiet, verify(k + 1), k=k))
     assert ks[0] > p.probe_length and all(k > 0 for k in ks)
-    # a 5-token proposal: its catch-up of two, then four more decodes
-    assert p.draft_times(np.array([5]), CONTEXT)[0] == pytest.approx(6 * quiet, rel=0.1) and not p.idle
+    assert p.draft_cost(5, CONTEXT) == pytest.approx(5 * quiet, rel=0.1) and not p.idle
 
 
 # --- the hybrid's choice between prompt lookup and the draft model ---------------------------------
@@ -820,7 +818,7 @@ def batch_primed(k_max=16, **kw):
         for m in (1, 2, 4, 8):
             p.observe_draft_round([([1] * m, [CONTEXT] * m)], (4 + 6 * m) / 1000)
         for n in (1, 2, 4, 8, 16):
-            p.draft_cost.observe(n, CONTEXT, n * 0.010)
+            p.draft_cost.observe(n + 1, CONTEXT, (n + 1) * 0.010)
     p.est.fresh_trials = p.est.trials = 50
     p.context = CONTEXT
     return p
