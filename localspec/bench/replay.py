@@ -167,10 +167,12 @@ class ReplayResult:
 
 
 def replay(trace: Trace, policy: LengthPolicy, costs: Costs, *, lookup: bool = True, model: bool = True,
-           p_min: float = 0.3, noise: float = 0.0, rng: np.random.Generator | None = None) -> ReplayResult:
+           p_min: float = 0.3, noise: float = 0.0, stalls: float = 0.0,
+           rng: np.random.Generator | None = None) -> ReplayResult:
     """One request of `trace` run as the engine runs a greedy single stream under `policy` (the
     engine's own: the request runs on a fork of it, as live), drafting from the draft model and/or
-    prompt lookup. `noise`: each pass's time is multiplied by a lognormal factor of this sigma."""
+    prompt lookup. A shared machine's timings: `noise`, each pass's time multiplied by a lognormal
+    factor of this sigma; `stalls`, the share of passes that take three times as long."""
     rng = rng if rng is not None else np.random.default_rng(0)
     drafter = TraceDrafter(trace, p_min)
     finder = PromptLookupProposer()
@@ -184,7 +186,11 @@ def replay(trace: Trace, policy: LengthPolicy, costs: Costs, *, lookup: bool = T
     out = ReplayResult()
 
     def charge(seconds: float) -> float:
-        return seconds * float(np.exp(noise * rng.standard_normal())) if noise else seconds
+        if noise:
+            seconds *= float(np.exp(noise * rng.standard_normal()))
+        if stalls and rng.random() < stalls:
+            seconds *= 3.0
+        return seconds
 
     # the first token: a plain step over the prompt's last token (the rest of the prompt is not
     # generation time, as in the engine's Stats)
