@@ -25,6 +25,7 @@ from typing import Sequence
 import numpy as np
 
 from localspec.engine import Engine
+from localspec.factory import DEFAULT_P_MIN
 from localspec.policy import FixedLength
 from localspec.proposers import DraftModelProposer
 
@@ -125,15 +126,19 @@ class StandInContext:
         return view
 
 
-def run(n_vocab: int, k: int, n_seqs: int, temperature: float, max_tokens: int) -> dict:
+def run(n_vocab: int, k: int, n_seqs: int, temperature: float, max_tokens: int, *, seeded: bool = False,
+        p_min: float = DEFAULT_P_MIN) -> dict:
+    """One grid point: `n_seqs` requests of `max_tokens` at a fixed draft length k (the draft
+    stopping under p_min, as by default); sampled requests unseeded (speculative sampling) unless
+    `seeded` (the seed's coupled noise)."""
     model = StandInModel(n_vocab, f"stand-in-{n_vocab}")
     oracle = StandInContext(model, n_seq=n_seqs)
     draft = StandInContext(model, n_seq=n_seqs, seed=1)
-    engine = Engine.from_parts(oracle=oracle, proposer=DraftModelProposer(draft, cache_source=oracle),
+    engine = Engine.from_parts(oracle=oracle, proposer=DraftModelProposer(draft, p_min=p_min, cache_source=oracle),
                                policy=FixedLength(k), draft=draft)
     prompts = [[0] + [next_token(p, n_vocab) for p in range(1 + i, 33 + i)] for i in range(n_seqs)]
-    seqs = [engine.prepare(p, max_tokens=max_tokens, temperature=temperature, seed=7 if temperature else None,
-                           draft_min=0) for p in prompts]
+    seqs = [engine.prepare(p, max_tokens=max_tokens, temperature=temperature,
+                           seed=7 if temperature and seeded else None, draft_min=0) for p in prompts]
     for seq in seqs:
         engine.scheduler.add(seq)
     t0, l0 = time.perf_counter(), engine._llama_seconds()
@@ -160,6 +165,8 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, nargs="*", default=[1, 8])
     ap.add_argument("--temperature", type=float, nargs="*", default=[0.0, 1.0])
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--seeded", action="store_true", help="sampled requests with a seed (coupled noise)")
+    ap.add_argument("--p-min", type=float, default=DEFAULT_P_MIN)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     results = []
@@ -169,7 +176,7 @@ def main() -> None:
         for k in args.k:
             for n_seqs in args.seqs:
                 for temperature in args.temperature:
-                    r = run(n_vocab, k, n_seqs, temperature, args.max_tokens)
+                    r = run(n_vocab, k, n_seqs, temperature, args.max_tokens, seeded=args.seeded, p_min=args.p_min)
                     results.append(r)
                     print(f"| {n_vocab} | {k} | {n_seqs} | {temperature:g} | {r['host_ms_per_step']:.2f} | "
                           f"{r['host_ms_per_token']:.3f} | {r['llama_ms_per_step']:.2f} |", flush=True)
