@@ -483,8 +483,10 @@ def test_bench_cli_tiny_run(tmp_path, pair_paths):
         assert set(report.RESULT_FIELDS) <= set(row)
     k2 = rows["k2"]
     for key in ("tokens_per_second", "speedup", "paired_speedup", "acceptance_rate", "mean_accepted_length", "ceiling",
-                "efficiency", "ttft", "latency_p50", "latency_p95", "peak_rss", "greedy_match"):
+                "efficiency", "ttft", "latency_p50", "latency_p95", "peak_rss", "greedy_match", "host_ms_per_token"):
         assert k2[key] is not None, key
+    assert rows["baseline"]["host_ms_per_token"] > 0  # the oracle alone's controller too
+    assert k2_run["host_ms_per_step"] > 0 and k2_run["host_draft_time"] >= 0
     assert 0.0 <= k2["greedy_match"] <= 1.0
     assert "## Machine" in (tmp_path / "RESULTS.md").read_text()
 
@@ -604,7 +606,7 @@ def test_the_report_weighs_host_time_per_token_by_tokens():
     rep = _synthetic_report()
     for r in rep["runs"]:
         if r["system"] == "k4":
-            r["stats"] = {"host_ms_per_token": 1.0 if r["prompt_id"] == "p1" else 4.0}
+            r["host_ms_per_token"] = 1.0 if r["prompt_id"] == "p1" else 4.0
             r["completion_tokens"] = 100 if r["prompt_id"] == "p1" else 300
     rows = {(r["system"], r["workload"]): r for r in report.aggregate(rep)}
     assert rows[("k4", "chat")]["host_ms_per_token"] == pytest.approx((100 + 4 * 300) / 400)

@@ -197,8 +197,8 @@ def _row(system: dict, workload: str, runs: list[dict], base: dict[tuple[str, in
     latencies = [x for r in runs for x in (r.get("latencies") or [])]
     ttfts = [r["ttft"] for r in runs if r.get("ttft") is not None]
     matches = [r["match"] for r in runs if r.get("match") is not None]
-    host = [(r["stats"]["host_ms_per_token"], r["completion_tokens"]) for r in runs
-            if (r.get("stats") or {}).get("host_ms_per_token") is not None and r.get("completion_tokens")]
+    host = [(r["host_ms_per_token"], r["completion_tokens"]) for r in runs
+            if r.get("host_ms_per_token") is not None and r.get("completion_tokens")]
     return {
         "system": name,
         "workload": workload,

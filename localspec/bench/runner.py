@@ -448,6 +448,9 @@ def _run_one(spec: SystemSpec, prompt: BenchPrompt, prep: dict, rep: int, worker
               "tokens_per_second": r["tokens_per_second"], "ttft": r["ttft"], "drafted": r["drafted"],
               "accepted": r["accepted"], "steps": r["steps"], "draft_lengths": r.get("draft_lengths"),
               "finish_reason": r["finish_reason"], "latencies": latencies, "records": r.get("records")}
+    stats = r.get("stats") or {}
+    record.update({k: stats[k] for k in ("host_ms_per_token", "host_ms_per_step", "host_draft_time", "host_verify_time",
+                                         "host_other_time") if k in stats})
     if off is not None:  # its one-token passes, in this process, inform the ceiling's cost fit too
         record["paired_tokens_per_second"] = off["tokens_per_second"]
         record["paired_records"] = off.get("records")
