@@ -26,6 +26,7 @@ import numpy as np
 
 from localspec.engine import Engine
 from localspec.factory import DEFAULT_P_MIN
+from localspec.llama import shared_prefix
 from localspec.policy import FixedLength
 from localspec.proposers import DraftModelProposer
 
@@ -94,12 +95,7 @@ class StandInContext:
         return True
 
     def common_prefix(self, tokens: Sequence[int], *, seq: int = 0) -> int:
-        held, n = self._seqs[seq], 0
-        for a, b in zip(held, tokens):
-            if a != b:
-                break
-            n += 1
-        return n
+        return shared_prefix(self._seqs[seq], tokens)
 
     def ubatches(self, rows):
         rows = [(seq, n) for seq, n in rows if n > 0]

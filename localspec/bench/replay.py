@@ -165,6 +165,14 @@ class ReplayResult:
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
 
+    def add(self, *, gained: int, drafted: int, accepted: int, seconds: float) -> None:
+        """Count one step that yielded `gained` tokens in `seconds`."""
+        self.tokens += gained
+        self.seconds += seconds
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+
 
 def replay(trace: Trace, policy: LengthPolicy, costs: Costs, *, lookup: bool = True, model: bool = True,
            p_min: float = 0.3, noise: float = 0.0, stalls: float = 0.0,
@@ -228,11 +236,7 @@ def replay(trace: Trace, policy: LengthPolicy, costs: Costs, *, lookup: bool = T
         policy.update(step)
         gained = min(accepted + 1, len(answer) - emitted)
         history += answer[emitted:emitted + gained]
-        out.tokens += gained
-        out.seconds += draft_time + verify_time
-        out.steps += 1
-        out.drafted += n
-        out.accepted += accepted
+        out.add(gained=gained, drafted=n, accepted=accepted, seconds=draft_time + verify_time)
         out.lookup_drafted += n if draft.source == "lookup" else 0
         out.records.append(step)
     return out
@@ -245,22 +249,18 @@ def hindsight(trace: Trace, costs: Costs, *, k_max: int = 16) -> ReplayResult:
     policy can gain over that K."""
     out = ReplayResult()
     prompt, answer = len(trace.prompt_ids), len(trace.answer)
-    out.tokens, out.steps = 1, 1
-    out.seconds = costs.oracle.seconds(1, prompt - 1) + costs.host_step
+    out.add(gained=1, drafted=0, accepted=0, seconds=costs.oracle.seconds(1, prompt - 1) + costs.host_step)
     emitted = 1
     while emitted < answer:
         context = prompt + emitted - 1
         agree = int(trace.agree[emitted - 1])
         drafted = min(agree + 1, k_max, max(0, trace.max_tokens - emitted - 1)) if agree else 0
         accepted = min(drafted, agree)
+        seconds = costs.oracle.seconds(drafted + 1, context) + costs.host_step
         if drafted:
-            out.seconds += costs.draft.seconds(2 if out.steps > 1 else 1, context) \
+            seconds += costs.draft.seconds(2 if out.steps > 1 else 1, context) \
                 + (drafted - 1) * costs.draft.seconds(1, context)
-        out.seconds += costs.oracle.seconds(drafted + 1, context) + costs.host_step
         gained = min(accepted + 1, answer - emitted)
         emitted += gained
-        out.tokens += gained
-        out.steps += 1
-        out.drafted += drafted
-        out.accepted += accepted
+        out.add(gained=gained, drafted=drafted, accepted=accepted, seconds=seconds)
     return out
