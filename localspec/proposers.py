@@ -33,7 +33,7 @@ import numpy as np
 
 from .llama import LlamaContext, Rows, shared_prefix
 from .sampling import (SamplingParams, bias_logits, coupled_choice, greedy_argmax, logits_to_probs, mask_logits,
-                       sample, top_probability)
+                       sample, top_probability_at_least)
 
 
 @dataclass(frozen=True)
@@ -321,7 +321,7 @@ class DraftModelProposer(_Drives):
             token = int(greedy_argmax(row))
             if self.p_min <= 0:
                 return token, True
-            return token, top_probability(row, token) >= self.p_min
+            return token, top_probability_at_least(row, token, self.p_min)
         dist = logits_to_probs(row, sampling)  # [vocab]
         if sampling.coupled:  # the oracle will check its own pick with the same noise
             token = coupled_choice(dist, sampling.seed, position)

@@ -85,15 +85,19 @@ def _as_rows(logits: np.ndarray) -> np.ndarray:
 
 
 def _check_finite_max(m: np.ndarray) -> None:
-    if not np.all(np.isfinite(m)):
+    if not (math.isfinite(m) if np.ndim(m) == 0 else np.all(np.isfinite(m))):
         raise ValueError("every row of logits needs a finite maximum (got a row that is all -inf, or has +inf/NaN)")
 
 
 def greedy_argmax(logits: np.ndarray) -> np.ndarray:
-    """The greedy token of each row: logits [n, vocab] -> [n] int (or [vocab] -> a 0-d array),
+    """The greedy token of each row: logits [n, vocab] -> [n] int (or [vocab] -> a numpy integer),
     the first maximal id on ties. Raises the sampled paths' ValueError for a row without a finite
     maximum: numpy's argmax returns the index of the first NaN, so a NaN anywhere in a row shows
     up at its argmax, as do +inf and an all -inf row. O(vocab), one check per row."""
+    if np.ndim(logits) == 1 and len(logits):  # one row (a draft token): no fancy indexing
+        best = np.argmax(logits)
+        _check_finite_max(logits[best])
+        return best
     x = _as_rows(logits)  # [n, vocab]
     best = np.argmax(x, axis=1)  # [n]
     _check_finite_max(x[np.arange(x.shape[0]), best])
@@ -202,6 +206,30 @@ def top_probability(row: np.ndarray, token: int) -> float:
     it runs once per drafted token."""
     shifted = np.subtract(row, row[token], dtype=np.result_type(row.dtype, np.float32))  # [vocab], <= 0
     return 1.0 / float(np.exp(shifted, out=shifted).sum(dtype=np.float64))
+
+
+_FAR_MARGIN = 2.2  # nats beyond log(vocab): the logits that far below the top add at most e^-2.2 ~ 0.11 to S
+
+
+def top_probability_at_least(row: np.ndarray, token: int, p_min: float) -> bool:
+    """Whether softmax(row)[token] >= p_min, for the row's maximal `token` (a greedy draft's
+    confidence floor), without an exp over the whole row where the answer is already certain.
+
+    softmax(row)[token] = 1 / S with S = sum(exp(row - row[token])). The logits within
+    c = log(vocab) + 2.2 nats of the top ("near": a few hundred of 49k in a real draft's row) are
+    summed exactly; each of the rest adds less than e^-c, together less than e^-2.2. S is then
+    known within [near, near + far bound]: when 1/p_min is outside that interval the answer is
+    exact; otherwise (rare: <1% of real rows) the whole row is summed as `top_probability` does."""
+    top = row[token]
+    margin = math.log(row.size) + _FAR_MARGIN
+    near = row[row >= top - margin]  # [m], m << vocab on a real row
+    s = float(np.exp(np.subtract(near, top, dtype=np.result_type(row.dtype, np.float32))).sum(dtype=np.float64))
+    limit = 1.0 / p_min
+    if s > limit:
+        return False
+    if s + (row.size - near.size) * math.exp(-margin) <= limit:
+        return True
+    return top_probability(row, token) >= p_min
 
 
 def logits_to_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:

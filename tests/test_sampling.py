@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from localspec.sampling import (SamplingParams, greedy_argmax, log_softmax, logits_to_probs, sample, top_ids,
-                                top_probability)
+                                top_probability, top_probability_at_least)
 from scripted import ScriptedRng
 
 
@@ -434,3 +434,33 @@ def test_top_probability_is_the_softmax_at_the_argmax(scale):
     assert top_probability(row, token) == pytest.approx(reference, rel=1e-6)
     assert row.dtype == np.float32 and row[5] == -np.inf  # not written
     assert top_probability(np.array([0.0, -np.inf], dtype=np.float32), 0) == 1.0
+
+
+@pytest.mark.parametrize("vocab", [50, 49152, 262144])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_top_probability_floor_decides_as_the_whole_softmax(vocab, dtype):
+    """The draft's confidence floor, decided from the logits near the top: the same answer as the
+    whole row's softmax on rows from very sure to flat, for several floors, with -inf entries too."""
+    rng = np.random.default_rng(vocab)
+    for trial in range(60):
+        row = (rng.standard_normal(vocab) * rng.uniform(0.5, 4)).astype(dtype)
+        row[rng.integers(vocab)] += rng.uniform(0, 25)  # from a flat row to a sure one
+        if trial % 5 == 0:
+            row[rng.integers(vocab, size=vocab // 10)] = -np.inf
+        token = int(row.argmax())
+        for p_min in (0.05, 0.3, 0.5, 0.9):
+            assert top_probability_at_least(row, token, p_min) == (top_probability(row, token) >= p_min)
+
+
+def test_top_probability_floor_falls_back_where_the_far_logits_could_tip_it():
+    """A row whose near logits leave the answer open (S within the far logits' bound of 1/p_min):
+    the whole row is summed, and the far logits do tip it."""
+    vocab = 1000
+    margin = math.log(vocab) + 2.2
+    row = np.full(vocab, -margin - 0.01)  # 999 far logits: together they add ~0.11 to S
+    row[0] = 0.0
+    s_far = (vocab - 1) * math.exp(-margin - 0.01)
+    p_min = 1 / (1 + s_far / 2)  # 1/p_min lies between S's near part (1) and the whole S
+    assert top_probability(row, 0) < p_min
+    assert not top_probability_at_least(row, 0, p_min)
+    assert top_probability_at_least(row, 0, 1 / (1 + 2 * s_far))
