@@ -116,6 +116,10 @@ class Engine:
         self.n_slots = min(ctx.n_seq for ctx in self.contexts)  # sequences generated at once
         self._drafting = 1.0  # sequences a batch's draft rounds are shared by, lately (for its prices)
         self.last_pass = (0, 0)  # the last oracle pass: sequences and tokens it carried
+        # greedy requests that need nothing but the oracle's picks (no logprobs, bias or grammar)
+        # have llama.cpp pick them inside its graph: one id a verified row crosses to the host, not
+        # its logits (LlamaContext.sample_greedy). Exact: the same argmax, taken on the device.
+        self.backend_sampling = True
         self.scheduler = Scheduler(self)
 
     @property
@@ -280,6 +284,7 @@ class Engine:
         slots, for a request that comes back to it."""
         seq.slot = slot
         seq.status = Status.PREFILL
+        seq.backend_greedy = self.oracle.sample_greedy(slot, self.backend_sampling and _picks_suffice(seq))
         target = seq.history[:-1]
         common = self.oracle.common_prefix(target, seq=slot)
         held = len(self.oracle.seq_tokens(slot))
@@ -332,6 +337,7 @@ class Engine:
         rows.sort(key=lambda r: r.seq)
         contexts = {r.seq: len(self.oracle.seq_tokens(r.seq)) for r in rows}
         logits = self.oracle.decode_rows(rows)  # [sum of running's k+1, vocab], in slot order
+        picked = self.oracle.last_sampled  # [sum of running's k+1] the backend's greedy ids, or None
         t_decoded = time.perf_counter()
         self.last_pass = (len(rows), sum(len(r.tokens) for r in rows))
         offsets, offset = {}, 0
@@ -344,7 +350,9 @@ class Engine:
                 targets = np.asarray(seq.history[start:start + n])  # [n]
                 seq.prompt_logprobs += self._logprobs(logits[offsets[seq.slot]:offsets[seq.slot] + n], targets,
                                                       seq.request.prompt_logprobs)
-        outs = [self._verify(seq, logits[offsets[seq.slot]:offsets[seq.slot] + len(seq.draft) + 1]) for seq in running]
+        outs = [self._verify(seq, logits[offsets[seq.slot]:offsets[seq.slot] + len(seq.draft) + 1],
+                             picked[offsets[seq.slot]:offsets[seq.slot] + len(seq.draft) + 1]
+                             if seq.backend_greedy else None) for seq in running]
         t2, l2 = time.perf_counter(), self._llama_seconds()
         batch_tokens = self.last_pass[1]
         host = {"draft_host_time": (t1 - t0) - (l1 - l0), "verify_host_time": (t2 - t1) - (l2 - l1)}
@@ -431,15 +439,18 @@ class Engine:
             seq.walk.pop(len(seq.draft))
         seq.draft = EMPTY_DRAFT
 
-    def _verify(self, seq: Seq, logits: np.ndarray) -> tuple[list[int], list[TokenLogprob] | None, int]:
-        """Accept `seq`'s draft against its rows of the verify pass (logits [k+1, vocab]) and trim
-        its caches: (the tokens it yields, their logprobs if asked, draft tokens accepted)."""
+    def _verify(self, seq: Seq, logits: np.ndarray,
+                picked: np.ndarray | None = None) -> tuple[list[int], list[TokenLogprob] | None, int]:
+        """Accept `seq`'s draft against its rows of the verify pass (logits [k+1, vocab], or the
+        oracle's greedy picks [k+1] made on the backend) and trim its caches: (the tokens it
+        yields, their logprobs if asked, draft tokens accepted)."""
         draft, walk, request = seq.draft, seq.walk, seq.request
         raw = logits
-        logits = bias_logits(logits, request.sampling.logit_bias)  # the target is the biased oracle
-        if walk is not None:  # the constrained oracle: each row masked at its position (draft tokens included)
-            logits = mask_logits(logits, walk.masks(seq.walk_base))  # [k+1, vocab]
-        out, n_accepted = self._accept(draft, logits, request.sampling, seq.rng, len(seq.history))
+        if picked is None:
+            logits = bias_logits(logits, request.sampling.logit_bias)  # the target is the biased oracle
+            if walk is not None:  # the constrained oracle: each row masked at its position (draft tokens included)
+                logits = mask_logits(logits, walk.masks(seq.walk_base))  # [k+1, vocab]
+        out, n_accepted = self._accept(draft, logits, request.sampling, seq.rng, len(seq.history), picked)
         if walk is not None:
             walk.pop(len(draft) - n_accepted)
             walk.push(int(out[-1]))  # drawn from a masked row: allowed
@@ -556,11 +567,12 @@ class Engine:
 
     @staticmethod
     def _accept(draft: Draft, logits: np.ndarray, sampling: SamplingParams, rng: np.random.Generator,
-                position: int) -> tuple[np.ndarray, int]:
+                position: int, picked: np.ndarray | None = None) -> tuple[np.ndarray, int]:
         """Accepted draft tokens + a recovered or bonus token. `position`: where the first verified
-        token goes in the sequence (keys the noise of seeded sampling)."""
+        token goes in the sequence (keys the noise of seeded sampling). `picked`: the oracle's
+        greedy ids [k+1], picked by llama.cpp (then `logits` has no columns)."""
         if sampling.greedy:
-            return accept_greedy(draft.tokens, greedy_argmax(logits))  # target argmax [k+1]
+            return accept_greedy(draft.tokens, greedy_argmax(logits) if picked is None else picked)  # target argmax [k+1]
         target_probs = logits_to_probs(logits, sampling)  # [k+1, vocab]
         if sampling.coupled:
             picks = [coupled_choice(row, sampling.seed, position + i) for i, row in enumerate(target_probs)]
@@ -580,6 +592,14 @@ class Engine:
     def _text_and_bytes(self, token: int) -> tuple[str, bytes]:
         piece = self.oracle_model.token_piece(token)
         return piece.decode(errors="replace"), piece
+
+
+def _picks_suffice(seq: Seq) -> bool:
+    """Whether the oracle's greedy picks are all `seq`'s verify passes need of its logits: a greedy
+    request with no logprobs, no logit bias and no grammar (each of those reads whole rows)."""
+    request = seq.request
+    return (request.sampling.greedy and not request.sampling.logit_bias and seq.walk is None
+            and request.logprobs is None and request.prompt_logprobs is None)
 
 
 _DRAFT_SOURCES = {"model": "draft", "lookup": "lookup"}  # a Draft's source -> a token's (outputs.Chunk.sources)

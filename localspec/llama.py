@@ -330,6 +330,9 @@ class LlamaContext(_Owner):
         params.n_threads = threads
         params.n_threads_batch = threads
         params.no_perf = True
+        # backend samplers (sample_greedy) may read every output of a sequence in one decode (a
+        # verify pass's k+1 rows), not llama.cpp's default of one; without samplers it changes nothing
+        params.n_outputs_max_per_seq = 0
         self._ctx = llama_cpp.llama_init_from_model(model.handle, params)
         if not self._ctx:
             raise LlamaError(f"could not create a context (n_ctx={n_ctx}, {n_seq} sequences) for {model.path.name}")
@@ -354,6 +357,10 @@ class LlamaContext(_Owner):
         for i in range(self.n_batch):
             b.seq_id[i][0] = 0
         self._b_seq = np.zeros(self.n_batch, dtype=np.int32)  # what each row's seq_id holds (written on change)
+        # sequences whose outputs llama.cpp samples greedily inside the graph (sample_greedy): their
+        # chains (kept alive while set), and the last decode's ids of those rows
+        self._greedy_chains: dict[int, object] = {}
+        self.last_sampled: np.ndarray | None = None  # [n outputs] int32: the backend's id, -1 on host rows
 
     # -- lifetime
     def close(self) -> None:
@@ -363,6 +370,36 @@ class LlamaContext(_Owner):
         if getattr(self, "_ctx", None):
             llama_cpp.llama_free(self._ctx)
             self._ctx = None
+        for chain in getattr(self, "_greedy_chains", {}).values():  # after the context that used them
+            llama_cpp.llama_sampler_free(chain)
+        self._greedy_chains = {}
+
+    # -- backend sampling
+    def sample_greedy(self, seq: int, on: bool = True) -> bool:
+        """Let llama.cpp pick sequence `seq`'s greedy tokens inside its graph (on the GPU where the
+        model runs there): a decode then hands back one token id per output row of `seq`
+        (`last_sampled`) instead of its logits, none of which cross to the host when no row in the
+        decode needs them. `on=False`: its rows' logits again. Returns whether `seq` is now sampled
+        on the backend (False where llama.cpp cannot, e.g. a tensor-split model: logits as before).
+        Takes effect at the next decode (llama.cpp re-plans its graph once)."""
+        if not on:
+            if seq in self._greedy_chains:
+                llama_cpp.llama_set_sampler(self._ctx, seq, None)
+                llama_cpp.llama_sampler_free(self._greedy_chains.pop(seq))
+            return False
+        if seq in self._greedy_chains:
+            return True
+        chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
+        if not llama_cpp.llama_set_sampler(self._ctx, seq, chain):
+            llama_cpp.llama_set_sampler(self._ctx, seq, None)
+            llama_cpp.llama_sampler_free(chain)
+            return False
+        self._greedy_chains[seq] = chain
+        return True
+
+    def samples_greedy(self, seq: int) -> bool:
+        return seq in self._greedy_chains
 
     # -- position
     def seq_tokens(self, seq: int = 0) -> list[int]:
@@ -439,7 +476,8 @@ class LlamaContext(_Owner):
         """Evaluate `tokens` at sequence `seq`'s next positions and append them to it.
 
         Logits are computed only for the last `n_logits` tokens. Returns a read-only view
-        [n_logits, vocab] into llama.cpp's output buffer, valid until the next decode on this context.
+        [n_logits, vocab] into llama.cpp's output buffer, valid until the next decode on this context
+        (see `decode_rows` for a sequence sampled on the backend).
         """
         return self.decode_rows([Rows(seq, tokens, n_logits)])
 
@@ -448,6 +486,10 @@ class LlamaContext(_Owner):
         tokens), each appended to its own sequence. Returns the logits [sum of n_logits, vocab], in
         the order of `rows` (each its last n_logits tokens): a read-only view into llama.cpp's output
         buffer, valid until the next decode, when one llama_decode held them all; else a copy.
+
+        Rows of a sequence sampled on the backend (`sample_greedy`) have their greedy ids in
+        `last_sampled` ([sum of n_logits] int32, -1 on the other rows; None when no row is so
+        sampled). When every output row is, no logits are read: the result is [sum of n_logits, 0].
 
         On failure every sequence is left as it was before the call, and ContextFullError (no room
         in a sequence's cache) or LlamaError is raised."""
@@ -480,6 +522,13 @@ class LlamaContext(_Owner):
         starts = {r.seq: len(self._seqs[r.seq]) for r in rows if len(r.tokens)}  # to undo a failure
         pieces: list[np.ndarray] = []
         chunks = range(0, total, self.n_batch)
+        backend: list[tuple[int, int]] = []  # (batch row, output index) of the rows sampled on the backend
+        if self._greedy_chains:
+            out_index = np.cumsum(outs, dtype=np.int64) - 1  # [total]
+            backend = [(i, int(out_index[i])) for i in np.flatnonzero(outs).tolist()
+                       if int(seqs[i]) in self._greedy_chains]
+        sampled = np.full(n_out, -1, dtype=np.int32) if backend else None  # [n_out]
+        host_rows = len(backend) < n_out  # some output row needs its logits
         t0 = time.perf_counter()
         try:
             for lo in chunks:
@@ -496,7 +545,11 @@ class LlamaContext(_Owner):
                         raise ContextFullError(f"no KV cache slot for {m} tokens")
                     raise LlamaError(f"llama_decode failed with code {rc}")
                 n_chunk_out = int(outs[lo:hi].sum())
-                if n_chunk_out and len(chunks) > 1:  # the next chunk overwrites the output buffer
+                if sampled is not None:
+                    for i, j in backend:  # llama.cpp indexes a decode's rows from 0
+                        if lo <= i < hi:
+                            sampled[j] = llama_cpp.llama_get_sampled_token_ith(self._ctx, i - lo)
+                if n_chunk_out and len(chunks) > 1 and host_rows:  # the next chunk overwrites the buffer
                     pieces.append(self._logits(n_chunk_out).copy())
         except BaseException:
             for seq, start in starts.items():  # leave every cache exactly as its mirror says
@@ -507,8 +560,11 @@ class LlamaContext(_Owner):
         for r in rows:
             if len(r.tokens):
                 self._seqs[r.seq].extend(int(t) for t in r.tokens)
+        self.last_sampled = sampled
         if n_out == 0:
             return np.zeros((0, self.n_vocab), dtype=np.float32)
+        if not host_rows:  # every output was sampled on the backend: llama.cpp copied no logits
+            return np.zeros((n_out, 0), dtype=np.float32)
         if len(chunks) > 1:
             out = np.concatenate(pieces)
             out.flags.writeable = False

@@ -98,6 +98,7 @@ class Seq:
     draft: "Draft | None" = None  # the step's draft, between proposing and verifying
     walk_base: int = 0  # the grammar walk's depth before the step's draft was pushed
     prompt_logprobs: list | None = None  # the prompt's TokenLogprobs as its prefill computes them (when asked)
+    backend_greedy: bool = False  # llama.cpp picks its oracle's greedy tokens (LlamaContext.sample_greedy)
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.history)

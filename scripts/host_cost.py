@@ -76,6 +76,12 @@ class StandInContext:
         self._seqs: list[list[int]] = [[] for _ in range(n_seq)]
         self._out = np.empty((0, model.n_vocab), dtype=np.float32)
         self.llama_seconds = 0.0
+        self._greedy: set[int] = set()  # sequences "sampled on the backend": their rows' picks, no logits
+        self.last_sampled: np.ndarray | None = None
+
+    def sample_greedy(self, seq: int, on: bool = True) -> bool:
+        (self._greedy.add if on else self._greedy.discard)(seq)
+        return on
 
     def seq_tokens(self, seq: int = 0) -> list[int]:
         return self._seqs[seq]
@@ -103,13 +109,19 @@ class StandInContext:
 
     def decode_rows(self, rows) -> np.ndarray:
         t0 = time.perf_counter()
-        positions = []
+        positions, backend = [], []
         for r in rows:
             held = self._seqs[r.seq]
             start = len(held)
             held.extend(int(t) for t in r.tokens)
             n = min(r.n_logits, len(r.tokens))
             positions += range(start + len(r.tokens) - n + 1, start + len(r.tokens) + 1)
+            backend += [r.seq in self._greedy] * n
+        self.last_sampled = np.array([next_token(p, self.n_vocab) if b else -1 for p, b in zip(positions, backend)],
+                                     dtype=np.int32) if any(backend) else None
+        if positions and all(backend):  # no logits cross to the host
+            self.llama_seconds += time.perf_counter() - t0
+            return np.zeros((len(positions), 0), dtype=np.float32)
         if len(self._out) < len(positions):
             self._out = np.empty((len(positions), self.n_vocab), dtype=np.float32)
         out = self._out[:len(positions)]  # [n_logits, vocab]: llama.cpp's output buffer

@@ -44,9 +44,10 @@ def main() -> None:
         steps: list[tuple[list[int], list[int]]] = []
         original = engine._accept
 
-        def recording(draft, logits, *rest):
-            emitted, n_accepted = original(draft, logits, *rest)
-            steps.append((logits.argmax(axis=1)[:len(emitted)].tolist(), emitted.tolist()))
+        def recording(draft, logits, sampling, rng, position, picked=None):
+            emitted, n_accepted = original(draft, logits, sampling, rng, position, picked)
+            argmax = logits.argmax(axis=1) if picked is None else picked  # picked: by llama.cpp, in its graph
+            steps.append((argmax[:len(emitted)].tolist(), emitted.tolist()))
             return emitted, n_accepted
 
         engine._accept = recording
@@ -62,6 +63,7 @@ def main() -> None:
 
     def logits_of(engine: Engine, tokens: list[int]) -> np.ndarray:
         engine.oracle.reset()
+        engine.oracle.sample_greedy(0, False)  # its rows' logits, not the greedy picks its requests took
         return np.array(engine.oracle.decode(tokens, n_logits=len(tokens)))
 
     timings: list[float] = []  # seconds per run, for the test's log

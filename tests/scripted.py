@@ -268,6 +268,11 @@ class ScriptedContext:
         rows = [(seq, n) for seq, n in rows if n > 0]
         return [rows] if rows else []  # one pass, whatever it carries
 
+    last_sampled = None  # no backend: every row's logits come back
+
+    def sample_greedy(self, seq: int, on: bool = True) -> bool:
+        return False
+
     def decode(self, tokens: Sequence[int], *, n_logits: int = 1, seq: int = 0) -> np.ndarray:
         from localspec.llama import Rows
 

@@ -29,7 +29,8 @@ class Verified:
         self.rows: dict[int, dict[int, tuple[int, float]]] = {}
         real = Engine._verify
 
-        def verify(engine, seq, logits):
+        def verify(engine, seq, logits, picked=None):
+            assert picked is None, "these tests read the logits: the engine's backend sampling is off"
             out, logprobs, n_accepted = real(engine, seq, logits)
             top2 = np.sort(np.asarray(logits, dtype=np.float64), axis=-1)[:, -2:]  # [k+1, 2]
             argmax = greedy_argmax(logits)
@@ -52,6 +53,7 @@ def test_sequences_at_once_get_what_each_gets_alone(pair_paths, n, monkeypatch):
     decides the other way); every emitted token the argmax of its verified row."""
     rec = Verified(monkeypatch)
     with Engine(*pair_paths, n_ctx=512, parallel=n) as engine:
+        engine.backend_sampling = False  # the near-tie allowance reads each verified row's logits
         alone = []
         for i in range(n):
             seq = engine.prepare(messages(i), max_tokens=64)
@@ -72,6 +74,74 @@ def test_sequences_at_once_get_what_each_gets_alone(pair_paths, n, monkeypatch):
         gaps = [rec.rows[s.id][position][1] for s in (a, b) if position in rec.rows.get(s.id, {})]
         assert gaps and min(gaps) < NEAR_TIE, (at, gaps)
     assert identical >= n - 1 and sum(b.stats.drafted for b in together) >= 0
+
+
+def _clear_argmax(logits: np.ndarray) -> np.ndarray:
+    """[n] bool: rows whose largest logit is not tied exactly with another (a tie's pick is either id)."""
+    top2 = np.sort(logits, axis=1)[:, -2:]
+    return top2[:, 1] > top2[:, 0]
+
+
+def test_backend_greedy_picks_are_the_argmax_of_the_same_rows(pair_paths):
+    """llama.cpp's greedy picks made in its graph (LlamaContext.sample_greedy) against the host's
+    argmax of the same rows. A verify pass of backend-sampled rows reads no logits; the same pass
+    made again with its logits read (the same batch: the same logits, bit for bit) has those picks
+    as its argmax, exact ties aside. In a decode that mixes such sequences with one that reads its
+    logits, split into chunks and passes, every sequence's rows land where they belong: the picks
+    of a text are the argmax of the same text's rows in the sequence beside it (up to a near-tie,
+    their passes being of other sizes), whose logits are read whole."""
+    model = LlamaModel(pair_paths[0])
+    try:
+        text = model.tokenize("Explain, step by step and in plain words, how a refrigerator keeps food cold, "
+                              "and why its back is warm to the touch.")
+        other = model.tokenize("def fibonacci(n):\n    if n < 2:\n        return n\n")
+        n = len(text)
+        with LlamaContext(model, n_ctx=256, n_seq=3, n_batch=32, n_threads=2) as ctx:
+            for seq, tokens in ((0, text), (2, other)):  # the verify pass, alone, both ways
+                ctx.decode(tokens[:-9], n_logits=0, seq=seq)
+                assert ctx.sample_greedy(seq)
+                assert ctx.decode_rows([Rows(seq, tokens[-9:], 9)]).shape == (9, 0)
+                picks = ctx.last_sampled.copy()
+                ctx.rollback(len(tokens) - 9, seq=seq)
+                assert not ctx.sample_greedy(seq, False)
+                rows = np.array(ctx.decode_rows([Rows(seq, tokens[-9:], 9)]))  # [9, vocab]
+                assert ctx.last_sampled is None and rows.shape == (9, model.n_vocab)
+                clear = _clear_argmax(rows)
+                assert clear.sum() >= 8 and (picks[clear] == rows[clear].argmax(axis=1)).all()
+                ctx.rollback(0, seq=seq)
+
+            assert ctx.sample_greedy(0) and ctx.sample_greedy(2)  # mixed, three chunks of 32 rows
+            logits = np.array(ctx.decode_rows([Rows(0, text, n), Rows(1, text, n), Rows(2, other, len(other))]))
+            picked = ctx.last_sampled  # [2n + len(other)]
+            assert logits.shape == (2 * n + len(other), model.n_vocab)
+            assert (picked[n:2 * n] == -1).all() and (picked[:n] >= 0).all() and (picked[2 * n:] >= 0).all()
+            beside = logits[n:2 * n]  # sequence 1's rows of the same text, read whole
+            top2 = np.sort(beside, axis=1)[:, -2:]
+            clear = top2[:, 1] - top2[:, 0] > NEAR_TIE
+            assert clear.sum() >= n - 2 and (picked[:n][clear] == beside[clear].argmax(axis=1)).all()
+    finally:
+        model.close()
+
+
+def test_the_engine_picks_on_the_backend_only_where_picks_are_all_it_needs(engine):
+    """Plain greedy requests are verified from llama.cpp's picks, with the text the host's logits
+    give; requests that read whole rows (logprobs, logit bias, a grammar, sampling) read them."""
+    prompt = [{"role": "user", "content": CLIENT_PROMPTS[0]}]
+    seqs = {}
+    for name, options in {"plain": {}, "logprobs": {"logprobs": 2}, "bias": {"logit_bias": ((13, -1.0),)},
+                          "json": {"schema": {"type": "object"}},
+                          "sampled": {"temperature": 0.7, "seed": 1}}.items():
+        seqs[name] = engine.prepare(prompt, max_tokens=48, **options)
+        for _ in engine.scheduler.run(seqs[name]):
+            pass
+    assert {name: seq.backend_greedy for name, seq in seqs.items()} == {
+        "plain": True, "logprobs": False, "bias": False, "json": False, "sampled": False}
+    engine.backend_sampling = False
+    try:
+        host = engine.generate(prompt, max_tokens=48)
+    finally:
+        engine.backend_sampling = True
+    assert seqs["plain"].completion_tokens == host.tokens
 
 
 def test_a_context_holds_sequences_apart(pair_paths):

@@ -228,9 +228,9 @@ def test_cross_tokenizer_draft_keeps_greedy_output_the_oracles(registry, pair_pa
         steps = []
         original = cross._accept
 
-        def recording(draft, logits, *args):
-            out, n = original(draft, logits, *args)
-            steps.append((logits.argmax(axis=1).copy(), out.copy()))
+        def recording(draft, logits, sampling, rng, position, picked=None):
+            out, n = original(draft, logits, sampling, rng, position, picked)
+            steps.append(((logits.argmax(axis=1) if picked is None else picked).copy(), out.copy()))
             return out, n
 
         monkeypatch.setattr(cross, "_accept", recording)
@@ -243,6 +243,7 @@ def test_cross_tokenizer_draft_keeps_greedy_output_the_oracles(registry, pair_pa
             i = next((j for j, (a, b) in enumerate(zip(spec.tokens, base.tokens)) if a != b), None)
             if i is not None:
                 cross.oracle.reset()
+                cross.oracle.sample_greedy(0, False)  # the row's logits, not the pick a request took
                 row = np.array(cross.oracle.decode(cross.tokenize_prompt(p) + base.tokens[:i]))[0]
                 assert abs(row[base.tokens[i]] - row[spec.tokens[i]]) < 0.15, f"{p!r} parts at token {i}: not a near-tie"
         for argmax, out in steps:

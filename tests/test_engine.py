@@ -31,9 +31,12 @@ class VerifyRecorder:
         self.steps: list[tuple[np.ndarray, np.ndarray, int]] = []
         original = engine._accept
 
-        def recording(draft, logits, *args):
-            out, n_accepted = original(draft, logits, *args)
-            self.steps.append((logits.argmax(axis=1).copy(), out.copy(), n_accepted))
+        def recording(draft, logits, sampling, rng, position, picked=None):
+            out, n_accepted = original(draft, logits, sampling, rng, position, picked)
+            # the oracle's argmax: from its logits, or as llama.cpp picked it on the backend (whose
+            # equality with the logits' argmax test_llama.py checks row by row)
+            argmax = logits.argmax(axis=1) if picked is None else picked
+            self.steps.append((argmax.copy(), out.copy(), n_accepted))
             return out, n_accepted
 
         monkeypatch.setattr(engine, "_accept", recording)
