@@ -1169,3 +1169,36 @@ def test_a_list_of_prompts_is_one_choice_each_in_prompt_order(http):
                                                    "temperature": 0}).json() for p in body["prompt"]]
     assert [c["text"] for c in choices] == [singles[0]["choices"][0]["text"]] * 2 + [singles[1]["choices"][0]["text"]] * 2
     assert r.json()["usage"]["prompt_tokens"] == sum(s["usage"]["prompt_tokens"] for s in singles)
+
+
+def test_text_keys_of_logit_bias_bias_every_token_of_the_text(scripted_server):
+    """llama-server's string-keyed logit_bias: a key that is not a token id is text, and each of its
+    tokens gets the bias. The scripted oracle repeats its prompt; banning " b" (two tokens: " ",
+    "b") and "c" leaves neither in the reply, where without the bias the reply repeats them."""
+    url, model = scripted_server
+    body = {"prompt": "abc abc abc ", "max_tokens": 12, "temperature": 0}
+    plain = httpx.post(url + "/v1/completions", json=body, timeout=30).json()["choices"][0]["text"]
+    assert "b" in plain and "c" in plain
+    for bias in ({" b": -100, "c": -100}, {" b": -100, str(model.tokenize("c", add_special=False)[0]): -100}):
+        r = httpx.post(url + "/v1/completions", json={**body, "logit_bias": bias}, timeout=30)
+        assert r.status_code == 200, r.text
+        text = r.json()["choices"][0]["text"]
+        assert text and not set(text) & {" ", "b", "c"}
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": chat("abc abc"), "max_tokens": 8,
+                                                        "temperature": 0, "logit_bias": {"": -1}}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_logprobs_zero_gives_the_chosen_tokens_logprobs_and_no_alternatives(scripted_server, echo):
+    """/v1/completions' legacy `logprobs: 0`: each chosen token's logprob and text offset, no
+    alternatives; with echo, the prompt's tokens in front (the first with a null logprob)."""
+    url, _ = scripted_server
+    body = {"prompt": "abc abc ", "max_tokens": 6, "temperature": 0, "logprobs": 0, "echo": echo}
+    choice = httpx.post(url + "/v1/completions", json=body, timeout=30).json()["choices"][0]
+    lp = choice["logprobs"]
+    assert "".join(lp["tokens"]) == choice["text"]
+    assert len(lp["token_logprobs"]) == len(lp["text_offset"]) == len(lp["tokens"])
+    assert lp["top_logprobs"] is None  # no alternatives asked
+    assert lp["text_offset"][0] == (0 if echo else len(body["prompt"])) and lp["text_offset"] == sorted(lp["text_offset"])
+    assert (lp["token_logprobs"][0] is None) == echo and all(v <= 0 for v in lp["token_logprobs"][1:])

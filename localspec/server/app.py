@@ -580,6 +580,8 @@ def _invalid_params() -> Iterator[None]:
 def _options(svc: _Service, body: S.ChatCompletionRequest | S.CompletionRequest) -> dict[str, Any]:
     """The engine options of a request for a model this server serves, with nothing unsupported in it."""
     svc.check_model(body.model)
+    model = svc.worker.engine.oracle_model
+    body.bias_by_id(lambda text: model.tokenize(text, add_special=False, parse_special=False))
     options = body.engine_options(svc.max_tokens_limit)
     with _invalid_params():
         body.check_supported()

@@ -10,7 +10,7 @@ the speculative-decoding counters (drafted, accepted, acceptance_rate).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
@@ -85,7 +85,8 @@ class _Common(BaseModel):
     frequency_penalty: float = Field(0.0, description="Only 0 is supported.")
     logit_bias: dict[str, float] | None = Field(
         None, description="Token id (as a string) -> a bias in [-100, 100] added to the oracle's logits; under "
-                          "speculation the output follows the biased oracle exactly.")
+                          "speculation the output follows the biased oracle exactly. A key that is not a token id "
+                          "is text (as llama-server takes it): every token it tokenizes to gets the bias.")
     user: str | None = Field(None, description="Ignored.")
     speculative: Speculative | bool | None = Field(
         None, description="Extension: `{\"enabled\": false}` runs the oracle alone; `draft_max` caps the draft.")
@@ -99,8 +100,8 @@ class _Common(BaseModel):
     @classmethod
     def _logit_bias(cls, v):
         for token, bias in (v or {}).items():
-            if not token.isdigit():
-                raise ValueError(f"keys must be token ids (digit strings), got {token!r}")
+            if not token:
+                raise ValueError("keys must be token ids (digit strings) or text, got an empty string")
             if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
                 raise ValueError(f"biases must be in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], got {bias:g} "
                                  f"for {token}")
@@ -119,6 +120,17 @@ class _Common(BaseModel):
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise InvalidParam(f"{name}: not supported (only 0)", name)
+
+    def bias_by_id(self, tokenize: Callable[[str], list[int]]) -> None:
+        """Turn `logit_bias`'s text keys into token ids, in place: each text's every token gets its
+        bias (a later key's bias wins for a token two keys share), as llama-server does."""
+        if not self.logit_bias or all(key.isdigit() for key in self.logit_bias):
+            return
+        by_id: dict[str, float] = {}
+        for key, bias in self.logit_bias.items():
+            for token in ([int(key)] if key.isdigit() else tokenize(key)):
+                by_id[str(token)] = bias
+        self.logit_bias = by_id
 
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
