@@ -50,7 +50,7 @@ from .proposers import EMPTY_DRAFT, Draft, Proposer, drive_all, set_draft_p_min
 from .sampling import (SamplingParams, bias_logits, coupled_choice, greedy_argmax, log_softmax, logits_to_probs,
                        mask_logits, seed_key, top_ids)
 from .scheduler import Scheduler
-from .sequence import Request, Seq, Status  # noqa: F401 (Request: callers import it from here too)
+from .sequence import PromptTooLongError, Request, Seq, Status  # noqa: F401 (callers import these from here too)
 from .text import TextStream
 
 log = logging.getLogger("localspec.engine")
@@ -61,10 +61,6 @@ Prompt = str | Sequence[Mapping[str, Any]] | Sequence[int]  # text, chat message
 # a prefix another slot holds is copied (not evaluated) when it is this many tokens longer than
 # the slot's own: a copy of a sequence's cache costs ~0.1 ms a token here, an evaluation ~2 ms
 COPY_MIN = 16
-
-
-class PromptTooLongError(ValueError):
-    """The prompt does not fit in the context."""
 
 
 class Engine:

@@ -30,6 +30,10 @@ if TYPE_CHECKING:
 _ids = itertools.count(1)
 
 
+class PromptTooLongError(ValueError):
+    """The prompt does not fit in the context."""
+
+
 @dataclass(frozen=True)
 class Request:
     """One generation request as the loop runs it: the options of a `GenerationOptions`, with the

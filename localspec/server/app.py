@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from ..outputs import Chunk, Stats, TokenLogprob
+from ..sequence import PromptTooLongError
 from . import report as R
 from . import schemas as S
 from . import tools as T
@@ -486,7 +487,7 @@ class _Service:
         if isinstance(event, Failed):
             if event.client_error:
                 param = "messages" if isinstance(prompt, list) else "prompt"
-                code = "context_length_exceeded" if type(event.error).__name__ == "PromptTooLongError" else "invalid_value"
+                code = "context_length_exceeded" if isinstance(event.error, PromptTooLongError) else "invalid_value"
                 raise APIError(400, str(event.error), param=param, code=code)
             if isinstance(event.error, WorkerClosed):
                 raise shutting_down()
