@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import anchor
+from ..llama import resolve_flash_attn
 
 # open-ended prompts, one per client (a client count above their number cycles them)
 CLIENT_PROMPTS = (
@@ -199,6 +200,17 @@ class Server:
             pass
 
 
+ALL_LAYERS = "999"
+
+
+def _placement() -> list[str]:
+    """llama.cpp's flags for where its server and batched bench run, as `localspec serve` runs by
+    default: every layer offloaded where there is a GPU (none here: the CPU), flash attention as
+    localspec's "auto" resolves it (on with a local GPU, off on the CPU, where it slows multi-token
+    passes), CPU weights not repacked (as localspec's bindings: the same kernels)."""
+    return ["-ngl", ALL_LAYERS, "-fa", resolve_flash_attn("auto", n_gpu_layers=-1), "--no-repack"]
+
+
 def start_server(system: str, *, n_slots: int, oracle: str, draft: str | None, threads: int,
                  anchor_bin: str | None, model_name: str) -> Server:
     port = _free_port()
@@ -210,12 +222,11 @@ def start_server(system: str, *, n_slots: int, oracle: str, draft: str | None, t
         return Server(system, argv, port)
     binary = str(anchor.find_binary("llama-server", anchor_bin))
     argv = [binary, "-m", oracle, "--port", str(port), "--host", "127.0.0.1", "-np", str(n_slots),
-            "-c", str(CTX_PER_SLOT * n_slots), "-t", str(threads), "-fa", "off", "--no-repack",
-            "-ngl", "0", "--no-webui"]
+            "-c", str(CTX_PER_SLOT * n_slots), "-t", str(threads), *_placement(), "--no-webui"]
     if system == "llama-server-draft":
         if draft is None:
             raise ServingError("no draft model")
-        argv += ["-md", draft, "-ngld", "0", "--spec-draft-threads", str(threads)]
+        argv += ["-md", draft, "-ngld", ALL_LAYERS, "--spec-draft-threads", str(threads)]
     return Server(system, argv, port)
 
 
@@ -226,7 +237,7 @@ def batched_bench(*, oracle: str, n_clients: list[int], prompt_tokens: int, max_
     binary = str(anchor.find_binary("llama-batched-bench", anchor_bin))
     argv = [binary, "-m", oracle, "-c", str(CTX_PER_SLOT * max(n_clients)), "-b", "512", "-ub", "512",
             "-npp", str(prompt_tokens), "-ntg", str(max_tokens), "-npl", ",".join(map(str, n_clients)),
-            "-t", str(threads), "-fa", "off", "--no-repack", "-ngl", "0"] + (["-kvu"] if unified_kv else [])
+            "-t", str(threads), *_placement()] + (["-kvu"] if unified_kv else [])
     p = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
     out = {}
     for line in (p.stdout + p.stderr).splitlines():

@@ -1,0 +1,51 @@
+"""scripts/gpu_check.sh --cpu: the GPU check's every step without CUDA, small, as CI keeps it working
+(its llama.cpp build, once: reused from the cache after). The CUDA run is the same script on a
+machine with a card (benchmarks/gpu/README.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+
+pytestmark = pytest.mark.model
+
+
+def test_help_names_every_mode():
+    out = subprocess.run(["bash", str(SCRIPT), "--help"], capture_output=True, text=True, check=True).stdout
+    for mode in ("--prepare", "--stage", "--cpu", "--results", "--jobs"):
+        assert mode in out
+    bad = subprocess.run(["bash", str(SCRIPT), "--nope"], capture_output=True, text=True)
+    assert bad.returncode != 0 and "unknown argument" in bad.stderr
+
+
+def test_the_cpu_check_runs_every_step(tmp_path):
+    results = tmp_path / "results"
+    p = subprocess.run(["bash", str(SCRIPT), "--cpu", "--results", str(results)],
+                       env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=5400)
+    assert p.returncode == 0, p.stderr[-5000:]
+    summary = (results / "SUMMARY.md").read_text()
+    assert "tests marked gpu: exit 0" in summary and "benchmarks: exit 0" in summary
+
+    suite = ET.parse(results / "tests.xml").getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    ran = int(suite.get("tests")) - int(suite.get("skipped"))
+    assert int(suite.get("failures")) == int(suite.get("errors")) == 0 and ran >= 4
+
+    host = json.loads((results / "host_time.json").read_text())
+    assert host["speculative"]["host_ms_per_step"] > 0 and host["oracle_alone"]["host_ms_per_token"] > 0
+    assert json.loads((results / "logits.json").read_text())["max_abs_diff"] < 0.25
+
+    # localspec against llama.cpp's speculative program built in the same step
+    bench = json.loads((results / "bench-smollm2.json").read_text())
+    assert {"baseline", "k4", "llama.cpp-k4"} <= {row["system"] for row in bench["runs"]}
+    clients = json.loads((results / "clients-smollm2.json").read_text())
+    assert {"localspec", "llama-server"} <= {row["system"] for row in clients["runs"]}
