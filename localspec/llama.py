@@ -357,6 +357,7 @@ class LlamaContext(_Owner):
         for i in range(self.n_batch):
             b.seq_id[i][0] = 0
         self._b_seq = np.zeros(self.n_batch, dtype=np.int32)  # what each row's seq_id holds (written on change)
+        self._positions = np.arange(self.n_ctx, dtype=np.int32)  # positions 0..n_ctx-1, sliced for a batch
         # sequences whose outputs llama.cpp samples greedily inside the graph (sample_greedy): their
         # chains (kept alive while set), and the last decode's ids of those rows
         self._greedy_chains: dict[int, object] = {}
@@ -493,6 +494,8 @@ class LlamaContext(_Owner):
 
         On failure every sequence is left as it was before the call, and ContextFullError (no room
         in a sequence's cache) or LlamaError is raised."""
+        if len(rows) == 1 and 0 < len(rows[0].tokens) <= self.n_batch:
+            return self._decode_one(rows[0])
         flat_tokens, flat_pos, flat_seq, flat_out = [], [], [], []
         n_out = 0
         for r in rows:
@@ -572,6 +575,46 @@ class LlamaContext(_Owner):
         t0 = time.perf_counter()
         logits = self._logits(n_out)  # waits for the device's work, where there is one
         self.llama_seconds += time.perf_counter() - t0
+        return logits
+
+    def _decode_one(self, r: Rows) -> np.ndarray:
+        """`decode_rows` of one sequence's row that fits one llama_decode (a token of the oracle
+        alone, a draft token, a verify pass): the batch filled in place, nothing built per call."""
+        held = self._seqs[r.seq]
+        n, start = len(r.tokens), len(held)
+        if start + n > self.n_ctx:
+            raise ContextFullError(f"context full: {start} + {n} tokens > n_ctx {self.n_ctx}"
+                                   + (f" (sequence {r.seq})" if self.n_seq > 1 else ""))
+        k = min(r.n_logits, n)
+        self._b_token[:n] = r.tokens
+        self._b_pos[:n] = self._positions[start:start + n] if start + n <= len(self._positions) else \
+            np.arange(start, start + n, dtype=np.int32)
+        self._b_logits[:n - k] = 0
+        self._b_logits[n - k:n] = 1
+        if (self._b_seq[:n] != r.seq).any():
+            self._set_row_seqs(np.full(n, r.seq, dtype=np.int32))
+        self._batch.n_tokens = n
+        t0 = time.perf_counter()
+        try:
+            rc = llama_cpp.llama_decode(self._ctx, self._batch)
+            if rc != 0:
+                if rc == 1:
+                    raise ContextFullError(f"no KV cache slot for {n} tokens")
+                raise LlamaError(f"llama_decode failed with code {rc}")
+            if r.seq in self._greedy_chains:
+                sampled = np.array([llama_cpp.llama_get_sampled_token_ith(self._ctx, i) for i in range(n - k, n)],
+                                   dtype=np.int32)  # [k]
+                logits = np.zeros((k, 0), dtype=np.float32)
+            else:
+                sampled = None
+                logits = self._logits(k) if k else np.zeros((0, self.n_vocab), dtype=np.float32)
+        except BaseException:
+            llama_cpp.llama_memory_seq_rm(self._mem, r.seq, start, -1)
+            raise
+        finally:
+            self.llama_seconds += time.perf_counter() - t0
+        held.extend(r.tokens.tolist() if isinstance(r.tokens, np.ndarray) else map(int, r.tokens))
+        self.last_sampled = sampled
         return logits
 
     def ubatches(self, rows: Sequence[tuple[int, int]]) -> list[list[tuple[int, int]]]:
