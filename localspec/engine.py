@@ -42,7 +42,7 @@ from .constraints import Constraint, ConstraintWalk
 from .costs import CostBook
 from .factory import (DEFAULT_DRAFT_MAX, DEFAULT_P_MIN, LOOKUP_DRAFT_MAX, NGRAM, Parts, build,  # noqa: F401
                       default_policy, kernel_identity)
-from .llama import Detokenizer, LlamaContext, LlamaModel, Rows
+from .llama import Detokenizer, LlamaContext, LlamaModel, Rows, on_local_gpu
 from .options import GenerationOptions
 from .outputs import Chunk, Result, Stats, StepRecord, TokenLogprob, TopLogprob
 from .policy import LengthPolicy, Regime
@@ -113,9 +113,11 @@ class Engine:
         self._drafting = 1.0  # sequences a batch's draft rounds are shared by, lately (for its prices)
         self.last_pass = (0, 0)  # the last oracle pass: sequences and tokens it carried
         # greedy requests that need nothing but the oracle's picks (no logprobs, bias or grammar)
-        # have llama.cpp pick them inside its graph: one id a verified row crosses to the host, not
-        # its logits (LlamaContext.sample_greedy). Exact: the same argmax, taken on the device.
-        self.backend_sampling = True
+        # have llama.cpp pick them inside its graph where the oracle runs on a GPU: one id a verified
+        # row crosses to the host, not its logits (LlamaContext.sample_greedy). Exact: the same
+        # argmax, taken on the device. Not on the CPU, where the graph's argmax of every row made
+        # a verify pass 3-14% slower than the host's (SmolLM2 and Gemma 3 270M, 5 and 17 rows).
+        self.backend_sampling = on_local_gpu(self.gpu_layers or 0)
         self.scheduler = Scheduler(self)
 
     @property

@@ -135,15 +135,17 @@ class StandInContext:
 
 
 def run(n_vocab: int, k: int, n_seqs: int, temperature: float, max_tokens: int, *, seeded: bool = False,
-        p_min: float = DEFAULT_P_MIN) -> dict:
+        host_picks: bool = False, p_min: float = DEFAULT_P_MIN) -> dict:
     """One grid point: `n_seqs` requests of `max_tokens` at a fixed draft length k (the draft
     stopping under p_min, as by default); sampled requests unseeded (speculative sampling) unless
-    `seeded` (the seed's coupled noise)."""
+    `seeded` (the seed's coupled noise). Greedy picks are made "in the graph" as on a GPU (the
+    stand-in knows them), unless `host_picks`: then every verified row's logits are read."""
     model = StandInModel(n_vocab, f"stand-in-{n_vocab}")
     oracle = StandInContext(model, n_seq=n_seqs)
     draft = StandInContext(model, n_seq=n_seqs, seed=1)
     engine = Engine.from_parts(oracle=oracle, proposer=DraftModelProposer(draft, p_min=p_min, cache_source=oracle),
                                policy=FixedLength(k), draft=draft)
+    engine.backend_sampling = not host_picks  # as on a GPU: greedy picks made "in the graph" (no logits read)
     prompts = [[0] + [next_token(p, n_vocab) for p in range(1 + i, 33 + i)] for i in range(n_seqs)]
     seqs = [engine.prepare(p, max_tokens=max_tokens, temperature=temperature,
                            seed=7 if temperature and seeded else None, draft_min=0) for p in prompts]
@@ -175,6 +177,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--seeded", action="store_true", help="sampled requests with a seed (coupled noise)")
     ap.add_argument("--p-min", type=float, default=DEFAULT_P_MIN)
+    ap.add_argument("--host-picks", action="store_true",
+                    help="greedy verification reads every row's logits (the CPU's default), not picks made in the graph")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     results = []
@@ -184,7 +188,8 @@ def main() -> None:
         for k in args.k:
             for n_seqs in args.seqs:
                 for temperature in args.temperature:
-                    r = run(n_vocab, k, n_seqs, temperature, args.max_tokens, seeded=args.seeded, p_min=args.p_min)
+                    r = run(n_vocab, k, n_seqs, temperature, args.max_tokens, seeded=args.seeded, p_min=args.p_min,
+                            host_picks=args.host_picks)
                     results.append(r)
                     print(f"| {n_vocab} | {k} | {n_seqs} | {temperature:g} | {r['host_ms_per_step']:.2f} | "
                           f"{r['host_ms_per_token']:.3f} | {r['llama_ms_per_step']:.2f} |", flush=True)

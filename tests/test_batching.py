@@ -53,7 +53,7 @@ def test_sequences_at_once_get_what_each_gets_alone(pair_paths, n, monkeypatch):
     decides the other way); every emitted token the argmax of its verified row."""
     rec = Verified(monkeypatch)
     with Engine(*pair_paths, n_ctx=512, parallel=n) as engine:
-        engine.backend_sampling = False  # the near-tie allowance reads each verified row's logits
+        engine.backend_sampling = False  # the near-tie allowance reads each verified row's logits (a GPU's default)
         alone = []
         for i in range(n):
             seq = engine.prepare(messages(i), max_tokens=64)
@@ -127,6 +127,8 @@ def test_the_engine_picks_on_the_backend_only_where_picks_are_all_it_needs(engin
     """Plain greedy requests are verified from llama.cpp's picks, with the text the host's logits
     give; requests that read whole rows (logprobs, logit bias, a grammar, sampling) read them."""
     prompt = [{"role": "user", "content": CLIENT_PROMPTS[0]}]
+    assert not engine.backend_sampling  # on the CPU the host's argmax is quicker (a GPU turns it on)
+    engine.backend_sampling = True
     seqs = {}
     for name, options in {"plain": {}, "logprobs": {"logprobs": 2}, "bias": {"logit_bias": ((13, -1.0),)},
                           "json": {"schema": {"type": "object"}},
@@ -137,10 +139,7 @@ def test_the_engine_picks_on_the_backend_only_where_picks_are_all_it_needs(engin
     assert {name: seq.backend_greedy for name, seq in seqs.items()} == {
         "plain": True, "logprobs": False, "bias": False, "json": False, "sampled": False}
     engine.backend_sampling = False
-    try:
-        host = engine.generate(prompt, max_tokens=48)
-    finally:
-        engine.backend_sampling = True
+    host = engine.generate(prompt, max_tokens=48)
     assert seqs["plain"].completion_tokens == host.tokens
 
 
