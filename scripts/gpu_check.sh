@@ -67,7 +67,7 @@ WHEELS=(numpy click pydantic jinja2 fastapi uvicorn prometheus-client llguidance
 TRIM=(models docs media benches gguf-py conversion tests pocs skills .github app
       ggml/src/ggml-sycl ggml/src/ggml-vulkan ggml/src/ggml-opencl ggml/src/ggml-cann ggml/src/ggml-hexagon
       ggml/src/ggml-musa ggml/src/ggml-metal ggml/src/ggml-webgpu ggml/src/ggml-zdnn ggml/src/ggml-zendnn
-      ggml/src/ggml-openvino ggml/src/ggml-virtgpu ggml/src/ggml-et vendor/miniaudio)
+      ggml/src/ggml-openvino ggml/src/ggml-virtgpu ggml/src/ggml-et)
 
 sdist() {   # the llama-cpp-python sdist of the version localspec pins, downloaded once
     local version=$1 dir
