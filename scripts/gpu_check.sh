@@ -282,7 +282,7 @@ run_bench() {   # name, then localspec bench's arguments
 run_bench bench-smollm2 "${bench_args[@]}"
 run_bench clients-smollm2 "${clients_args[@]}"
 if [[ $mode == cuda ]] && "$VENV/bin/python" -c 'from localspec.models import Registry; import sys
-r = Registry.load(); sys.exit(0 if r.resolve("gemma-3-270m-q4_k_m").is_file() else 1)' 2>/dev/null; then
+sys.exit(0 if Registry.load().is_present("gemma-3-270m-q4_k_m") else 1)' 2>/dev/null; then   # never fetched here
     run_bench bench-gemma --pair gemma3-270m-smollm2 "${bench_args[@]}"
 fi
 
