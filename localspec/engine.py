@@ -113,11 +113,13 @@ class Engine:
         self._drafting = 1.0  # sequences a batch's draft rounds are shared by, lately (for its prices)
         self.last_pass = (0, 0)  # the last oracle pass: sequences and tokens it carried
         # greedy requests that need nothing but the oracle's picks (no logprobs, bias or grammar)
-        # have llama.cpp pick them inside its graph where the oracle runs on a GPU: one id a verified
-        # row crosses to the host, not its logits (LlamaContext.sample_greedy). Exact: the same
-        # argmax, taken on the device. Not on the CPU, where the graph's argmax of every row made
-        # a verify pass 3-14% slower than the host's (SmolLM2 and Gemma 3 270M, 5 and 17 rows).
-        self.backend_sampling = on_local_gpu(self.gpu_layers or 0)
+        # have llama.cpp pick them inside its graph where the oracle's output layer runs on a GPU
+        # (every layer offloaded): one id a verified row crosses to the host, not its logits
+        # (LlamaContext.sample_greedy). Exact: the same argmax, taken on the device. Not on the
+        # CPU, where the graph's argmax of every row made a verify pass 3-14% slower than the
+        # host's (SmolLM2 and Gemma 3 270M, 5 and 17 rows).
+        layers = self.gpu_layers or 0
+        self.backend_sampling = on_local_gpu(layers) and (layers < 0 or layers > self.oracle_model.n_layer)
         self.scheduler = Scheduler(self)
 
     @property

@@ -168,6 +168,11 @@ class LlamaModel(_Owner):
             llama_cpp.llama_model_meta_val_str(self.handle, key.encode(), buf, len(buf))
         return buf.value.decode("utf-8", errors="replace")
 
+    @property
+    def n_layer(self) -> int:
+        """Its repeating layers (the output layer comes after them: offloading n_layer + 1 takes it too)."""
+        return llama_cpp.llama_model_n_layer(self.handle)
+
     def kv_bytes_per_token(self) -> int:
         """Bytes of KV cache a token takes (F16 keys and values, every layer), from the metadata."""
         m = self.handle
