@@ -57,7 +57,7 @@ def test_every_layer_is_offloaded(pair_paths, caplog):
     caplog.set_level(logging.DEBUG, logger="localspec.llama")
     with LlamaModel(pair_paths[0], n_gpu_layers=-1):
         pass
-    lines = [r.getMessage() for r in caplog.records if "layers to GPU" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records if "offloaded" in r.getMessage() and "layers to GPU" in r.getMessage()]
     assert lines, "llama.cpp did not say how many layers it offloaded"
     done, total = (int(x) for x in lines[-1].split("offloaded", 1)[1].split("layers")[0].strip().split("/"))
     assert done == total > 0, lines[-1]
