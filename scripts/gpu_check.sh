@@ -64,7 +64,7 @@ llama_version() {
 WHEELS=(numpy click pydantic jinja2 fastapi uvicorn prometheus-client llguidance huggingface_hub tqdm
         diskcache typing-extensions pytest httpx setuptools wheel scikit-build-core pathspec packaging)
 # what the trimmed llama.cpp source leaves out: other backends, models, docs, tests, conversion
-TRIM=(models docs media benches gguf-py conversion tests pocs skills .github app
+TRIM=(models docs media benches gguf-py conversion tests skills .github app
       ggml/src/ggml-sycl ggml/src/ggml-vulkan ggml/src/ggml-opencl ggml/src/ggml-cann ggml/src/ggml-hexagon
       ggml/src/ggml-musa ggml/src/ggml-metal ggml/src/ggml-webgpu ggml/src/ggml-zdnn ggml/src/ggml-zendnn
       ggml/src/ggml-openvino ggml/src/ggml-virtgpu ggml/src/ggml-et)
