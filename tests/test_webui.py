@@ -158,6 +158,18 @@ def test_the_page_is_served_from_the_package_and_only_talks_to_this_server(url):
     assert httpx.get(url + "/webui/app.py", timeout=10).status_code == 404  # its three files, nothing else
 
 
+def test_the_api_docs_are_served_from_the_package(url):
+    """/docs is Swagger UI from the package (FastAPI's own loads it from a CDN): every file it
+    names is on this server, and ReDoc's page (also a CDN's) is off."""
+    page = httpx.get(url + "/docs", timeout=10)
+    assert page.status_code == 200 and "connect-src 'self'" in page.headers["content-security-policy"]
+    for asset in ("/docs", "/docs/init.js"):
+        assert "://" not in httpx.get(url + asset, timeout=10).text, asset
+    for asset in ("/docs/swagger-ui-bundle.js", "/docs/swagger-ui.css", "/docs/favicon-32x32.png"):
+        assert httpx.get(url + asset, timeout=10).status_code == 200, asset
+    assert httpx.get(url + "/redoc", timeout=10).status_code == 404
+
+
 @pytest.mark.model
 def test_no_webui_leaves_the_page_out(served):
     bare = wait_ready(served["bare"])
@@ -279,6 +291,20 @@ def test_the_page_asks_for_the_key_then_streams_a_shaded_reply_with_its_figures(
 
 
 @pytest.mark.model
+def test_the_api_docs_page_renders_with_nothing_from_elsewhere(browser, url):
+    """Swagger UI in a real browser: the API's title and its endpoints drawn, and every resource the
+    page loaded (scripts, styles, images, the OpenAPI document) came from this server."""
+    browser.get(url + "/docs")
+    ops = wait_for(browser, lambda: browser.execute_script(
+        "return [...document.querySelectorAll('.opblock-summary-path')].map(e => e.textContent.trim())"),
+        30, "Swagger UI drew no endpoints")
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/models"} <= set(ops)
+    assert "localspec" in browser.execute_script("return document.querySelector('.info .title').textContent")
+    loaded = browser.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
+    assert any(name.endswith("/openapi.json") for name in loaded)
+    assert loaded and all(name.startswith(url + "/") for name in loaded), loaded
+
+
 def test_stop_regenerate_speculation_off_and_new_chat(browser, url):
     page = Page(browser, url)  # the same tab's session: the key is still there
     page.wait(lambda: page.el("model").text, 10, "no model name: the key was not kept")

@@ -35,6 +35,7 @@ from . import tools as T
 from .errors import (SERVER_ERROR, APIError, on_api_error, on_http_error, on_internal_error, on_validation_error,
                      shutting_down)
 from .gate import DEFAULT_BODY_TIMEOUT, Gate, Guard, HostRule, OriginRule
+from .apidocs import router as apidocs_router
 from .webui import router as webui_router
 from .worker import CANCELLED, DEFAULT_MAX_QUEUE, STARTED, EngineWorker, Failed, Job, QueueFull, WorkerClosed
 
@@ -712,7 +713,7 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
                        max_tokens_limit=max_tokens_limit, time_limit=time_limit, log_prompts=log_prompts)
 
     app = FastAPI(
-        title="localspec", version=_version(), lifespan=_lifespan,
+        title="localspec", version=_version(), lifespan=_lifespan, docs_url=None, redoc_url=None,  # apidocs.py
         description="OpenAI-compatible API over localspec's speculative-decoding engine. "
                     "Extension: `\"speculative\": {\"enabled\": false, \"draft_max\": 6, \"sources\": true}` per "
                     "request (`sources`: each choice says where its tokens came from, and its figures); "
@@ -741,6 +742,7 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(Exception, on_internal_error)
     app.include_router(router)
+    app.include_router(apidocs_router)
     if webui:
         app.include_router(webui_router)
     return app
