@@ -404,9 +404,6 @@ class LlamaContext(_Owner):
         self._greedy_chains[seq] = chain
         return True
 
-    def samples_greedy(self, seq: int) -> bool:
-        return seq in self._greedy_chains
-
     # -- position
     def seq_tokens(self, seq: int = 0) -> list[int]:
         """What sequence `seq` holds (the mirror itself: do not change it)."""
@@ -592,8 +589,7 @@ class LlamaContext(_Owner):
                                    + (f" (sequence {r.seq})" if self.n_seq > 1 else ""))
         k = min(r.n_logits, n)
         self._b_token[:n] = r.tokens
-        self._b_pos[:n] = self._positions[start:start + n] if start + n <= len(self._positions) else \
-            np.arange(start, start + n, dtype=np.int32)
+        self._b_pos[:n] = self._positions[start:start + n]  # start + n <= n_ctx: checked above
         self._b_logits[:n - k] = 0
         self._b_logits[n - k:n] = 1
         if (self._b_seq[:n] != r.seq).any():

@@ -5,16 +5,12 @@ its /redoc ReDoc: both are off)."""
 
 from __future__ import annotations
 
-from functools import lru_cache
-from importlib.resources import files
-
 from fastapi import APIRouter
-from fastapi.responses import Response
+
+from .webui import serve_files
 
 FILES = {"/docs": "index.html", "/docs/init.js": "init.js", "/docs/swagger-ui-bundle.js": "swagger-ui-bundle.js",
          "/docs/swagger-ui.css": "swagger-ui.css", "/docs/favicon-32x32.png": "favicon-32x32.png"}
-_TYPES = {"html": "text/html; charset=utf-8", "js": "text/javascript; charset=utf-8", "css": "text/css; charset=utf-8",
-          "png": "image/png"}
 _HEADERS = {
     # its own scripts, requests to this server; Swagger UI sets inline styles and draws data: images
     "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
@@ -25,19 +21,4 @@ _HEADERS = {
 }
 
 router = APIRouter(include_in_schema=False)
-
-
-@lru_cache(maxsize=None)
-def _read(name: str) -> bytes:
-    return (files(__package__) / "static" / "apidocs" / name).read_bytes()
-
-
-def _route(name: str):
-    async def page() -> Response:
-        return Response(_read(name), media_type=_TYPES[name.rsplit(".", 1)[1]], headers=_HEADERS)
-
-    return page
-
-
-for _path, _name in FILES.items():
-    router.add_api_route(_path, _route(_name), methods=["GET"], name=f"apidocs-{_name}")
+serve_files(router, "apidocs", FILES, _HEADERS)

@@ -17,7 +17,8 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 
 FILES = {"/": "index.html", "/webui/app.js": "app.js", "/webui/app.css": "app.css"}
-_TYPES = {"html": "text/html; charset=utf-8", "js": "text/javascript; charset=utf-8", "css": "text/css; charset=utf-8"}
+_TYPES = {"html": "text/html; charset=utf-8", "js": "text/javascript; charset=utf-8", "css": "text/css; charset=utf-8",
+          "png": "image/png"}
 _HEADERS = {
     # its own script and style, requests to this server, nothing else; never inside another site's frame
     "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
@@ -30,17 +31,22 @@ _HEADERS = {
 router = APIRouter(include_in_schema=False)
 
 
-@lru_cache(maxsize=None)
-def _read(name: str) -> bytes:
-    return (files(__package__) / "static" / name).read_bytes()
+def serve_files(router: APIRouter, folder: str, files_by_path: dict[str, str], headers: dict[str, str]) -> None:
+    """Add a GET route to `router` for each path -> file of static/`folder` ("" for static/ itself),
+    read once from the package and sent with `headers`."""
+
+    @lru_cache(maxsize=None)
+    def read(name: str) -> bytes:
+        return (files(__package__) / "static" / folder / name).read_bytes()
+
+    def route(name: str):
+        async def page() -> Response:
+            return Response(read(name), media_type=_TYPES[name.rsplit(".", 1)[1]], headers=headers)
+
+        return page
+
+    for path, name in files_by_path.items():
+        router.add_api_route(path, route(name), methods=["GET"], name=f"{folder or 'webui'}-{name}")
 
 
-def _route(name: str):
-    async def page() -> Response:
-        return Response(_read(name), media_type=_TYPES[name.rsplit(".", 1)[1]], headers=_HEADERS)
-
-    return page
-
-
-for _path, _name in FILES.items():
-    router.add_api_route(_path, _route(_name), methods=["GET"], name=_name)
+serve_files(router, "", FILES, _HEADERS)
