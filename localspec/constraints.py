@@ -237,7 +237,7 @@ def _llama_tokenizer(model, vocab, eog: list[int]) -> LLTokenizer:
 
     from llguidance import LLTokenizer
 
-    from .bindings import llama_cpp
+    from localspec.llama.bindings import llama_cpp
 
     tokens = []
     for t in range(model.n_vocab):

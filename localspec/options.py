@@ -68,7 +68,7 @@ LOGIT_BIAS_LIMIT = 100.0  # OpenAI's: -100 bans a token, 100 all but forces it
 
 
 def _is_grammar(v: object) -> bool:
-    from .constraints import Constraint
+    from localspec.constraints import Constraint
 
     return isinstance(v, (str, Constraint))
 
@@ -261,7 +261,7 @@ class GenerationOptions:
             if value is not getattr(self, name):
                 object.__setattr__(self, name, value)
         if self.schema is not None or self.grammar is not None:
-            from .constraints import Constraint, ConstraintError
+            from localspec.constraints import Constraint, ConstraintError
 
             if self.schema is not None and self.grammar is not None:
                 raise ConstraintError("give a schema or a grammar, not both")

@@ -32,7 +32,7 @@ import numpy as np
 def pass_times(path: str, seqs: list[int], tokens: list[int], *, context: int, reps: int,
                threads: int | None) -> dict[tuple[int, int], float]:
     """Median seconds of one decode of b sequences x n tokens each, for every (b, n)."""
-    from localspec.llama import LlamaContext, LlamaModel, Rows
+    from localspec.llama.context import LlamaContext, LlamaModel, Rows
 
     rng = np.random.default_rng(0)
     model = LlamaModel(path)
@@ -90,7 +90,7 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
 
-    from localspec.backend import default_threads
+    from localspec.llama.backend import default_threads
     from localspec.bench.runner import machine_info
     from localspec.models import Registry
 

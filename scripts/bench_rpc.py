@@ -107,10 +107,10 @@ def worker(args: argparse.Namespace) -> None:
     """One mode in one process: load once, then for each delay setting run every system on every prompt."""
     import llama_cpp
 
-    from localspec.engine import Engine
-    from localspec.factory import draft_cost_ratio
+    from localspec.runtime.engine import Engine
+    from localspec.runtime.factory import draft_cost_ratio
     from localspec.models import Registry
-    from localspec.policy import AdaptiveLength, FixedLength
+    from localspec.speculative.policy import AdaptiveLength, FixedLength
 
     assert llama_cpp.llama_supports_rpc(), "run through the parent: it puts the RPC build on PYTHONPATH"
     registry = Registry.load()

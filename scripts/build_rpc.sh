@@ -41,7 +41,7 @@ command -v c++ >/dev/null || command -v g++ >/dev/null || command -v clang++ >/d
 
 VERSION=$("$PYTHON" -c 'import importlib.metadata as m; print(m.version("llama-cpp-python"))') \
     || die "llama-cpp-python is not installed for $PYTHON"
-DIR=$("$PYTHON" -c 'from localspec.rpc import build_dir; print(build_dir())' 2>/dev/null) || {
+DIR=$("$PYTHON" -c 'from localspec.llama.rpc import build_dir; print(build_dir())' 2>/dev/null) || {
     base=${LOCALSPEC_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/localspec}
     DIR="$base/rpc/llama.cpp-$VERSION"
 }

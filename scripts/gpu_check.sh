@@ -245,7 +245,7 @@ VENV=$WORK/venv
 PY=$VENV/bin/python
 "$PY" - "$mode" <<'EOF' || die "the built llama-cpp-python cannot offload to the GPU"
 import sys, llama_cpp
-from localspec.llama import has_local_gpu
+from localspec.llama.context import has_local_gpu
 print(f"gpu_check: llama_supports_gpu_offload={llama_cpp.llama_supports_gpu_offload()} local GPU={has_local_gpu()}",
       file=sys.stderr)
 sys.exit(0 if sys.argv[1] != "cuda" or has_local_gpu() else 1)

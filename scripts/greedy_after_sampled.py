@@ -86,7 +86,7 @@ def main() -> None:
     cache = tempfile.mkdtemp(prefix="localspec-costs-")
     os.environ["LOCALSPEC_COST_CACHE"] = cache
     from localspec import Engine
-    from localspec.policy import FixedLength
+    from localspec.speculative.policy import FixedLength
 
     prompts = HELD_OUT if args.held_out else (ISSUE_PROMPT,)
     results = {"cpu": cpu_name(), "threads": os.cpu_count(), "cost_cache": cache, "prompts": []}

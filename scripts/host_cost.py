@@ -24,11 +24,11 @@ from typing import Sequence
 
 import numpy as np
 
-from localspec.engine import Engine
-from localspec.factory import DEFAULT_P_MIN
-from localspec.llama import shared_prefix
-from localspec.policy import FixedLength
-from localspec.proposers import DraftModelProposer
+from localspec.runtime.engine import Engine
+from localspec.runtime.factory import DEFAULT_P_MIN
+from localspec.llama.context import shared_prefix
+from localspec.speculative.policy import FixedLength
+from localspec.speculative.proposers import DraftModelProposer
 
 EOS = 1
 

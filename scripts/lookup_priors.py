@@ -22,11 +22,11 @@ from pathlib import Path
 import numpy as np
 
 from localspec.bench import workloads
-from localspec.engine import Engine
+from localspec.runtime.engine import Engine
 from localspec.models import Registry
 from localspec.options import GenerationOptions
-from localspec.policy import LOOKUP_RUNS, AcceptanceByPlace
-from localspec.proposers import PromptLookupProposer
+from localspec.speculative.policy import LOOKUP_RUNS, AcceptanceByPlace
+from localspec.speculative.proposers import PromptLookupProposer
 
 WORKLOADS = ("chat", "code", "copy", "grounded", "long")
 

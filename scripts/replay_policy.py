@@ -15,8 +15,8 @@ import argparse
 import statistics
 
 from localspec.bench.replay import Costs, hindsight, load_traces, measured_costs, replay
-from localspec.factory import hybrid_policy
-from localspec.policy import AdaptiveLength, FixedLength
+from localspec.runtime.factory import hybrid_policy
+from localspec.speculative.policy import AdaptiveLength, FixedLength
 
 FIXED = (2, 4, 8, 12, 16)
 

@@ -23,11 +23,11 @@ import time
 import timeit
 
 from localspec.bench.workloads import load
-from localspec.engine import Engine, _sources
-from localspec.llama import Detokenizer
+from localspec.runtime.engine import Engine, _sources
+from localspec.llama.context import Detokenizer
 from localspec.server import report as R
 from localspec.server import schemas as S
-from localspec.text import TextStream
+from localspec.runtime.text import TextStream
 
 
 def cpu_name() -> str:

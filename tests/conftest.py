@@ -11,7 +11,7 @@ import pytest
 
 @pytest.fixture(scope="session", autouse=True)
 def private_cost_cache(tmp_path_factory):
-    """Fitted costs and acceptance persist between processes (see localspec/costs.py): the suite keeps
+    """Fitted costs and acceptance persist between processes (see localspec/speculative/costs.py): the suite keeps
     its own, so what one test (or the user's own runs) taught cannot steer another's drafting."""
     path = tmp_path_factory.mktemp("costs")
     old = os.environ.get("LOCALSPEC_COST_CACHE")
@@ -38,7 +38,7 @@ def pair_paths(registry):
 
 @pytest.fixture(scope="session")
 def engine(pair_paths):
-    from localspec.engine import Engine
+    from localspec.runtime.engine import Engine
 
     oracle, draft = pair_paths
     # a fixed draft length: these tests check what speculation does, whatever the machine's timings

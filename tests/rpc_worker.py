@@ -17,8 +17,8 @@ def main() -> None:
     args = json.loads(sys.argv[1])
     import llama_cpp
 
-    from localspec.engine import Engine
-    from localspec.llama import local_gpus
+    from localspec.runtime.engine import Engine
+    from localspec.llama.context import local_gpus
 
     out: dict = {"supports_rpc": bool(llama_cpp.llama_supports_rpc()), "llama_cpp": llama_cpp.__file__,
                  "local_gpus": [d.name for d in local_gpus()],
@@ -32,7 +32,7 @@ def main() -> None:
         def emit(self, record: logging.LogRecord) -> None:
             log_lines.append(record.getMessage())
 
-    llama_log = logging.getLogger("localspec.llama")
+    llama_log = logging.getLogger("localspec.llama.context")
     llama_log.setLevel(logging.DEBUG)
     llama_log.addHandler(Collect())
     llama_log.propagate = False

@@ -274,7 +274,7 @@ class ScriptedContext:
         return False
 
     def decode(self, tokens: Sequence[int], *, n_logits: int = 1, seq: int = 0) -> np.ndarray:
-        from localspec.llama import Rows
+        from localspec.llama.context import Rows
 
         return self.decode_rows([Rows(seq, tokens, n_logits)])
 
@@ -286,7 +286,7 @@ class ScriptedContext:
             self.llama_seconds += time.perf_counter() - t0
 
     def _decode(self, rows) -> np.ndarray:
-        from localspec.llama import ContextFullError
+        from localspec.llama.context import ContextFullError
 
         for r in rows:
             bad = [t for t in r.tokens if not 0 <= int(t) < self.n_vocab]

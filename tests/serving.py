@@ -118,8 +118,8 @@ def paced_engine(step: float = 0.02, *, n_ctx: int = 4096, parallel: int = 1, fa
     prepared (a RuntimeError: a server error, not a bad request), "mid" fails the second pass.
     `engine.prepared`: the options of every request the engine accepted; `engine.calls`: every
     request that took a slot (`engine.Request`)."""
-    from localspec.engine import Engine
-    from localspec.policy import FixedLength
+    from localspec.runtime.engine import Engine
+    from localspec.speculative.policy import FixedLength
 
     model, logits = counting_model()
     oracle = PacedContext(model, logits, n_ctx=n_ctx, n_seq=parallel, step=step,

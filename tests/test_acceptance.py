@@ -1,4 +1,4 @@
-"""localspec.acceptance: exact cases, edge cases, and the statistical guarantee that speculative
+"""localspec.speculative.acceptance: exact cases, edge cases, and the statistical guarantee that speculative
 sampling emits exactly the oracle's autoregressive distribution."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from typing import Callable
 import numpy as np
 import pytest
 
-from localspec.acceptance import accept_draft, accept_greedy
-from localspec.sampling import SamplingParams, logits_to_probs, sample
+from localspec.speculative.acceptance import accept_draft, accept_greedy
+from localspec.speculative.sampling import SamplingParams, logits_to_probs, sample
 from scripted import ScriptedRng
 
 

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from localspec.batch import parse_line, read_done, run_batch
+from localspec.cli.jobs import parse_line, read_done, run_batch
 from localspec.outputs import Stats
-from localspec.sequence import Status
+from localspec.runtime.sequence import Status
 
 CLI = [sys.executable, "-m", "localspec.cli"]
 DEFAULTS = {"max_tokens": 16, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": None, "stop": None}

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from localspec.bench.clients import CLIENT_PROMPTS
-from localspec.engine import Engine
-from localspec.llama import ContextFullError, LlamaContext, LlamaModel, Rows
-from localspec.sampling import greedy_argmax
+from localspec.runtime.engine import Engine
+from localspec.llama.context import ContextFullError, LlamaContext, LlamaModel, Rows
+from localspec.speculative.sampling import greedy_argmax
 
 pytestmark = pytest.mark.model
 

@@ -438,7 +438,7 @@ def test_charts(tmp_path):
 def test_bench_cli_tiny_run(tmp_path, pair_paths):
     from click.testing import CliRunner
 
-    from localspec.cli import main
+    from localspec.cli.commands import main
 
     oracle, draft = pair_paths
     wl = tmp_path / "tiny.jsonl"
@@ -496,7 +496,7 @@ def test_bench_on_the_cross_tokenizer_pair(tmp_path, registry):
     """The pair's cross_tokenizer setting reaches the engine: without it, the draft would not load."""
     from click.testing import CliRunner
 
-    from localspec.cli import main
+    from localspec.cli.commands import main
 
     wl = tmp_path / "tiny.jsonl"
     wl.write_text(json.dumps({"id": "t1", "prompt": "The capital of France is", "max_tokens": 6}) + "\n")

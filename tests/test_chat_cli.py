@@ -14,12 +14,12 @@ import sys
 import pexpect
 import pytest
 
-from localspec.engine import PromptTooLongError
+from localspec.runtime.engine import PromptTooLongError
 from localspec.outputs import Chunk, Stats
-from localspec.policy import FixedLength
+from localspec.speculative.policy import FixedLength
 from localspec.outputs import StepRecord
-from localspec.costs import estimated_speedup, speedup
-from localspec.repl import Chat, Console, Settings
+from localspec.speculative.costs import estimated_speedup, speedup
+from localspec.cli.repl import Chat, Console, Settings
 
 CLI = [sys.executable, "-m", "localspec.cli"]
 # one thread: the test machine is shared, and llama.cpp's spinning threads collapse under contention

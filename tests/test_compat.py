@@ -2,7 +2,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from localspec.compat import IncompatibleModels, check_compatible, first_difference
+from localspec.speculative.compat import IncompatibleModels, check_compatible, first_difference
 
 
 @dataclass
@@ -56,7 +56,7 @@ def test_error_names_both_models():
 
 @pytest.mark.model
 def test_smollm2_and_gemma_are_incompatible(registry, pair_paths):
-    from localspec.llama import LlamaModel
+    from localspec.llama.context import LlamaModel
 
     with LlamaModel(pair_paths[1]) as smol, LlamaModel(registry.resolve("gemma-3-270m-q4_k_m")) as gemma:
         diff = first_difference(gemma, smol)

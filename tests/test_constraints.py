@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from localspec.constraints import Constraint, ConstraintError, bounded_schema, tokenizer_for
-from localspec.engine import Request
-from localspec.policy import FixedLength
-from localspec.sampling import SamplingParams, mask_logits
+from localspec.runtime.engine import Request
+from localspec.speculative.policy import FixedLength
+from localspec.speculative.sampling import SamplingParams, mask_logits
 from scripted import EOS
 from test_engine_scripted import (KINDS, N_SAMPLES, PROMPT, chi_square, first_tokens_distribution,  # noqa: F401
                                   fixed_entropy, outcome_probability, proposer_engine, sample_first_tokens)

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from localspec.costs import DRAFT_SHAPE, VERIFY_SHAPE, CostStore, PassCost, file_fingerprint
+from localspec.speculative.costs import DRAFT_SHAPE, VERIFY_SHAPE, CostStore, PassCost, file_fingerprint
 
 
 def cpu_like(n, c):
@@ -154,7 +154,7 @@ def test_the_fingerprint_follows_the_content_not_the_name(tmp_path):
 def test_a_pass_of_several_sequences_and_one_split_in_passes():
     """t = w0 + w1 [N>1] + w2 N + (w3 sum c + w4 sum n c)/1024 + w5 (S - 1), learned from passes of
     one sequence and of several; a decode llama.cpp ran as several passes adds their features."""
-    from localspec.costs import PassCost
+    from localspec.speculative.costs import PassCost
 
     def truth(ns, cs):
         return 0.017 + 0.004 * (sum(ns) > 1) + 0.0034 * sum(ns) + 0.001 * (len(ns) - 1) + 0.00001 * sum(cs) / 1024

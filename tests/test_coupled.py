@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from localspec.acceptance import accept_greedy
-from localspec.engine import Engine
-from localspec.proposers import Draft
-from localspec.sampling import (NOISE_CACHE_BYTES, SamplingParams, coupled_choice, gumbel_noise, logits_to_probs,
+from localspec.speculative.acceptance import accept_greedy
+from localspec.runtime.engine import Engine
+from localspec.speculative.proposers import Draft
+from localspec.speculative.sampling import (NOISE_CACHE_BYTES, SamplingParams, coupled_choice, gumbel_noise, logits_to_probs,
                                 seed_key)
 
 

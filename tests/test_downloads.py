@@ -24,7 +24,7 @@ import pytest
 from huggingface_hub.constants import DOWNLOAD_CHUNK_SIZE as PIECE
 
 from localspec.models import ModelError, Registry
-from localspec.models import cache as C
+from localspec import cache as C
 from serving import CLI
 
 SLICE = 2 * PIECE + 3_000_000  # 23.97 MB: "24.0 MB"

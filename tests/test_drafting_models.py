@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from localspec.compat import IncompatibleModels
-from localspec.engine import Engine
-from localspec.policy import AdaptiveLength, HybridLength
-from localspec.llama import LlamaContext, LlamaModel
-from localspec.proposers import CrossTokenizerProposer, DraftModelProposer, PromptLookupProposer
-from localspec.sampling import SamplingParams
+from localspec.speculative.compat import IncompatibleModels
+from localspec.runtime.engine import Engine
+from localspec.speculative.policy import AdaptiveLength, HybridLength
+from localspec.llama.context import LlamaContext, LlamaModel
+from localspec.speculative.proposers import CrossTokenizerProposer, DraftModelProposer, PromptLookupProposer
+from localspec.speculative.sampling import SamplingParams
 
 pytestmark = pytest.mark.model
 
@@ -170,7 +170,7 @@ def test_a_request_without_drafting_leaves_the_draft_and_the_policy_alone(pair_p
 
 def test_after_a_pause_the_draft_keeps_the_start_it_holds_and_catches_up_on_recent_text_only(pair_paths):
 
-    from localspec.sampling import SamplingParams
+    from localspec.speculative.sampling import SamplingParams
 
     with Engine(*pair_paths, n_ctx=512, draft_length=4, lookup=False) as engine:
         drafter, rng, greedy = engine.proposer, np.random.default_rng(0), SamplingParams()
@@ -203,7 +203,7 @@ def test_after_a_pause_the_draft_keeps_the_start_it_holds_and_catches_up_on_rece
 def test_vocabulary_digests_agree_with_the_token_by_token_check(registry, pair_paths):
     """The header's vocabulary digest stands in for llama.cpp's token-by-token comparison: equal for
     the SmolLM2 files (which that comparison passes), different from Gemma's (which it fails)."""
-    from localspec.compat import first_difference
+    from localspec.speculative.compat import first_difference
 
     with LlamaModel(pair_paths[0]) as oracle, LlamaModel(pair_paths[1]) as draft, \
             LlamaModel(registry.resolve("gemma-3-270m-q4_k_m")) as gemma:
@@ -268,7 +268,7 @@ def test_a_hybrids_draft_model_keeps_its_costs_under_its_own_kind(registry, pair
 def test_auto_follows_the_kernel_check_measured_here(pair_paths, tmp_path, monkeypatch):
     """`localspec check` records the faster attention kernel for this oracle, threads and machine;
     --flash-attn auto uses it from then on (and the rule, off on a CPU, without a record)."""
-    from localspec.costs import CostStore
+    from localspec.speculative.costs import CostStore
 
     monkeypatch.setenv("LOCALSPEC_COST_CACHE", str(tmp_path))
     with Engine(pair_paths[0], None, n_ctx=256, n_threads=2) as engine:
@@ -288,7 +288,7 @@ def test_check_reports_the_fitted_costs_and_records_the_faster_kernel(tmp_path, 
 
     from click.testing import CliRunner
 
-    from localspec.cli import main
+    from localspec.cli.commands import main
 
     monkeypatch.setenv("LOCALSPEC_COST_CACHE", str(tmp_path))
     result = CliRunner().invoke(main, ["check", "--max-prompts", "1", "--max-tokens", "16", "--threads", "2",

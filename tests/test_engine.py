@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from localspec.engine import Engine, PromptTooLongError
-from localspec.llama import LlamaContext
+from localspec.runtime.engine import Engine, PromptTooLongError
+from localspec.llama.context import LlamaContext
 
 pytestmark = pytest.mark.model
 
@@ -59,7 +59,7 @@ def test_greedy_tokens_match_a_plain_oracle_forward_pass(engine, pair_paths):
     slightly from one-token logits, so a mismatch is allowed only where the top two are near-tied."""
     prompt = engine.tokenize_prompt(chat(PROMPTS[1]))
     result = engine.generate(chat(PROMPTS[1]), max_tokens=40)
-    from localspec.llama import LlamaModel
+    from localspec.llama.context import LlamaModel
 
     with LlamaModel(pair_paths[0]) as model, LlamaContext(model, n_ctx=512) as ctx:
         seq = prompt + result.tokens

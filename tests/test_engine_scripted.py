@@ -10,11 +10,11 @@ from statistics import NormalDist
 import numpy as np
 import pytest
 
-from localspec.engine import Engine, Request
-from localspec.llama import Detokenizer
-from localspec.policy import FixedLength
-from localspec.proposers import CrossTokenizerProposer, DraftModelProposer, HybridProposer, PromptLookupProposer
-from localspec.sampling import SamplingParams, bias_logits, logits_to_probs
+from localspec.runtime.engine import Engine, Request
+from localspec.llama.context import Detokenizer
+from localspec.speculative.policy import FixedLength
+from localspec.speculative.proposers import CrossTokenizerProposer, DraftModelProposer, HybridProposer, PromptLookupProposer
+from localspec.speculative.sampling import SamplingParams, bias_logits, logits_to_probs
 from scripted import (EOS, PAIR_PIECES, ScriptedContext, ScriptedModel, TimedContext, VirtualClock, copying, favoured,
                       hashed_logits, related_logits)
 
@@ -371,7 +371,7 @@ def test_top_logprobs_ties_come_in_token_id_order():
 def test_each_proposer_says_what_kind_it_is():
     assert {kind: proposer_engine(kind).proposer.describe() for kind in ["draft40", "lookup", "cross-tokenizer"]} \
         == {"draft40": "model", "lookup": "lookup", "cross-tokenizer": "cross-tokenizer"}
-    from localspec.proposers import HybridProposer
+    from localspec.speculative.proposers import HybridProposer
 
     hybrid = HybridProposer(PromptLookupProposer(), draft_engine().proposer)
     assert hybrid.describe() == "hybrid"
@@ -411,8 +411,8 @@ def test_the_policy_is_restored_when_the_block_raises():
 def test_an_adaptive_policys_learned_state_is_kept_between_engines(tmp_path):
     """What the policy learns goes to the cost book after each request; an engine built later over
     the same book starts from it. A fixed length learns nothing and saves nothing."""
-    from localspec.costs import CostBook, CostStore
-    from localspec.policy import AdaptiveLength
+    from localspec.speculative.costs import CostBook, CostStore
+    from localspec.speculative.policy import AdaptiveLength
 
     keys = {"verify": {"oracle": "o"}, "draft": {"draft": "d"}, "acceptance": {"pair": "o+d"}}
     book = CostBook(CostStore(tmp_path), keys)
@@ -435,8 +435,8 @@ def test_an_adaptive_policys_learned_state_is_kept_between_engines(tmp_path):
 
 
 def test_a_malformed_saved_state_is_ignored(tmp_path):
-    from localspec.costs import CostBook, CostStore
-    from localspec.policy import AdaptiveLength
+    from localspec.speculative.costs import CostBook, CostStore
+    from localspec.speculative.policy import AdaptiveLength
 
     keys = {"verify": {"oracle": "o"}, "acceptance": {"pair": "o+d"}}
     store = CostStore(tmp_path)
@@ -450,7 +450,7 @@ def test_a_malformed_saved_state_is_ignored(tmp_path):
 
 
 def test_policies_describe_how_they_choose():
-    from localspec.policy import AdaptiveLength
+    from localspec.speculative.policy import AdaptiveLength
 
     assert FixedLength(4).describe() == "4 (FixedLength)"
     assert AdaptiveLength(k_max=16).describe() == "AdaptiveLength (chosen per step, up to 16)"
@@ -485,7 +485,7 @@ def test_sampled_requests_leave_greedy_ones_drafting(monkeypatch, fixed_entropy)
     """40 short requests at temperature 1, where this draft does not pay, then a greedy request:
     it drafts as much as before them (one estimate for every request had switched drafting off for
     greedy ones), and its stats say why the sampled ones stopped drafting."""
-    from localspec.factory import default_policy
+    from localspec.runtime.factory import default_policy
 
     clock = VirtualClock()
     monkeypatch.setattr("time.perf_counter", clock)
@@ -512,7 +512,7 @@ def test_a_stall_that_idles_a_paying_regime_is_re_tried_at_the_next_request(monk
     """The draft 7x slower for one request (another program on the machine) idles greedy drafting,
     its probes spending the regime's probe budget for minutes to come; the next request re-tries
     (measuring the draft's cost afresh) and drafts again."""
-    from localspec.factory import default_policy
+    from localspec.runtime.factory import default_policy
 
     clock = VirtualClock()
     monkeypatch.setattr("time.perf_counter", clock)

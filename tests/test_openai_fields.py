@@ -26,7 +26,7 @@ def client(pair_paths):
 
 @pytest.fixture(scope="module")
 def vocab(pair_paths):
-    from localspec.llama import LlamaModel
+    from localspec.llama.context import LlamaModel
 
     model = LlamaModel(pair_paths[0])
     yield model

@@ -12,12 +12,12 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from localspec.batch import parse_line
-from localspec.cli import main
-from localspec.engine import Request
+from localspec.cli.jobs import parse_line
+from localspec.cli.commands import main
+from localspec.runtime.engine import Request
 from localspec.options import OPTIONS, GenerationOptions, OptionError
-from localspec.repl import SETTABLE, SettingError, Settings, set_option
-from localspec.sampling import SamplingParams
+from localspec.cli.repl import SETTABLE, SettingError, Settings, set_option
+from localspec.speculative.sampling import SamplingParams
 
 # (option, the last allowed values, the first rejected ones) at each bound
 BOUNDS = [
@@ -115,7 +115,7 @@ def test_help_text_reaches_the_command_line():
 
 
 def test_a_one_prompt_generate_gets_a_context_its_size():
-    from localspec.cli import CTX_STEP, DEFAULT_CTX, TEMPLATE_ALLOWANCE, fitted_context
+    from localspec.cli.commands import CTX_STEP, DEFAULT_CTX, TEMPLATE_ALLOWANCE, fitted_context
 
     assert fitted_context(["hi", ""], 256) == 768  # 2 + 256 + 256 bytes' worth, rounded up to 256
     n = fitted_context(["\u00e9" * 100, "be brief"], 10)  # 200 + 8 bytes: a token per byte at most

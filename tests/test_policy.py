@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from localspec.outputs import StepRecord
-from localspec.policy import (ACCEPTANCE_LAYOUT, GREEDY, LOOKUP_PRIORS, LOOKUP_RUNS, AdaptiveLength, Estimates, FixedLength,
+from localspec.speculative.policy import (ACCEPTANCE_LAYOUT, GREEDY, LOOKUP_PRIORS, LOOKUP_RUNS, AdaptiveLength, Estimates, FixedLength,
                               HybridLength, Regime)
 
 CONTEXT = 100
@@ -435,7 +435,7 @@ def test_a_lookups_estimates_are_read_as_growing_with_the_match():
     """A longer match goes on at least as often as a shorter one: estimates learned otherwise (a
     few recent texts' failures on 6-11-token matches) are read pooled with their neighbours, each
     weighted by its events (at most POOL_EVENTS); estimates already in order are read as they are."""
-    from localspec.policy import AcceptanceByPlace
+    from localspec.speculative.policy import AcceptanceByPlace
 
     ordered = AcceptanceByPlace(0.5, LOOKUP_RUNS, LOOKUP_PRIORS)
     assert ordered.monotone() == list(LOOKUP_PRIORS)
@@ -665,7 +665,7 @@ def test_the_hybrids_lookup_estimates_are_kept_beside_the_models():
 
 
 def test_a_requests_regime_is_greedy_or_its_temperature_band_with_filters_and_grammar_apart():
-    from localspec.sampling import SamplingParams
+    from localspec.speculative.sampling import SamplingParams
 
     assert Regime.of(SamplingParams()) == GREEDY and GREEDY.describe() == "greedy"
     assert Regime.of(SamplingParams(top_p=0.5)) == GREEDY  # greedy ignores the filters

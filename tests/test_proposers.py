@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from localspec.factory import lookup_policy
-from localspec.proposers import (EMPTY_DRAFT, MATCH_CAP, Draft, DraftModelProposer, HybridProposer,
+from localspec.runtime.factory import lookup_policy
+from localspec.speculative.proposers import (EMPTY_DRAFT, MATCH_CAP, Draft, DraftModelProposer, HybridProposer,
                                   PromptLookupProposer)
-from localspec.sampling import SamplingParams, logits_to_probs
+from localspec.speculative.sampling import SamplingParams, logits_to_probs
 from scripted import ScriptedContext, ScriptedModel, hashed_logits, related_logits
 
 GREEDY = SamplingParams()
@@ -26,7 +26,7 @@ def _lookup_by_brute_force(history, max_len, max_ngram=4, min_ngram=2):
     """What prompt lookup should propose, spelled out: the longest n whose last-n tokens occurred
     before, the occurrence whose preceding text agrees longest (latest on a tie, among the latest
     SOURCES_COMPARED), what followed it."""
-    from localspec.proposers import SOURCES_COMPARED, match_length
+    from localspec.speculative.proposers import SOURCES_COMPARED, match_length
 
     tokens = np.asarray(history, dtype=np.int32)
     for n in range(min(max_ngram, len(history) - 1), min_ngram - 1, -1):
@@ -175,7 +175,7 @@ def test_hybrid_uses_lookup_when_it_matches_and_the_model_otherwise():
 def test_a_hybrid_whose_chooser_did_not_size_the_step_takes_the_plain_rule():
     """Another policy runs the request (`Engine.using_policy`): the adaptive chooser was not asked
     for this step's length, so lookup's tokens when it found some, the model's otherwise."""
-    from localspec.policy import AdaptiveLength, HybridLength
+    from localspec.speculative.policy import AdaptiveLength, HybridLength
 
     model = CountingModel()
     chooser = HybridLength(AdaptiveLength(), AdaptiveLength(k_max=64, model_draft=False))

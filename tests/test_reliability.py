@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from localspec.llama import ModelLoadError
+from localspec.llama.context import ModelLoadError
 from serving import CLI, ThreadedServer, cli_serve, free_port, raw_http, wait_ready
 
 MODEL = "smollm2"
@@ -99,7 +99,7 @@ class CappedEngine:
 
 @pytest.fixture(scope="module")
 def small_engine(pair_paths, cli_server):
-    from localspec.engine import Engine
+    from localspec.runtime.engine import Engine
 
     oracle, draft = pair_paths
     with Engine(oracle, draft, n_ctx=N_CTX, n_threads=1, draft_length=4) as e:
@@ -145,7 +145,7 @@ def http(server):
     ("unknown_arch", "unknown model architecture"),
 ])
 def test_broken_model_files_are_a_model_load_error(bad_files, kind, message, caplog):
-    from localspec.llama import LlamaModel
+    from localspec.llama.context import LlamaModel
 
     with caplog.at_level(logging.WARNING, logger="localspec"):
         with pytest.raises(ModelLoadError, match=message):
@@ -200,11 +200,11 @@ def test_cli_and_server_refuse_bad_models_in_one_line(bad_files, registry, tmp_p
 
 @pytest.mark.model
 def test_a_model_without_a_chat_template_warns_once(bad_files, caplog):
-    from localspec.engine import Engine
+    from localspec.runtime.engine import Engine
 
     with Engine(bad_files["no_template"], None, n_ctx=128, n_threads=1) as e:
         assert not e.oracle_model.chat_template
-        with caplog.at_level(logging.WARNING, logger="localspec.engine"):
+        with caplog.at_level(logging.WARNING, logger="localspec.runtime.engine"):
             text = e.render(chat("Hi"))
             e.render(chat("Hello"))
             e.generate(chat("Hey"), max_tokens=1)
@@ -215,9 +215,9 @@ def test_a_model_without_a_chat_template_warns_once(bad_files, caplog):
 
 @pytest.mark.model
 def test_a_draft_larger_than_the_oracle_warns_at_start(registry, caplog):
-    from localspec.engine import Engine
+    from localspec.runtime.engine import Engine
 
-    with caplog.at_level(logging.WARNING, logger="localspec.engine"):
+    with caplog.at_level(logging.WARNING, logger="localspec.runtime.engine"):
         with Engine("smollm2-135m-instruct-q4_1", "smollm2-135m-instruct-f32", n_ctx=64, n_threads=1):
             pass
         with Engine("smollm2-135m-instruct-f32", "smollm2-135m-instruct-q4_1", n_ctx=64, n_threads=1):
@@ -396,7 +396,7 @@ def test_32_concurrent_clients_all_answered(server, worker):
 @pytest.fixture(scope="module")
 def eight_slots(pair_paths):
     """A server of eight slots over the default pair (draft model and prompt lookup), for load."""
-    from localspec.engine import Engine
+    from localspec.runtime.engine import Engine
     from localspec.server import EngineWorker, create_app
 
     oracle, draft = pair_paths
@@ -608,7 +608,7 @@ def test_an_exception_in_one_request_leaves_the_server_up(server, http, worker, 
 
 
 def test_serve_binds_127_0_0_1_by_default():
-    from localspec.cli import main
+    from localspec.cli.commands import main
 
     host = next(p for p in main.commands["serve"].params if p.name == "host")
     assert host.default == "127.0.0.1"
@@ -673,15 +673,15 @@ def test_api_key_on_every_v1_route_with_a_constant_time_compare(worker, monkeypa
 
 @pytest.mark.model
 def test_a_model_name_is_never_a_path(http, pair_paths, monkeypatch):
-    import localspec.engine
-    import localspec.llama
+    import localspec.runtime.engine
+    import localspec.llama.context
     import localspec.models
 
     def forbidden(*a, **k):
         raise AssertionError("a request made the server load or resolve a model")
 
-    monkeypatch.setattr(localspec.llama.LlamaModel, "__init__", forbidden)
-    monkeypatch.setattr(localspec.engine.LlamaModel, "__init__", forbidden)
+    monkeypatch.setattr(localspec.llama.context.LlamaModel, "__init__", forbidden)
+    monkeypatch.setattr(localspec.runtime.engine.LlamaModel, "__init__", forbidden)
     monkeypatch.setattr(localspec.models.Registry, "resolve", forbidden)
     for name in ("/etc/passwd", str(pair_paths[0]), str(pair_paths[1]), "../../../../etc/passwd",
                  "file:///etc/passwd", "smollm2-135m-instruct-q4_1", "gemma-3-270m-q4_k_m", "smollm2-q2k"):

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from localspec.bench.replay import Costs, Table, Trace, hindsight, load_traces, measured_costs, replay
-from localspec.factory import hybrid_policy
-from localspec.policy import AdaptiveLength, FixedLength
+from localspec.runtime.factory import hybrid_policy
+from localspec.speculative.policy import AdaptiveLength, FixedLength
 
 TRACES = Path(__file__).parent / "data" / "traces" / "smollm2.json"
 FIXED = (1, 2, 3, 4, 6, 8, 12, 16)

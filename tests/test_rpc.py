@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from localspec.cli import main
-from localspec.rpc import RPCError, parse_servers, probe, supports_rpc
+from localspec.cli.commands import main
+from localspec.llama.rpc import RPCError, parse_servers, probe, supports_rpc
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["Write a haiku about the sea.", "List three primary colors.", "Explain what a CPU cache is in two sentences."]
@@ -105,7 +105,7 @@ def test_a_server_that_is_not_an_rpc_server_is_named():
 def test_rpc_is_checked_before_any_model_loads(tmp_path):
     """Without RPC in the loaded llama.cpp the error names the build command; with it, an unreachable
     server is named. Either way before the (here missing) oracle file is looked at."""
-    from localspec.engine import Engine
+    from localspec.runtime.engine import Engine
 
     port = free_port()
     with pytest.raises(RPCError) as e:
@@ -281,7 +281,7 @@ def test_cli_names_the_unreachable_server_before_loading(rpc_env, rpc_servers):
 def test_a_busy_rpc_server_is_named(rpc_env, rpc_servers, pair_paths):
     """rpc-server serves one client at a time: while a process holds it, another is told so."""
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from localspec.engine import Engine; "
+        [sys.executable, "-c", "import sys; from localspec.runtime.engine import Engine; "
          f"e = Engine({str(pair_paths[1])!r}, rpc={rpc_servers[0]!r}, cost_cache=False); "
          "print('loaded', flush=True); sys.stdin.read(); e.close()"],
         env=rpc_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

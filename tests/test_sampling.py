@@ -1,4 +1,4 @@
-"""localspec.sampling: parameter validation, the filters (and their order), sample, log_softmax."""
+"""localspec.speculative.sampling: parameter validation, the filters (and their order), sample, log_softmax."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from localspec.sampling import (SamplingParams, greedy_argmax, log_softmax, logits_to_probs, sample, top_ids,
+from localspec.speculative.sampling import (SamplingParams, greedy_argmax, log_softmax, logits_to_probs, sample, top_ids,
                                 top_probability, top_probability_at_least)
 from scripted import ScriptedRng
 

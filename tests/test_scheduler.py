@@ -1,4 +1,4 @@
-"""Many sequences at once (localspec.scheduler, localspec.sequence, Engine.step) over scripted
+"""Many sequences at once (localspec.runtime.scheduler, localspec.runtime.sequence, Engine.step) over scripted
 contexts: each sequence gets exactly what it would get alone, whatever else runs beside it; requests
 join and leave at step boundaries; long prompts fill in chunks beside running streams; an abort
 frees its slot within one step; a prefix another slot holds is copied, not evaluated."""
@@ -8,10 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from localspec.engine import Request
-from localspec.policy import FixedLength
-from localspec.sampling import SamplingParams
-from localspec.sequence import Status
+from localspec.runtime.engine import Request
+from localspec.speculative.policy import FixedLength
+from localspec.speculative.sampling import SamplingParams
+from localspec.runtime.sequence import Status
 from test_engine_scripted import (KINDS, M, N_SAMPLES, PROMPT, T1, chi_square, first_tokens_distribution,  # noqa: F401
                                   fixed_entropy,
                                   outcome_probability, proposer_engine)

@@ -21,7 +21,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from localspec.engine import Engine
+from localspec.runtime.engine import Engine
 from localspec.outputs import Stats
 from localspec.server import EngineWorker, create_app
 from serving import CLI, ThreadedServer, cli_serve, free_port, paced_engine, raw_http, wait_ready
@@ -75,7 +75,7 @@ def cli_server(pair_paths, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def worker(pair_paths, cli_server):
-    from localspec.engine import Engine
+    from localspec.runtime.engine import Engine
 
     oracle, draft = pair_paths
     with Engine(oracle, draft, n_ctx=N_CTX, n_threads=1, draft_length=4) as engine:
@@ -1067,9 +1067,9 @@ def scripted_server():
     """The server over the real engine on a scripted oracle (tests/scripted.py) whose vocabulary splits
     "\u00e9" and "\u00e8" into byte tokens, and which repeats its prompt; prompt lookup drafts, so one
     step (one streamed chunk) holds several tokens."""
-    from localspec.engine import Engine
-    from localspec.policy import FixedLength
-    from localspec.proposers import PromptLookupProposer
+    from localspec.runtime.engine import Engine
+    from localspec.speculative.policy import FixedLength
+    from localspec.speculative.proposers import PromptLookupProposer
     from scripted import ScriptedContext, ScriptedModel, copying, hashed_logits
 
     model = ScriptedModel.sized(40)

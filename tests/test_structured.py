@@ -169,7 +169,7 @@ def test_a_rejected_end_leaves_the_length_limits_in_force(engine):
 
 
 def test_greedy_constrained_output_is_the_same_with_any_drafting(engine, pair_paths):
-    from localspec.engine import Engine
+    from localspec.runtime.engine import Engine
 
     oracle, _ = pair_paths
     with Engine(oracle, "ngram", n_ctx=2048, draft_length=6) as lookup:
@@ -323,7 +323,7 @@ def _metric(url: str, name: str) -> float:
 def test_batch_lines_carry_their_schema_or_grammar(engine, tmp_path):
     from contextlib import nullcontext
 
-    from localspec.batch import run_batch
+    from localspec.cli.jobs import run_batch
 
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     lines = [{"id": "person", "messages": PERSON_PROMPT, "json_schema": Person.model_json_schema()},

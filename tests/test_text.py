@@ -1,4 +1,4 @@
-from localspec.text import TextStream
+from localspec.runtime.text import TextStream
 
 PIECES = {1: "Hello", 2: ",", 3: " wor", 4: "ld", 5: "!", 6: " EN", 7: "D", 8: " more"}
 

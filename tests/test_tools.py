@@ -148,7 +148,7 @@ def test_tool_messages_render_for_templates_with_and_without_tools():
 
 
 def test_a_template_that_takes_tools_gets_them_and_the_calls():
-    from localspec import chat
+    from localspec.runtime import chat
     from localspec.server.tools import template_takes_tools
 
     template = ("{% if tools %}TOOLS {% for t in tools %}{{ t.function.name }} {% endfor %}\n{% endif %}"

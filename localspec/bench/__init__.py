@@ -6,9 +6,9 @@ the ceiling (what the measured acceptance and costs predict) and llama.cpp's own
                                    parse_systems("k4,adaptive"), reps=3))
 """
 
-from .runner import BenchConfig, BenchError, run_bench
-from .systems import DEFAULT_SYSTEMS, SystemSpec, parse_system, parse_systems
-from .workloads import WORKLOADS, BenchPrompt
+from localspec.bench.runner import BenchConfig, BenchError, run_bench
+from localspec.bench.systems import DEFAULT_SYSTEMS, SystemSpec, parse_system, parse_systems
+from localspec.bench.workloads import WORKLOADS, BenchPrompt
 
 __all__ = ["BenchConfig", "BenchError", "run_bench", "SystemSpec", "parse_system", "parse_systems",
            "DEFAULT_SYSTEMS", "WORKLOADS", "BenchPrompt"]

@@ -37,7 +37,7 @@ def llama_cpp_python_version() -> str:
 
 def anchor_dir(version: str | None = None) -> Path:
     """Where the build script puts the binaries for a llama-cpp-python version (default: the installed one)."""
-    from localspec.models import cache_dir
+    from localspec.cache import cache_dir
 
     return cache_dir() / "anchor" / f"llama.cpp-{version or llama_cpp_python_version()}"
 

@@ -11,7 +11,7 @@ them in one oracle pass over K+1 positions; it yields the accepted prefix plus o
 `c_draft` is the draft's cost per token and `c_verify(n)` the oracle's cost of an n-token pass.
 
 For localspec's systems the prediction goes step by step, from the engine's own per-step records:
-`fit_costs` fits the context-aware pass-cost model (localspec.costs: verify(n, c), draft(l, c)) to
+`fit_costs` fits the context-aware pass-cost model (localspec.speculative.costs: verify(n, c), draft(l, c)) to
 every step a system ran, and `record_ceiling` predicts, for the steps a run actually took (their
 draft lengths, accepted tokens and context lengths), the oracle alone's time for the same tokens
 over the speculative time:
@@ -32,10 +32,10 @@ from __future__ import annotations
 import math
 from typing import Callable, Mapping, Sequence
 
-from localspec.costs import PassCost, expected_tokens, fit_steps
-from localspec.costs import predicted_speedup as predicted_steps_speedup
+from localspec.speculative.costs import PassCost, expected_tokens, fit_steps
+from localspec.speculative.costs import predicted_speedup as predicted_steps_speedup
 from localspec.outputs import StepRecord
-from localspec.policy import fit_line
+from localspec.speculative.policy import fit_line
 
 
 def acceptance_from_tokens_per_step(tokens_per_step: float, k: float) -> float:
@@ -122,7 +122,7 @@ def steps_of(records: Sequence[Sequence[float]]) -> list[StepRecord]:
 
 
 def fit_costs(records: Sequence[Sequence[float]]) -> tuple[PassCost, PassCost] | None:
-    """localspec.costs.fit_steps over compact records."""
+    """localspec.speculative.costs.fit_steps over compact records."""
     return fit_steps(steps_of(records))
 
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from . import anchor
-from ..llama import resolve_flash_attn
+from localspec.bench import anchor
+from localspec.llama.context import resolve_flash_attn
 
 # open-ended prompts, one per client (a client count above their number cycles them)
 CLIENT_PROMPTS = (
@@ -255,7 +255,7 @@ def batched_bench(*, oracle: str, n_clients: list[int], prompt_tokens: int, max_
 def run_clients_bench(*, oracle: str, draft: str | None, clients: list[int], systems: list[str], reps: int,
                       max_tokens: int, threads: int, anchor_bin: str | None, model_name: str = "bench",
                       progress: Callable[[str], None] = lambda _: None) -> dict:
-    from .runner import machine_info
+    from localspec.bench.runner import machine_info
 
     rows = []
     notes: list[str] = []

@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from . import report as rep
-from . import workloads as wl
-from .runner import BenchConfig, run_bench
-from .systems import parse_systems
+from localspec.bench import report as rep
+from localspec.bench import workloads as wl
+from localspec.bench.runner import BenchConfig, run_bench
+from localspec.bench.systems import parse_systems
 
 
 def run(*, pair: str | None, oracle: str | None, draft: str | None, workload: str | None, systems: str | None,
@@ -60,10 +60,10 @@ def _run_clients(oracle, draft, clients: str, systems: str | None, reps: int, ma
                  threads: int | None, anchor_bin: str | None, json_path: str | None, markdown_path: str | None,
                  progress: Callable[[str], None], echo: Callable[[str], None]) -> dict:
     """`--clients 1,4,8`: the serving benchmark (localspec.bench.clients)."""
-    from localspec.backend import default_threads
+    from localspec.llama.backend import default_threads
     from localspec.models import Registry
 
-    from . import clients as cl
+    from localspec.bench import clients as cl
 
     try:
         counts = sorted({int(n) for n in clients.split(",") if n.strip()})

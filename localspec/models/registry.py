@@ -16,10 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from . import cache, derive, fetch
-from .cache import HEX64, ModelError, Progress, human_size, say
-from .derive import FTYPES
-from .sources import DerivedSource, HFSource, PyPISource, Source  # noqa: F401 (Source: callers import it from here)
+from localspec import cache
+from localspec.models import derive
+from localspec.models import fetch
+from localspec.cache import HEX64, ModelError, Progress, human_size, say
+from localspec.models.derive import FTYPES
+from localspec.models.sources import DerivedSource, HFSource, PyPISource, Source  # noqa: F401 (Source: callers import it from here)
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -8,7 +8,7 @@
     webui.py    the chat page at / (static/: its HTML, CSS and JavaScript)
 """
 
-from .app import create_app
-from .worker import EngineWorker
+from localspec.server.app import create_app
+from localspec.server.worker import EngineWorker
 
 __all__ = ["create_app", "EngineWorker"]

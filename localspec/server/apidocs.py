@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from .webui import serve_files
+from localspec.server.webui import serve_files
 
 FILES = {"/docs": "index.html", "/docs/init.js": "init.js", "/docs/swagger-ui-bundle.js": "swagger-ui-bundle.js",
          "/docs/swagger-ui.css": "swagger-ui.css", "/docs/favicon-32x32.png": "favicon-32x32.png"}

@@ -27,17 +27,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
-from ..outputs import Chunk, Stats, TokenLogprob
-from ..sequence import PromptTooLongError
-from . import report as R
-from . import schemas as S
-from . import tools as T
-from .errors import (SERVER_ERROR, APIError, on_api_error, on_http_error, on_internal_error, on_validation_error,
+from localspec.outputs import Chunk, Stats, TokenLogprob
+from localspec.runtime.sequence import PromptTooLongError
+from localspec.server import report as R
+from localspec.server import schemas as S
+from localspec.server import tools as T
+from localspec.server.errors import (SERVER_ERROR, APIError, on_api_error, on_http_error, on_internal_error, on_validation_error,
                      shutting_down)
-from .gate import DEFAULT_BODY_TIMEOUT, Gate, Guard, HostRule, OriginRule
-from .apidocs import router as apidocs_router
-from .webui import router as webui_router
-from .worker import CANCELLED, DEFAULT_MAX_QUEUE, STARTED, EngineWorker, Failed, Job, QueueFull, WorkerClosed
+from localspec.server.gate import DEFAULT_BODY_TIMEOUT, Gate, Guard, HostRule, OriginRule
+from localspec.server.apidocs import router as apidocs_router
+from localspec.server.webui import router as webui_router
+from localspec.server.worker import CANCELLED, DEFAULT_MAX_QUEUE, STARTED, EngineWorker, Failed, Job, QueueFull, WorkerClosed
 
 log = logging.getLogger("localspec.server")
 
@@ -754,7 +754,7 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
 def served_names(pair: str | None, oracle: str | None, model_name: str | None) -> tuple[str, list[str]]:
     """The name the server answers to (--model-name, else the pair's name, else the oracle's) and
     its aliases (the oracle's registry name, or its file name without .gguf)."""
-    from ..models import Registry
+    from localspec.models import Registry
 
     choice = Registry.load().choose(pair, oracle)
     oracle_name = choice.oracle

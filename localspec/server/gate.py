@@ -24,7 +24,7 @@ import time
 from typing import Callable, Iterable
 from urllib.parse import urlsplit
 
-from .errors import APIError, invalid_json, too_large
+from localspec.server.errors import APIError, invalid_json, too_large
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 LOOPBACK_NAMES = ("localhost",)  # and *.localhost (RFC 6761: always loopback, browsers never ask DNS)

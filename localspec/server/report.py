@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..costs import estimated_speedup
-from ..outputs import Chunk, Stats
-from . import schemas as S
+from localspec.speculative.costs import estimated_speedup
+from localspec.outputs import Chunk, Stats
+from localspec.server import schemas as S
 
 
 def asked(body: Any) -> bool:

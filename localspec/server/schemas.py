@@ -14,7 +14,7 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
-from ..options import LOGIT_BIAS_LIMIT, OPTIONS, GenerationOptions
+from localspec.options import LOGIT_BIAS_LIMIT, OPTIONS, GenerationOptions
 
 MAX_STOP = 16  # OpenAI allows 4; more costs nothing here
 MAX_CHOICES = 16  # choices one request may ask for (n, and prompts x n for a list of prompts)

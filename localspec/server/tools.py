@@ -22,8 +22,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from ..constraints import JSON_OPTIONS, Constraint, ConstraintError, bounded_schema
-from .schemas import InvalidParam
+from localspec.constraints import JSON_OPTIONS, Constraint, ConstraintError, bounded_schema
+from localspec.server.schemas import InvalidParam
 
 def _invalid(message: str, param: str) -> InvalidParam:
     return InvalidParam(message, param, "invalid_value")

@@ -30,9 +30,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..outputs import Chunk, Stats
-from ..sequence import Seq, Status
-from .metrics import Metrics
+from localspec.outputs import Chunk, Stats
+from localspec.runtime.sequence import Seq, Status
+from localspec.server.metrics import Metrics
 
 log = logging.getLogger("localspec.server")
 

@@ -19,10 +19,10 @@ import time
 from collections import deque
 from typing import Iterator, Mapping, Protocol, Sequence
 
-from .outputs import Chunk
-from .sequence import Seq, Status
+from localspec.outputs import Chunk
+from localspec.runtime.sequence import Seq, Status
 
-log = logging.getLogger("localspec.scheduler")
+log = logging.getLogger("localspec.runtime.scheduler")
 
 PREFILL_CHUNK = 256  # prompt tokens a pass carries while other sequences stream (a pass of 256 costs ~0.4 s here)
 

@@ -23,11 +23,11 @@ from typing import Sequence
 
 import numpy as np
 
-from .backend import _ensure_backend, captured_log, default_threads
-from .bindings import PACKAGE_DIR, VERSION, llama_cpp
-from .models.gguf import GGUF_MAGIC, GgufHeader, remembered_header
+from localspec.llama.backend import _ensure_backend, captured_log, default_threads
+from localspec.llama.bindings import PACKAGE_DIR, VERSION, llama_cpp
+from localspec.llama.gguf import GGUF_MAGIC, GgufHeader, remembered_header
 
-log = logging.getLogger("localspec.llama")
+log = logging.getLogger("localspec.llama.context")
 
 MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ: the most sequences a context holds
 
@@ -45,9 +45,9 @@ class ContextFullError(LlamaError):
 
 
 def _header_memo() -> Path | None:
-    """Where sound GGUF headers are remembered (`models.gguf.remembered_header`): the cache's
+    """Where sound GGUF headers are remembered (`llama.gguf.remembered_header`): the cache's
     `gguf-headers.json`; None when the cache directory cannot be made."""
-    from .models import ModelError, cache_dir
+    from localspec.cache import ModelError, cache_dir
 
     try:
         return cache_dir() / "gguf-headers.json"
@@ -100,7 +100,7 @@ class _Owner:
 class LlamaModel(_Owner):
     """One loaded GGUF: weights (optionally offloaded to the GPU) and its vocabulary."""
 
-    placement = None  # for a model split over RPC servers: where its layers went (localspec.rpc.Placement)
+    placement = None  # for a model split over RPC servers: where its layers went (localspec.llama.rpc.Placement)
 
     def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0, use_mmap: bool = True,
                  devices: Sequence["Device"] | None = None, tensor_split: Sequence[float] | None = None) -> None:

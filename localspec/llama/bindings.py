@@ -8,7 +8,7 @@ while it loads; the package is then dropped from `sys.modules`, so a later `impo
 user's, or the bench's llama-cpp-python system) still runs the package's `__init__` in full, and
 that finds this same module: one loaded library per process either way.
 
-    from .bindings import llama_cpp   # llama_cpp.llama_decode(...), as with the package
+    from localspec.llama.bindings import llama_cpp   # llama_cpp.llama_decode(...), as with the package
 """
 
 from __future__ import annotations

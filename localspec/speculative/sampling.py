@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .options import OPTIONS
+from localspec.options import OPTIONS
 
 # top-p mass is compared with ``top_p - _TOP_P_TOL`` so that rounding in the sums (a prefix
 # whose exact mass is top_p) cannot pull in one more token.

@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator
 
 import click
 
-from .options import OPTIONS, GenerationOptions
+from localspec.options import OPTIONS, GenerationOptions
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop")
 STRUCTURE_FIELDS = {"json_schema": "schema", "grammar": "grammar"}  # a line's field -> the option
@@ -315,7 +315,7 @@ def _records(engine, items: list[Item], summary: Summary) -> Iterator[dict[str, 
     """Each item's record as it finishes: up to the engine's slots generate at once, in one batch
     (a malformed line's error record comes as it is reached). Stopped early (Ctrl-C), the records
     in flight are dropped, not written: a rerun generates them."""
-    from .sequence import Status
+    from localspec.runtime.sequence import Status
 
     pending = deque(items)
     in_flight: dict[Any, Item] = {}

@@ -24,7 +24,7 @@ class Vocab(Protocol):
     eos: int
     add_bos: bool
     add_eos: bool
-    vocab_digest: bytes | None  # of the token texts as stored (see models.gguf.GgufHeader); None: unknown
+    vocab_digest: bytes | None  # of the token texts as stored (see llama.gguf.GgufHeader); None: unknown
 
     def token_text(self, token: int) -> bytes: ...
 

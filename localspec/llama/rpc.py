@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from .bindings import PACKAGE_DIR, VERSION, llama_cpp
+from localspec.llama.bindings import PACKAGE_DIR, VERSION, llama_cpp
 
-from .llama import Device, LlamaError, ggml, local_gpus, model_n_layer
+from localspec.llama.context import Device, LlamaError, ggml, local_gpus, model_n_layer
 
 BUILD_SCRIPT = "scripts/build_rpc.sh"
 DEFAULT_PORT = 50052
@@ -52,7 +52,7 @@ class RPCError(LlamaError):
 
 def build_dir(version: str | None = None) -> Path:
     """Where scripts/build_rpc.sh puts the RPC-enabled llama-cpp-python (site/) and rpc-server (bin/)."""
-    from .models import cache_dir
+    from localspec.cache import cache_dir
 
     return cache_dir() / "rpc" / f"llama.cpp-{version or VERSION}"
 

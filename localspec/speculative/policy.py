@@ -100,9 +100,9 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from .costs import DRAFT_ROUND_SHAPE, DRAFT_SHAPE, VERIFY_SHAPE, PassCost, expected_tokens_by_place
-from .outputs import StepRecord
-from .sampling import SamplingParams
+from localspec.speculative.costs import DRAFT_ROUND_SHAPE, DRAFT_SHAPE, VERIFY_SHAPE, PassCost, expected_tokens_by_place
+from localspec.outputs import StepRecord
+from localspec.speculative.sampling import SamplingParams
 
 
 class LengthPolicy(Protocol):

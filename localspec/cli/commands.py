@@ -1,4 +1,4 @@
-"""The `localspec` command: a thin layer over `localspec.engine.Engine`."""
+"""The `localspec` command: a thin layer over `localspec.runtime.engine.Engine`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import click
 
-from .options import DEFAULT_CTX, OPTIONS, GenerationOptions, OptionError
+from localspec.options import DEFAULT_CTX, OPTIONS, GenerationOptions, OptionError
 
 EXIT_USAGE = 2
 EXIT_RECORDS_FAILED = 1  # a batch run ended with error records in its output
@@ -30,11 +30,11 @@ class UserError(click.ClickException):
 
 
 def _expected_errors() -> tuple[type[BaseException], ...]:
-    from .chat import ChatTemplateError
-    from .compat import IncompatibleModels
-    from .engine import PromptTooLongError
-    from .llama import LlamaError
-    from .models import ModelError
+    from localspec.runtime.chat import ChatTemplateError
+    from localspec.speculative.compat import IncompatibleModels
+    from localspec.runtime.engine import PromptTooLongError
+    from localspec.llama.context import LlamaError
+    from localspec.models import ModelError
 
     return (ModelError, LlamaError, IncompatibleModels, PromptTooLongError, ChatTemplateError, ValueError, OSError)
 
@@ -50,7 +50,7 @@ def friendly_errors(fn: Callable) -> Callable:
         except (click.ClickException, BrokenPipeError):
             raise  # a reader that went away (`| head`): click ends quietly, status 1
         except KeyboardInterrupt as e:
-            from .models import DownloadInterrupted
+            from localspec.models import DownloadInterrupted
 
             if not isinstance(e, DownloadInterrupted):
                 raise
@@ -128,7 +128,7 @@ FLASH_ATTN_OPTION = click.option(
 
 
 def _rpc_servers(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[str, ...]:
-    from .rpc import parse_servers
+    from localspec.llama.rpc import parse_servers
 
     try:
         return parse_servers(value)
@@ -220,8 +220,8 @@ def open_engine(*, pair, oracle, draft, no_draft, draft_max, draft_length, p_min
                 gpu_layers, draft_gpu_layers, n_ctx, threads, flash_attn="auto",
                 rpc=(), draft_rpc=(), parallel: int = 1, **_):
     """Resolve the models (fetching them on first use) and load them, with `parallel` slots."""
-    from .engine import DEFAULT_P_MIN, Engine
-    from .models import Registry
+    from localspec.runtime.engine import DEFAULT_P_MIN, Engine
+    from localspec.models import Registry
 
     choice = Registry.load().choose(pair, oracle, draft)
     draft = None if no_draft else choice.draft
@@ -244,7 +244,7 @@ def open_engine(*, pair, oracle, draft, no_draft, draft_max, draft_length, p_min
 def main(debug: bool) -> None:
     """localspec: faster local generation with speculative decoding, same output."""
     logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, format="%(name)s: %(message)s")
-    logging.getLogger("localspec.llama").setLevel(logging.DEBUG if debug else logging.ERROR)
+    logging.getLogger("localspec.llama.context").setLevel(logging.DEBUG if debug else logging.ERROR)
 
 
 @main.command()
@@ -278,7 +278,7 @@ def generate(prompt: str | None, system: str | None, raw: bool, as_json: bool, i
             raise UserError("--output needs --input")
         if prompt is not None:
             raise UserError("give either PROMPT or --input, not both")
-        from .batch import run_batch
+        from localspec.cli.jobs import run_batch
 
         defaults = options.as_kwargs()
         kw["parallel"] = parallel or DEFAULT_BATCH_PARALLEL
@@ -334,7 +334,7 @@ def generate(prompt: str | None, system: str | None, raw: bool, as_json: bool, i
 def chat(system: str | None, **kw) -> None:
     """Chat in the terminal; replies stream as drafts are accepted (/help inside for commands).
     With piped input: one message per line, replies on stdout."""
-    from .repl import run_chat
+    from localspec.cli.repl import run_chat
 
     settings = request_options(kw)
     with open_engine(**kw) as engine:
@@ -353,8 +353,8 @@ def chat(system: str | None, **kw) -> None:
 def check(prompts_file: str | None, max_prompts: int, max_tokens: int, as_json: bool, **kw) -> None:
     """Is this draft worth it for this oracle here? Compatibility, measured acceptance and costs,
     predicted and measured speedup, and a recommendation."""
-    from .check import format_report, load_prompts, run_check
-    from .models import Registry
+    from localspec.cli.check import format_report, load_prompts, run_check
+    from localspec.models import Registry
 
     if kw["no_draft"] or kw["draft"] == "ngram":
         raise UserError("check needs a draft model (--draft NAME or --pair NAME)")
@@ -372,7 +372,7 @@ def check(prompts_file: str | None, max_prompts: int, max_tokens: int, as_json: 
 @friendly_errors
 def models_cmd(as_json: bool) -> None:
     """List the known models and pairs, and which models are present."""
-    from .models import Registry
+    from localspec.models import Registry
 
     reg = Registry.load()
     if as_json:
@@ -399,7 +399,7 @@ def models_cmd(as_json: bool) -> None:
 def pull(names: tuple[str, ...]) -> None:
     """Fetch (or derive) models, or both models of a pair, into the cache. A download stopped
     short (Ctrl-C, a dropped connection) resumes when the same command runs again."""
-    from .models import DownloadInterrupted, Registry
+    from localspec.models import DownloadInterrupted, Registry
 
     reg = Registry.load()
     for name in names:
@@ -517,7 +517,7 @@ def serve(ctx: click.Context, host: str, port: int, model_name: str | None, api_
     if api_key is None and not _is_loopback(host):
         progress(f"warning: listening on {host} without an API key: anyone who can reach this machine can use the "
                  f"server; set ${API_KEY_ENV} or --api-key-file")
-    from .server.app import run_server, served_names  # after the checks above: they fail fast
+    from localspec.server.app import run_server, served_names  # after the checks above: they fail fast
 
     name, aliases = served_names(kw["pair"], kw["oracle"], model_name)
     with open_engine(**kw, parallel=parallel) as engine:
@@ -574,14 +574,10 @@ def serve(ctx: click.Context, host: str, port: int, model_name: str | None, api_
 def bench(**kw) -> None:
     """Speed at unchanged output: the oracle alone, localspec's systems, the ceiling and llama.cpp's own
     speculative decoding, side by side in one run. Prints a markdown table."""
-    from .bench.command import run
-    from .bench.runner import BenchError
+    from localspec.bench.command import run
+    from localspec.bench.runner import BenchError
 
     try:
         run(**kw, progress=progress, echo=click.echo)
     except (BenchError, ValueError) as e:
         raise UserError(str(e)) from e
-
-
-if __name__ == "__main__":
-    entry()

@@ -13,15 +13,15 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from .compat import check_compatible, first_difference
-from .options import DEFAULT_CTX
-from .costs import CostBook, CostStore, file_fingerprint, machine_identity
-from .backend import default_threads
-from .llama import LlamaContext, LlamaModel, on_local_gpu, resolve_flash_attn
-from .policy import LOOKUP_PRIORS, LOOKUP_RUNS, AdaptiveLength, FixedLength, HybridLength, LengthPolicy, LookupLength
-from .proposers import CrossTokenizerProposer, DraftModelProposer, HybridProposer, PromptLookupProposer, Proposer
+from localspec.speculative.compat import check_compatible, first_difference
+from localspec.options import DEFAULT_CTX
+from localspec.speculative.costs import CostBook, CostStore, file_fingerprint, machine_identity
+from localspec.llama.backend import default_threads
+from localspec.llama.context import LlamaContext, LlamaModel, on_local_gpu, resolve_flash_attn
+from localspec.speculative.policy import LOOKUP_PRIORS, LOOKUP_RUNS, AdaptiveLength, FixedLength, HybridLength, LengthPolicy, LookupLength
+from localspec.speculative.proposers import CrossTokenizerProposer, DraftModelProposer, HybridProposer, PromptLookupProposer, Proposer
 
-log = logging.getLogger("localspec.engine")
+log = logging.getLogger("localspec.runtime.engine")
 
 DEFAULT_DRAFT_MAX = 16
 LOOKUP_TEXT_WEIGHT = 4.0  # tokens of the text at hand a lookup's estimates weigh (AdaptiveLength.text_weight)
@@ -83,7 +83,7 @@ def hybrid_policy(model: AdaptiveLength, *, lookup_max: int = LOOKUP_DRAFT_MAX) 
 
 
 def rpc_servers(value: str | Sequence[str] | None) -> tuple[str, ...]:
-    from .rpc import parse_servers  # keeps the RPC module out of runs that do not use it
+    from localspec.llama.rpc import parse_servers  # keeps the RPC module out of runs that do not use it
 
     return parse_servers(value) if value else ()
 
@@ -127,7 +127,7 @@ def build(oracle: str | os.PathLike, draft: str | os.PathLike | None = None, *,
     `policy`: the length policy (default: as `draft_length` says). `cost_cache`: keep the
     adaptive policy's fitted costs and acceptance in the cache, so the next process starts from them.
     `rpc`: llama.cpp rpc-servers ("HOST:PORT,..." or a list) the oracle's layers are split over,
-    with this machine (see `localspec.rpc`); `draft_rpc`: the same for the draft (default: local).
+    with this machine (see `localspec.llama.rpc`); `draft_rpc`: the same for the draft (default: local).
     Each server is checked before anything loads."""
     loader = _Loader(n_threads or default_threads(), rpc_servers(rpc), rpc_servers(draft_rpc), progress,
                      CostStore() if cost_cache else None)
@@ -178,10 +178,10 @@ class _Loader:
 
     def load(self, oracle, draft, *, n_ctx: int, n_batch: int, n_seq: int, gpu_layers: int, draft_gpu_layers: int,
              flash_attn: str, p_min: float, lookup: bool, cross_tokenizer: bool) -> Parts:
-        from .models import Registry  # models pulls in the registry file; keep it lazy
+        from localspec.models import Registry  # models pulls in the registry file; keep it lazy
 
         if self.rpc or self.draft_rpc:
-            from .rpc import check_servers
+            from localspec.llama.rpc import check_servers
 
             check_servers(self.rpc + tuple(s for s in self.draft_rpc if s not in self.rpc))
         registry = Registry.load()
@@ -223,7 +223,7 @@ class _Loader:
     def _load_model(self, path, gpu_layers: int, rpc: tuple[str, ...], role: str) -> LlamaModel:
         if not rpc:
             return LlamaModel(path, n_gpu_layers=gpu_layers)
-        from .rpc import place
+        from localspec.llama.rpc import place
 
         placement = place(path, rpc, n_gpu_layers=gpu_layers)
         if self.progress is not None:

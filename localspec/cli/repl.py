@@ -21,9 +21,9 @@ from typing import Any, Iterable, TextIO
 
 import click
 
-from .costs import estimated_speedup, fit_steps
-from .options import GenerationOptions
-from .outputs import Stats, StepRecord
+from localspec.speculative.costs import estimated_speedup, fit_steps
+from localspec.options import GenerationOptions
+from localspec.outputs import Stats, StepRecord
 
 PROMPT = ">>> "
 
@@ -197,7 +197,7 @@ def history_file() -> Path | None:
     env = os.environ.get("LOCALSPEC_CHAT_HISTORY")
     if env is not None:
         return Path(env).expanduser() if env else None
-    from .models import cache_dir
+    from localspec.cache import cache_dir
 
     return cache_dir() / "chat_history"
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .sampling import draw_or_none, sample
+from localspec.speculative.sampling import draw_or_none, sample
 
 
 def accept_greedy(draft_tokens: np.ndarray, target_argmax: np.ndarray) -> tuple[np.ndarray, int]:

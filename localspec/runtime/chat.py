@@ -13,7 +13,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-log = logging.getLogger("localspec.chat")
+log = logging.getLogger("localspec.runtime.chat")
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 

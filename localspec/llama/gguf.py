@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cache import write_text_atomically
+from localspec.cache import write_text_atomically
 
 GGUF_MAGIC = b"GGUF"
 

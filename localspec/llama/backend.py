@@ -14,9 +14,9 @@ import os
 import threading
 from typing import Iterator
 
-from .bindings import llama_cpp
+from localspec.llama.bindings import llama_cpp
 
-log = logging.getLogger("localspec.llama")
+log = logging.getLogger("localspec.llama.context")
 
 _init_lock = threading.Lock()
 _initialised = False

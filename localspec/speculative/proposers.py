@@ -31,8 +31,8 @@ from typing import Callable, Generator, Protocol, Sequence
 
 import numpy as np
 
-from .llama import LlamaContext, Rows, shared_prefix
-from .sampling import (SamplingParams, bias_logits, coupled_choice, greedy_argmax, logits_to_probs, mask_logits,
+from localspec.llama.context import LlamaContext, Rows, shared_prefix
+from localspec.speculative.sampling import (SamplingParams, bias_logits, coupled_choice, greedy_argmax, logits_to_probs, mask_logits,
                        sample, top_probability_at_least)
 
 
@@ -52,7 +52,7 @@ class Draft:
         return len(self.tokens)
 
 
-log = logging.getLogger("localspec.proposers")
+log = logging.getLogger("localspec.speculative.proposers")
 
 EMPTY_DRAFT = Draft(np.zeros(0, dtype=np.int32), None, source="")  # nothing drafted: no source
 

@@ -53,9 +53,9 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import numpy as np
 
 if TYPE_CHECKING:
-    from .outputs import StepRecord
+    from localspec.outputs import StepRecord
 
-log = logging.getLogger("localspec.costs")
+log = logging.getLogger("localspec.speculative.costs")
 
 N_FEATURES = 6
 CONTEXT_UNIT = 1024.0  # context lengths enter the fit in units of 1024 tokens
@@ -449,7 +449,7 @@ def file_fingerprint(path: str | os.PathLike) -> str:
 @lru_cache(maxsize=1)
 def machine_identity() -> dict[str, str]:
     """The CPU model and llama.cpp's build and backends: what a cost depends on beyond the model."""
-    from .bindings import VERSION, llama_cpp
+    from localspec.llama.bindings import VERSION, llama_cpp
 
     cpu = platform.processor() or platform.machine()
     try:
@@ -474,7 +474,7 @@ class CostStore:
 
     def __init__(self, directory: str | os.PathLike | None = None) -> None:
         if directory is None:
-            from .models import cache_dir
+            from localspec.cache import cache_dir
 
             directory = os.environ.get("LOCALSPEC_COST_CACHE") or cache_dir() / "costs"
         self.directory = Path(directory)
@@ -500,7 +500,7 @@ class CostStore:
     def save(self, kind: str, identity: Mapping[str, Any], state: Mapping[str, Any]) -> None:
         """Write atomically (a reader never sees half a file); a failure is logged, never raised:
         a cost model is worth keeping, not worth failing a generation for."""
-        from .models.cache import write_text_atomically
+        from localspec.cache import write_text_atomically
 
         path = self.path(kind, identity)
         try:

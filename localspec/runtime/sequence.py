@@ -17,15 +17,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .options import OPTIONS, GenerationOptions
-from .outputs import Chunk, Stats, TokenLogprob
-from .sampling import SamplingParams
+from localspec.options import OPTIONS, GenerationOptions
+from localspec.outputs import Chunk, Stats, TokenLogprob
+from localspec.speculative.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from .constraints import Constraint, ConstraintWalk
-    from .policy import LengthPolicy
-    from .proposers import Draft, Proposer
-    from .text import TextStream
+    from localspec.constraints import Constraint, ConstraintWalk
+    from localspec.speculative.policy import LengthPolicy
+    from localspec.speculative.proposers import Draft, Proposer
+    from localspec.runtime.text import TextStream
 
 _ids = itertools.count(1)
 

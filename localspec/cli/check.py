@@ -2,7 +2,7 @@
 
 Compatibility report, then measured acceptance and costs on a small workload, the speedup the
 standard model predicts from them, the speedup measured, and a plain recommendation. The costs are
-the pass-cost model fitted to every step the check ran (localspec/costs.py: an oracle pass of n
+the pass-cost model fitted to every step the check ran (localspec/speculative/costs.py: an oracle pass of n
 tokens and a draft of l tokens as functions of the context); it also times the oracle's passes with
 each attention kernel and records the faster one, which `--flash-attn auto` uses from then on.
 """
@@ -16,12 +16,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .bench.ceiling import acceptance_from_tokens_per_step, predicted_speedup
-from .compat import first_difference
-from .costs import fit_steps
-from .engine import Engine
-from .llama import LlamaContext
-from .policy import FixedLength
+from localspec.bench.ceiling import acceptance_from_tokens_per_step, predicted_speedup
+from localspec.speculative.compat import first_difference
+from localspec.speculative.costs import fit_steps
+from localspec.runtime.engine import Engine
+from localspec.llama.context import LlamaContext
+from localspec.speculative.policy import FixedLength
 
 KERNEL_CONTEXTS = (256, 1024)  # where the attention kernels are compared
 KERNEL_PASS = 9  # a verify pass of 8 drafted tokens
@@ -211,7 +211,7 @@ def format_report(r: CheckReport) -> str:
 
 
 def load_prompts(path: str | None, max_prompts: int, max_tokens: int) -> list:
-    from .bench.workloads import BenchPrompt, load
+    from localspec.bench.workloads import BenchPrompt, load
 
     if path is None:
         return load(["chat", "grounded", "code"], max_prompts=max_prompts, max_tokens=max_tokens)

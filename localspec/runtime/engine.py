@@ -36,24 +36,25 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from . import chat, constraints
-from .acceptance import accept_draft, accept_greedy
-from .constraints import Constraint, ConstraintWalk
-from .costs import CostBook
-from .factory import (DEFAULT_DRAFT_MAX, DEFAULT_P_MIN, LOOKUP_DRAFT_MAX, NGRAM, Parts, build,  # noqa: F401
+from localspec.runtime import chat
+from localspec import constraints
+from localspec.speculative.acceptance import accept_draft, accept_greedy
+from localspec.constraints import Constraint, ConstraintWalk
+from localspec.speculative.costs import CostBook
+from localspec.runtime.factory import (DEFAULT_DRAFT_MAX, DEFAULT_P_MIN, LOOKUP_DRAFT_MAX, NGRAM, Parts, build,  # noqa: F401
                       default_policy, kernel_identity)
-from .llama import Detokenizer, LlamaContext, LlamaModel, Rows, on_local_gpu
-from .options import GenerationOptions
-from .outputs import Chunk, Result, Stats, StepRecord, TokenLogprob, TopLogprob
-from .policy import LengthPolicy, Regime
-from .proposers import EMPTY_DRAFT, Draft, Proposer, drive_all, set_draft_p_min
-from .sampling import (SamplingParams, bias_logits, coupled_choice, greedy_argmax, log_softmax, logits_to_probs,
+from localspec.llama.context import Detokenizer, LlamaContext, LlamaModel, Rows, on_local_gpu
+from localspec.options import GenerationOptions
+from localspec.outputs import Chunk, Result, Stats, StepRecord, TokenLogprob, TopLogprob
+from localspec.speculative.policy import LengthPolicy, Regime
+from localspec.speculative.proposers import EMPTY_DRAFT, Draft, Proposer, drive_all, set_draft_p_min
+from localspec.speculative.sampling import (SamplingParams, bias_logits, coupled_choice, greedy_argmax, log_softmax, logits_to_probs,
                        mask_logits, seed_key, top_ids)
-from .scheduler import Scheduler
-from .sequence import PromptTooLongError, Request, Seq, Status  # noqa: F401 (callers import these from here too)
-from .text import TextStream
+from localspec.runtime.scheduler import Scheduler
+from localspec.runtime.sequence import PromptTooLongError, Request, Seq, Status  # noqa: F401 (callers import these from here too)
+from localspec.runtime.text import TextStream
 
-log = logging.getLogger("localspec.engine")
+log = logging.getLogger("localspec.runtime.engine")
 
 Prompt = str | Sequence[Mapping[str, Any]] | Sequence[int]  # text, chat messages, or token ids
 
@@ -67,7 +68,7 @@ class Engine:
     """An oracle model, optionally a proposer (a draft model, prompt lookup or both), a draft-length
     policy, and the loop that runs them.
 
-    `Engine(oracle, draft, **options)` loads the models by name or path (`localspec.factory.build`
+    `Engine(oracle, draft, **options)` loads the models by name or path (`localspec.runtime.factory.build`
     says what the options are); `Engine.from_parts` runs parts built elsewhere.
     Not thread-safe: one thread drives it (the server runs a single worker). Its contexts hold
     `n_slots` sequences (`parallel=N`), which its `scheduler` generates together.
@@ -77,7 +78,7 @@ class Engine:
         """`draft`: a model (name or path), "ngram" (prompt lookup, no model) or None (oracle
         alone); the options (n_ctx, parallel, n_threads, gpu_layers, flash_attn, draft_length, draft_max,
         p_min, lookup, cross_tokenizer, policy, cost_cache, progress, rpc, draft_rpc, ...) as for
-        `localspec.factory.build`. The engine owns what it loads: `close()` frees it."""
+        `localspec.runtime.factory.build`. The engine owns what it loads: `close()` frees it."""
         self._adopt(build(oracle, draft, **options), owned=True)
 
     @classmethod
@@ -149,7 +150,7 @@ class Engine:
 
     @classmethod
     def from_pair(cls, name: str | None = None, **kwargs) -> "Engine":
-        from .models import Registry
+        from localspec.models import Registry
 
         pair = Registry.load().pair(name)
         kwargs.setdefault("cross_tokenizer", pair.cross_tokenizer)

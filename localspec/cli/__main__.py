@@ -1,0 +1,3 @@
+from localspec.cli.commands import entry
+
+entry()
