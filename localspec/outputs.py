@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import asdict, dataclass, field, fields
+
+
+class DraftSource(enum.StrEnum):
+    """Where a step's draft came from (its value is what records and reports say)."""
+
+    NONE = ""  # nothing drafted
+    MODEL = "model"  # a draft model
+    LOOKUP = "lookup"  # prompt lookup: the text itself
 
 
 @dataclass(frozen=True)
@@ -17,11 +26,17 @@ class StepRecord:
     context: int  # tokens in the oracle's cache before the verify pass
     draft_evaluated: int = 0  # tokens the draft model evaluated for this proposal (its catch-up included)
     draft_prompt_time: float = 0.0  # of draft_time, evaluating the request's prompt (the first proposal's)
-    source: str = ""  # where the draft came from: "model", "lookup" (a hybrid proposer uses both), "" none
+    source: DraftSource = DraftSource.NONE  # where the draft came from (a hybrid proposer uses both)
     batch_seqs: int = 1  # sequences the verify pass carried (its time is the whole pass's)
     batch_tokens: int = 0  # tokens the verify pass carried (0: this step's own, drafted + 1)
     draft_host_time: float = 0.0  # of draft_time, outside llama.cpp (the policy, the proposers' Python)
     verify_host_time: float = 0.0  # of verify_time, outside llama.cpp (batch building, acceptance, rollback)
+    # prompt lookup's offer when another source drafted (or none did): its first `offer_compared`
+    # tokens compared with the ones the step emitted, the first `offer_matched` of them agreeing,
+    # on a match `offer_run` tokens long (0 compared: no unused offer)
+    offer_compared: int = 0
+    offer_matched: int = 0
+    offer_run: int = 0
 
     @property
     def emitted(self) -> int:
@@ -67,7 +82,7 @@ class Stats:
         self.steps += 1
         self.drafted += step.drafted
         self.accepted += step.accepted
-        if step.source == "lookup":
+        if step.source == DraftSource.LOOKUP:
             self.lookup_drafted += step.drafted
             self.lookup_accepted += step.accepted
         self.draft_time += step.draft_time

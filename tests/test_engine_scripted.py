@@ -12,6 +12,8 @@ import pytest
 
 from localspec.runtime.engine import Engine, Request
 from localspec.llama.context import Detokenizer
+from localspec.outputs import DraftSource, StepRecord
+from localspec.speculative.plan import NO_DRAFT, DraftPlan, Offer
 from localspec.speculative.policy import FixedLength
 from localspec.speculative.proposers import CrossTokenizerProposer, DraftModelProposer, HybridProposer, PromptLookupProposer
 from localspec.speculative.sampling import SamplingParams, bias_logits, logits_to_probs
@@ -239,25 +241,29 @@ def proposer_engine(kind: str, parallel: int = 1) -> Engine:
 
 
 class Alternating(FixedLength):
-    """A hybrid's policy that drafts K tokens and takes the model every other step, even when the
-    lookup found tokens (so the lookup's tokens pushed onto a grammar's walk must come off again),
-    and the lookup's tokens otherwise, when it found some."""
+    """A hybrid's policy that drafts K tokens and plans the model every other step, even when the
+    lookup found tokens (whose offer then goes unused, and is scored), and the lookup's tokens
+    otherwise, when it found some."""
 
     idle = False
 
     def __init__(self, k: int) -> None:
         super().__init__(k)
         self.calls = 0
-        self.sources: list[str] = []
+        self.sources: list[DraftSource] = []
 
-    def choose(self, found: int, allowance: int, match_length: int = 0) -> tuple[str, int]:
+    def plan(self, offer: Offer, limit: int, context: int = 0, shared=None) -> DraftPlan:
+        k = min(self.k, limit)
+        if k <= 0:
+            return NO_DRAFT
         self.calls += 1
-        source, k = ("lookup", min(found, allowance)) if found and self.calls % 2 else ("model", allowance)
+        found = len(offer.found)
+        source, k = (DraftSource.LOOKUP, min(found, k)) if found and self.calls % 2 else (DraftSource.MODEL, k)
         self.sources.append(source)
-        return source, k
+        return DraftPlan(source, k)
 
-    def score_lookup(self, matched: int, compared: int) -> None:
-        assert 0 <= matched <= compared
+    def observe(self, step: StepRecord) -> None:
+        assert 0 <= step.offer_matched <= step.offer_compared
 
 
 KINDS = ["draft40", "draft36", "draft44", "lookup", "cross-tokenizer", "hybrid"]
@@ -305,6 +311,7 @@ def test_a_hybrid_drafts_from_both_sources_as_its_chooser_says_and_keeps_the_ora
     chosen = engine.policy.sources
     drafted = [x.source for x in r.stats.records if x.drafted]
     assert {"lookup", "model"} <= set(drafted) and drafted == [c for c in chosen if c][:len(drafted)]
+    assert any(x.offer_compared for x in r.stats.records)  # the lookup's offers the model was planned over, scored
     assert all(x.source == "" for x in r.stats.records if not x.drafted)
     lookups = [x for x in r.stats.records if x.source == "lookup"]
     assert r.stats.lookup_drafted == sum(x.drafted for x in lookups) > 0
@@ -450,12 +457,12 @@ def test_a_malformed_saved_state_is_ignored(tmp_path):
 
 
 def test_policies_describe_how_they_choose():
-    from localspec.speculative.policy import AdaptiveLength
+    from localspec.speculative.policy import AdaptiveLength, Learning
 
     assert FixedLength(4).describe() == "4 (FixedLength)"
     assert AdaptiveLength(k_max=16).describe() == "AdaptiveLength (chosen per step, up to 16)"
-    assert not FixedLength(4).learns and AdaptiveLength().learns
-    assert FixedLength(4).cost_state() == {} and AdaptiveLength().cost_state() == {}
+    assert not isinstance(FixedLength(4), Learning) and isinstance(AdaptiveLength(), Learning)
+    assert AdaptiveLength().cost_state() == {}  # nothing learned yet
 
 
 def test_contexts_are_the_oracles_then_the_drafts():

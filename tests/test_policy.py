@@ -1,11 +1,13 @@
 """Draft-length policies on synthetic costs and acceptance."""
 
+import dataclasses
 import re
 
 import numpy as np
 import pytest
 
 from localspec.outputs import StepRecord
+from localspec.speculative.plan import Offer
 from localspec.speculative.policy import (ACCEPTANCE_LAYOUT, GREEDY, LOOKUP_PRIORS, LOOKUP_RUNS, AdaptiveLength, Estimates, FixedLength,
                               HybridLength, Regime)
 
@@ -33,9 +35,14 @@ def step(drafted, accepted, draft_time, verify_time, context=CONTEXT, k=None):
                       verify_time=verify_time, context=context, draft_evaluated=drafted + 1 if drafted else 0)
 
 
-def test_fixed_length_caps_at_limit():
+def test_fixed_length_caps_at_limit_and_takes_the_lookups_tokens_where_it_found_some():
     p = FixedLength(8)
-    assert p.draft_length(20, 0) == 8 and p.draft_length(3, 0) == 3 and p.draft_length(0, 0) == 0
+    model = Offer(model=True)
+    assert [p.plan(model, limit).length for limit in (20, 3, 0)] == [8, 3, 0]
+    assert p.plan(model, 20).source == "model" and p.plan(model, 0).source == ""
+    found = Offer(np.arange(5, dtype=np.int32), 3, model=True)
+    assert (p.plan(found, 20).source, p.plan(found, 20).length, p.plan(found, 4).length) == ("lookup", 5, 4)
+    assert not p.plan(Offer(), 20).drafts  # nothing to draft with
     with pytest.raises(ValueError):
         FixedLength(-1)
 
@@ -51,7 +58,7 @@ def test_useless_draft_gives_k0():
     verify = lambda n: 0.024 + 0.002 * n  # noqa: E731  cheap-ish verify
     p = primed(verify, draft_cost=0.010)
     for _ in range(40):  # every draft token rejected
-        p.update(step(4, 0, 0.04, verify(5)))
+        p.observe(step(4, 0, 0.04, verify(5)))
     assert p.best_length(16) == 0
     assert p.draft_length(16, CONTEXT) == 0
 
@@ -67,7 +74,7 @@ def test_high_acceptance_and_cheap_verify_gives_large_k():
     verify = lambda n: 0.020 + 0.0005 * n  # noqa: E731  GPU-like: a wide pass costs little more
     p = primed(verify, draft_cost=0.001)
     for _ in range(60):
-        p.update(step(16, 16, 0.016, verify(17)))
+        p.observe(step(16, 16, 0.016, verify(17)))
     assert p.best_length(16) >= 12
 
 
@@ -75,7 +82,7 @@ def test_expensive_verify_keeps_k_small_even_with_good_acceptance():
     verify = lambda n: 0.010 * n  # noqa: E731  compute-bound: a pass costs in proportion to its size
     p = primed(verify, draft_cost=0.004)
     for _ in range(60):
-        p.update(step(4, 4, 0.016, verify(5)))
+        p.observe(step(4, 4, 0.016, verify(5)))
     assert p.best_length(16) == 0  # speculation can never win when verify is linear from zero
 
 
@@ -90,16 +97,16 @@ def test_probes_now_and_then_within_a_time_budget():
     verify = lambda n: 0.024 + 0.002 * n  # noqa: E731
     p = primed(verify, draft_cost=0.010, probe_every=5, probe_length=2, probe_budget=0.02)
     for _ in range(40):
-        p.update(step(4, 0, 0.04, verify(5)))
+        p.observe(step(4, 0, 0.04, verify(5)))
     probes = []
     for i in range(3000):
         k = p.draft_length(16, CONTEXT)
         assert k in (0, 2)
         if k:  # a probe is dear: the draft catches up on the text it skipped
             probes.append(i)
-            p.update(step(2, 0, 0.2, verify(3)))
+            p.observe(step(2, 0, 0.2, verify(3)))
         else:
-            p.update(step(0, 0, 0.0, verify(1)))
+            p.observe(step(0, 0, 0.0, verify(1)))
     assert probes[0] == 4  # the first after probe_every idle steps
     assert 3 <= len(probes) <= 10  # then as often as the budget allows: ~2% of ~80 s, 0.2 s each
     assert p.est.probe_time <= 0.02 * p.est.time_spent + 0.21
@@ -110,7 +117,7 @@ def idle_pair(verify, **kw):
     """A primed policy that judged every draft token of 40 steps a rejection: idle."""
     p = primed(verify, draft_cost=0.010, probe_every=5, probe_length=2, **kw)
     for _ in range(40):
-        p.update(step(4, 0, 0.04, verify(5)))
+        p.observe(step(4, 0, 0.04, verify(5)))
     assert p.idle
     return p
 
@@ -121,9 +128,9 @@ def run_idle(p, verify, n_steps, probe_cost=0.2):
     for i in range(n_steps):
         if p.draft_length(16, CONTEXT):
             probes.append(i)
-            p.update(step(2, 0, probe_cost, verify(3)))
+            p.observe(step(2, 0, probe_cost, verify(3)))
         else:
-            p.update(step(0, 0, 0.0, verify(1)))
+            p.observe(step(0, 0, 0.0, verify(1)))
     return probes
 
 
@@ -178,7 +185,7 @@ def test_the_end_of_a_generation_is_not_taken_for_a_pair_that_does_not_pay():
     p.est.fresh_trials = p.est.trials = 50
     assert p.best_length(1, CONTEXT) == 0 < p.best_length(16, CONTEXT)
     assert p.draft_length(1, CONTEXT) == 0
-    p.update(step(0, 0, 0.0, verify(1)))
+    p.observe(step(0, 0, 0.0, verify(1)))
     p.start_request()
     assert p.draft_length(64, CONTEXT) == p.best_length(16, CONTEXT) > 0
 
@@ -215,11 +222,11 @@ def test_recovers_when_acceptance_improves():
     verify = lambda n: 0.024 + 0.002 * n  # noqa: E731
     p = primed(verify, draft_cost=0.003, probe_every=4)
     for _ in range(40):
-        p.update(step(4, 0, 0.012, verify(5)))
+        p.observe(step(4, 0, 0.012, verify(5)))
     assert p.best_length(16) == 0
     for _ in range(30):  # a well-matched stretch: probes get fully accepted
         k = max(p.draft_length(16, CONTEXT), 2)
-        p.update(step(k, k, 0.003 * k, verify(k + 1)))
+        p.observe(step(k, k, 0.003 * k, verify(k + 1)))
     assert p.best_length(16) >= 4
 
 
@@ -228,13 +235,13 @@ def test_an_early_rejection_does_not_end_drafting():
     to k = 0; the policy keeps drafting short until it has judged min_trials draft tokens."""
     table = {1: 0.045, 2: 0.055, 4: 0.062, 8: 0.090, 16: 0.130}
     p = primed(lambda n: table[n], draft_cost=0.025, min_trials=8)
-    p.update(step(1, 0, 0.050, 0.055))
+    p.observe(step(1, 0, 0.050, 0.055))
     assert p.best_length(16) == 0 and not p.idle
     ks = []
     while p.est.trials < 8:
         k = p.draft_length(16, CONTEXT)
         ks.append(k)
-        p.update(step(k, 0, 0.050, 0.062))
+        p.observe(step(k, 0, 0.050, 0.062))
     assert ks and all(k == 2 for k in ks)
     assert p.draft_length(16, CONTEXT) == 0 and p.idle  # now the evidence says drafting does not pay
 
@@ -248,22 +255,22 @@ def test_grows_k_from_a_short_start_when_drafts_keep_being_accepted():
     assert 1 <= first <= 6
     for _ in range(30):
         k = p.draft_length(16, CONTEXT)
-        p.update(step(k, k, 0.0106 * k, 0.0236 + 0.0024 * k))
+        p.observe(step(k, k, 0.0106 * k, 0.0236 + 0.0024 * k))
     assert p.draft_length(16, CONTEXT) >= 6
     assert p.est.acceptance > 0.9
 
 
 def test_acceptance_learns_fast_from_the_prior_then_holds_steady():
     p = AdaptiveLength(prior_acceptance=0.9)
-    p.update(step(8, 0, 0.0, 0.01))  # one trial: the first rejected
+    p.observe(step(8, 0, 0.0, 0.01))  # one trial: the first rejected
     assert p.est.acceptance == pytest.approx(0.9 - 0.9 / 5)  # the prior counts as 4 trials
     for _ in range(8):
-        p.update(step(1, 0, 0.0, 0.01))
+        p.observe(step(1, 0, 0.0, 0.01))
     assert p.est.acceptance < 0.5  # nine rejections in a row outweigh the prior
     for _ in range(200):
-        p.update(step(4, 4, 0.0, 0.01))
+        p.observe(step(4, 4, 0.0, 0.01))
     settled = p.est.acceptance
-    p.update(step(4, 0, 0.0, 0.01))
+    p.observe(step(4, 0, 0.0, 0.01))
     assert settled - p.est.acceptance == pytest.approx(0.03 * settled)  # later, one rejection moves it by 1 - decay
 
 
@@ -273,19 +280,19 @@ def test_a_new_request_retries_drafting_only_on_a_pair_that_pays_in_the_long_run
     verify = lambda n: 0.030 + 0.004 * (n - 1)  # noqa: E731
     usually_pays = primed(verify, 0.008, prior_acceptance=0.95)
     for _ in range(300):  # a long record of good drafts ...
-        usually_pays.update(step(4, 4, 0.040, verify(5)))
+        usually_pays.observe(step(4, 4, 0.040, verify(5)))
     for _ in range(12):  # ... then a hard prompt
-        usually_pays.update(step(2, 0, 0.024, verify(3)))
+        usually_pays.observe(step(2, 0, 0.024, verify(3)))
     assert usually_pays.idle and usually_pays.est.long_acceptance > 0.9
     usually_pays.start_request()
     assert not usually_pays.idle and usually_pays.draft_length(16, CONTEXT) == 2  # judged afresh
     before = usually_pays.est.acceptance
-    usually_pays.update(step(2, 2, 0.024, verify(3)))
+    usually_pays.observe(step(2, 2, 0.024, verify(3)))
     assert usually_pays.est.acceptance == pytest.approx(before + (1 - before) / 5 + (1 - before - (1 - before) / 5) / 6)
 
     close_call = primed(verify, 0.008, prior_acceptance=0.68)  # +3% predicted: never worth a re-try
     for i in range(300):  # two drafts in three accepted, after an accepted one and after a rejected one alike
-        close_call.update(step(1, (1, 1, 1, 1, 0, 0, 1, 1, 0)[i % 9], 0.016, verify(2)))
+        close_call.observe(step(1, (1, 1, 1, 1, 0, 0, 1, 1, 0)[i % 9], 0.016, verify(2)))
     assert close_call.idle
     close_call.start_request()
     assert close_call.idle and close_call.draft_length(16, CONTEXT) == 0
@@ -306,13 +313,13 @@ def test_a_draft_that_stops_early_is_charged_for_what_it_drafts():
 def test_continuation_is_learned_from_where_drafts_stop():
     p = AdaptiveLength(prior_continuation=1.0, prior_weight=4.0)
     p.last_k = 8  # the allowance granted
-    p.update(step(3, 1, 0.0, 0.01))  # went on, went on, stopped
+    p.observe(step(3, 1, 0.0, 0.01))  # went on, went on, stopped
     went_on = 1.0 + (1 - 1.0) / 5
     assert p.est.continuation == pytest.approx(went_on + (0 - went_on) / 7)
     assert p.est.continuation_accepted == 1.0  # the one accepted token was followed by another
     before = p.est.continuation
     p.last_k = 2
-    p.update(step(2, 2, 0.0, 0.01))  # the allowance used up: one event
+    p.observe(step(2, 2, 0.0, 0.01))  # the allowance used up: one event
     assert p.est.continuation == pytest.approx(before + (1 - before) / 8)
 
 
@@ -324,7 +331,7 @@ def test_a_draft_that_stops_itself_when_unsure_gets_a_long_allowance():
     for _ in range(60):
         k = p.draft_length(16, CONTEXT)
         n = min(k, 3)
-        p.update(step(n, n, 0.0106 * n, 0.0236 + 0.0024 * n))
+        p.observe(step(n, n, 0.0106 * n, 0.0236 + 0.0024 * n))
     assert 0.6 < p.est.continuation < 0.8
     assert p.draft_length(16, CONTEXT) == 16
 
@@ -336,25 +343,25 @@ def test_probes_teach_nothing_but_a_fully_accepted_one_retries_on_the_whole_text
     verify = lambda n: 0.024 + 0.002 * n  # noqa: E731
     p = primed(verify, draft_cost=0.010, probe_every=4, probe_budget=0.05)
     for _ in range(40):
-        p.update(step(4, 0, 0.04, verify(5)))
+        p.observe(step(4, 0, 0.04, verify(5)))
     assert p.idle
     estimates = (p.est.acceptance, p.est.long_acceptance, p.est.continuation, p.est.trials)
     probes = 0
     for _ in range(200):
         k = p.draft_length(16, CONTEXT)
         assert not p.consume_catch_up()
-        p.update(step(k, 0, 0.05 if k else 0.0, verify(k + 1)))  # probes rejected
+        p.observe(step(k, 0, 0.05 if k else 0.0, verify(k + 1)))  # probes rejected
         probes += k > 0
     assert probes > 0 and (p.est.acceptance, p.est.long_acceptance, p.est.continuation, p.est.trials) == estimates
     while not p.draft_length(16, CONTEXT):
-        p.update(step(0, 0, 0.0, verify(1)))
-    p.update(step(2, 2, 0.05, verify(3)))  # a probe fully accepted
+        p.observe(step(0, 0, 0.0, verify(1)))
+    p.observe(step(2, 2, 0.05, verify(3)))  # a probe fully accepted
     assert p.est.trials == estimates[3]  # still no evidence, but ...
     k = p.draft_length(16, CONTEXT)
     assert k == p.probe_length and p.consume_catch_up() and not p.consume_catch_up()  # ... a re-try
     assert p.est.fresh_trials == 0
     spent = p.est.probe_time
-    p.update(step(2, 2, 0.3, verify(3), k=k))  # its catch-up is dear: charged to the probe budget ...
+    p.observe(step(2, 2, 0.3, verify(3), k=k))  # its catch-up is dear: charged to the probe budget ...
     # ... what it cost beyond the oracle alone's time for the three tokens it yielded
     assert p.est.probe_time == pytest.approx(spent + 0.3 + verify(3) - 3 * p.verify_cost(1, CONTEXT))
     assert p.est.trials == estimates[3] + 2  # the re-try's tokens are judged as usual
@@ -367,19 +374,19 @@ def test_a_draft_models_cost_goes_with_the_tokens_it_evaluates_and_lookups_does_
     p = AdaptiveLength(k_max=16)
     p.verify_cost.observe(1, CONTEXT, 0.020)
     for _ in range(30):  # 10 ms per evaluated token; a draft of 4 after a fully accepted step: 2 + 3
-        p.update(StepRecord(4, 4, 4, 0.050, 0.028, CONTEXT, draft_evaluated=5))
-        p.update(StepRecord(4, 4, 1, 0.040, 0.028, CONTEXT, draft_evaluated=4))  # after a rejection: 1 + 3
+        p.observe(StepRecord(4, 4, 4, 0.050, 0.028, CONTEXT, draft_evaluated=5))
+        p.observe(StepRecord(4, 4, 1, 0.040, 0.028, CONTEXT, draft_evaluated=4))  # after a rejection: 1 + 3
     assert p.catch_up == pytest.approx(1.5, abs=0.05)
     assert p.draft_times([1, 8], CONTEXT) == pytest.approx([0.015, 0.085], rel=0.05)
     for _ in range(5):  # a probe's window of 17 read as one batch: 4 ms a token, not a decode's 10
-        p.update(StepRecord(2, 2, 0, 0.078, 0.024, CONTEXT, draft_evaluated=18))
+        p.observe(StepRecord(2, 2, 0, 0.078, 0.024, CONTEXT, draft_evaluated=18))
     assert p.catch_up == pytest.approx(1.5, abs=0.05)
     assert p.draft_times([1, 8], CONTEXT) == pytest.approx([0.015, 0.085], rel=0.05)
 
     lookup = AdaptiveLength(k_max=64, model_draft=False)
     lookup.verify_cost.observe(1, CONTEXT, 0.020)
     for n in (2, 30, 60):
-        lookup.update(StepRecord(n, n, n, 0.0002, 0.020 + 0.002 * n, CONTEXT, draft_evaluated=0))
+        lookup.observe(StepRecord(n, n, n, 0.0002, 0.020 + 0.002 * n, CONTEXT, draft_evaluated=0))
     assert lookup.draft_times([1, 64], CONTEXT) == pytest.approx([0.0002, 0.0002], rel=0.05)
 
 
@@ -389,25 +396,25 @@ def test_the_first_tokens_acceptance_is_learned_apart_after_an_accepted_draft_an
     against another; E(k) takes the first token's from the state the policy is in."""
     p = AdaptiveLength(k_max=16, prior_acceptance=0.5, prior_weight=4.0, model_draft=False)
     p.start_request()
-    p.update(step(4, 0, 0.0, 0.03))  # a fresh match, wrong from its first token
+    p.observe(step(4, 0, 0.0, 0.03))  # a fresh match, wrong from its first token
     assert p.est.by_place.estimates[FRESH] == pytest.approx(0.5 - 0.5 / 5) and p.est.by_place.estimates[ALIGNED] == 0.5
     assert p.est.by_place.estimates[LATER] == 0.5  # only the first token was judged
-    p.update(step(4, 4, 0.0, 0.03))  # after a rejection: the first right, then three more
+    p.observe(step(4, 4, 0.0, 0.03))  # after a rejection: the first right, then three more
     assert p.est.by_place.estimates[FRESH] == pytest.approx(0.4 + 0.6 / 6)
     assert p.est.by_place.estimates[LATER] == pytest.approx(0.5 + 0.5 / 5 + 0.4 / 6 + (1 - 0.5 - 0.5 / 5 - 0.4 / 6) / 7)
-    p.update(step(4, 4, 0.0, 0.03))  # after a wholly accepted draft
+    p.observe(step(4, 4, 0.0, 0.03))  # after a wholly accepted draft
     assert p.est.by_place.estimates[ALIGNED] == pytest.approx(0.5 + 0.5 / 5)
     r = p.est.by_place.estimates[LATER] * p.est.continuation_accepted
     assert p.expected_tokens(4) == pytest.approx(1 + p.est.by_place.estimates[ALIGNED] * (1 - r ** 4) / (1 - r))
-    p.update(step(4, 1, 0.0, 0.03))  # strays: the next step starts from a fresh match
+    p.observe(step(4, 1, 0.0, 0.03))  # strays: the next step starts from a fresh match
     r = p.est.by_place.estimates[LATER] * p.est.continuation_accepted
     assert p.expected_tokens(4) == pytest.approx(1 + p.est.by_place.estimates[FRESH] * (1 - r ** 4) / (1 - r))
 
 
 def test_the_first_token_estimates_are_kept_between_processes():
     p = AdaptiveLength(prior_acceptance=0.7)
-    p.update(step(4, 4, 0.0, 0.03))
-    p.update(step(4, 2, 0.0, 0.03))
+    p.observe(step(4, 4, 0.0, 0.03))
+    p.observe(step(4, 2, 0.0, 0.03))
     again = AdaptiveLength()
     again.load_acceptance_state(p.acceptance_state())
     assert again.est.by_place.estimates == p.est.by_place.estimates and again.est.by_place.events == p.est.by_place.events
@@ -422,10 +429,10 @@ def test_a_lookups_acceptance_is_learned_by_the_length_of_the_match_each_token_e
     p = AdaptiveLength(k_max=64, prior_acceptance=0.5, prior_weight=4.0, model_draft=False, runs=(3, 6, 12))
     p.start_request()
     assert p.draft_length(64, CONTEXT, offered=10, run=2) > 0 and p.run == 2
-    p.update(step(6, 2, 0.0, 0.03))  # matches of 2, 3 accepted; 4 rejected
+    p.observe(step(6, 2, 0.0, 0.03))  # matches of 2, 3 accepted; 4 rejected
     assert p.est.by_place.events == [1, 2, 0, 0]
     p.draft_length(64, CONTEXT, offered=30, run=10)
-    p.update(step(5, 5, 0.0, 0.03))  # matches of 10..14, all accepted
+    p.observe(step(5, 5, 0.0, 0.03))  # matches of 10..14, all accepted
     assert p.est.by_place.events == [1, 2, 2, 3]
     p.score_unverified(3, 3, run=2)  # an unused offer, scored where it stood when it was made
     assert p.est.by_place.events == [2, 4, 2, 3]
@@ -460,13 +467,13 @@ def test_a_lookups_estimates_follow_the_text_at_hand():
     p.start_request()
     for _ in range(4):  # four fresh matches, each wrong from its first token
         p.draft_length(64, CONTEXT, offered=6, run=2)
-        p.update(step(6, 0, 0.0, 0.03))
+        p.observe(step(6, 0, 0.0, 0.03))
     failed = p.in_this_text(np.array([0.52, 0.89]))
     assert failed[0] < 0.45 and failed[1] < 0.88  # four failures where ~2 were predicted: ~1.3x as likely
     p.start_request()
     assert p.in_this_text(np.array([0.52, 0.89])).tolist() == [0.52, 0.89]
     p.draft_length(64, CONTEXT, offered=30, run=2)
-    p.update(step(30, 30, 0.0, 0.05))  # a copy: all held
+    p.observe(step(30, 30, 0.0, 0.05))  # a copy: all held
     held = p.in_this_text(np.array([0.52, 0.89]))
     assert 0.52 < held[0] < 1.0 and 0.89 < held[1] < 1.0
     assert AdaptiveLength(k_max=8).in_this_text(np.array([0.3])).tolist() == [0.3]  # a draft model's: as learned
@@ -491,14 +498,14 @@ def test_a_fresh_match_is_drafted_short_and_a_copy_that_held_long():
 def test_a_lookups_match_estimates_are_kept_and_an_older_layouts_left_out():
     p = AdaptiveLength(model_draft=False, runs=LOOKUP_RUNS, place_priors=LOOKUP_PRIORS)
     p.draft_length(64, CONTEXT, offered=30, run=4)
-    p.update(step(20, 20, 0.0, 0.03))
+    p.observe(step(20, 20, 0.0, 0.03))
     again = AdaptiveLength(model_draft=False, runs=LOOKUP_RUNS, place_priors=LOOKUP_PRIORS)
     again.load_acceptance_state(p.acceptance_state())
     assert again.est.by_place.estimates == p.est.by_place.estimates and again.est.by_place.events == p.est.by_place.events
     assert again.est.acceptance == p.est.acceptance
     other = AdaptiveLength(model_draft=False, runs=(4, 8), place_priors=(0.6, 0.7, 0.8))  # other match spans
     other.draft_length(64, CONTEXT, offered=30, run=4)
-    other.update(step(4, 1, 0.0, 0.03))
+    other.observe(step(4, 1, 0.0, 0.03))
     upgraded = AdaptiveLength(model_draft=False, runs=LOOKUP_RUNS, place_priors=LOOKUP_PRIORS)
     upgraded.load_acceptance_state(other.acceptance_state())
     assert upgraded.est.by_place.estimates == list(LOOKUP_PRIORS) and upgraded.est.acceptance == other.est.acceptance
@@ -518,9 +525,9 @@ def test_a_draft_cost_learned_on_a_busy_machine_does_not_keep_the_policy_idle_fo
     p = primed(verify, 3 * quiet, prior_acceptance=0.93, draft_cost_ratio=0.3)
     for i in range(200):  # the history: drafts of 2..12 tokens, 95% accepted, each 3x dearer than now
         k = 2 + i % 11
-        p.update(step(k, k - (i % 3 == 0), (k + 1) * 3 * quiet, verify(k + 1)))
+        p.observe(step(k, k - (i % 3 == 0), (k + 1) * 3 * quiet, verify(k + 1)))
     for _ in range(64):
-        p.update(step(0, 0, 0.0, verify(1)))
+        p.observe(step(0, 0, 0.0, verify(1)))
     p.est.fresh_trials = p.min_trials
     assert p.idle and p.draft_length(16, CONTEXT) == 0  # at the busy price, drafting does not pay
     p.start_request()
@@ -530,7 +537,7 @@ def test_a_draft_cost_learned_on_a_busy_machine_does_not_keep_the_policy_idle_fo
         k = p.draft_length(16, CONTEXT)
         ks.append(k)
         if k:
-            p.update(step(k, k - (i % 3 == 0), (k + 1) * quiet, verify(k + 1), k=k))
+            p.observe(step(k, k - (i % 3 == 0), (k + 1) * quiet, verify(k + 1), k=k))
     assert ks[0] > p.probe_length and all(k > 0 for k in ks)
     assert p.draft_cost(5, CONTEXT) == pytest.approx(5 * quiet, rel=0.1) and not p.idle
 
@@ -547,6 +554,18 @@ def hybrid(verify, draft_cost, *, model_acceptance, lookup_acceptance):
     return policy
 
 
+def planned(p, found=0, limit=64, match_length=0):
+    """(source, length) of the plan `p` makes for a step whose lookup found `found` tokens on a match
+    `match_length` tokens long, the draft model beside it, `limit` tokens left."""
+    plan = p.plan(Offer(np.arange(1, found + 1, dtype=np.int32), match_length, model=True), limit, CONTEXT)
+    return plan.source, plan.length
+
+
+def offer_scored(record, compared, matched, run):
+    """`record` of a step that left the lookup's offer unused, the offer scored as it went."""
+    return dataclasses.replace(record, offer_compared=compared, offer_matched=matched, offer_run=run)
+
+
 def lookup_step(drafted, accepted, verify_time, context=CONTEXT):
     return StepRecord(drafted, drafted, accepted, 0.0002, verify_time, context, draft_evaluated=0, source="lookup")
 
@@ -555,41 +574,32 @@ def test_the_hybrid_drafts_from_the_lookup_when_it_promises_more_than_the_model_
     verify = lambda n: 0.020 + 0.002 * (n - 1)  # noqa: E731
     p = hybrid(verify, 0.003, model_acceptance=0.8, lookup_acceptance=0.95)
     assert p.lookup.verify_cost is p.model.verify_cost  # one oracle
-    allowance = p.draft_length(64, CONTEXT)
-    assert allowance == 64  # the proposer looks the text up within it
     model_k = p.model.best_length(64, CONTEXT)
     assert 0 < model_k <= 16
-    source, k = p.choose(found=20, allowance=allowance)
+    source, k = planned(p, found=20)
     assert source == "lookup" and 1 <= k <= 20  # free tokens, right 95% of the time
-    p.draft_length(64, CONTEXT)
-    assert p.choose(found=0, allowance=allowance) == ("model", model_k)  # nothing found: the model's length
-    p.draft_length(64, CONTEXT)
-    assert p.choose(found=20, allowance=6)[1] <= 6  # never past the allowance
-
-    assert p.choose(found=20, allowance=6) is None  # not sized by this policy (another one runs)
-    assert p.choose(found=0, allowance=6) is None
+    assert planned(p, found=0) == ("model", model_k)  # nothing found: the model's length
+    assert planned(p, found=20, limit=6)[1] <= 6  # never past the limit
+    assert p.plan(Offer(np.arange(20, dtype=np.int32)), 64, CONTEXT).source == "lookup"  # no model: the lookup
 
     poor = hybrid(verify, 0.003, model_acceptance=0.8, lookup_acceptance=0.2)  # matches that rarely hold
-    poor.draft_length(64, CONTEXT)
-    assert poor.choose(found=20, allowance=64) == ("model", poor.model.best_length(64, CONTEXT))
+    assert planned(poor, found=20) == ("model", poor.model.best_length(64, CONTEXT))
 
 
 def test_a_hybrid_step_teaches_the_policy_of_the_source_that_drafted_it():
     verify = lambda n: 0.020 + 0.002 * (n - 1)  # noqa: E731
     p = hybrid(verify, 0.003, model_acceptance=0.8, lookup_acceptance=0.8)
     model_trials, lookup_acceptance = p.model.est.trials, p.lookup.est.acceptance
-    p.draft_length(64, CONTEXT)
-    p.update(lookup_step(10, 10, verify(11)))
+    p.observe(lookup_step(10, 10, verify(11)))
     assert p.lookup.est.acceptance > lookup_acceptance and p.model.est.trials == model_trials
     assert p.lookup.est.by_place.events == [3, 3, 4, 0, 0, 0] and p.lookup.aligned  # matches of 0..9 tokens, all accepted
     model_acceptance = p.model.est.acceptance
-    p.update(step(4, 0, 0.04, verify(5)))  # the model's draft, rejected: the lookup's next match is fresh
+    p.observe(step(4, 0, 0.04, verify(5)))  # the model's draft, rejected: the lookup's next match is fresh
     assert p.model.est.acceptance < model_acceptance and not p.lookup.aligned
     assert p.lookup.est.trials == 10
     for _ in range(60):  # the lookup's guesses now fail from their first token: it is no longer chosen
-        p.update(lookup_step(8, 0, verify(9)))
-    p.draft_length(64, CONTEXT)
-    assert p.choose(found=30, allowance=64)[0] == "model"
+        p.observe(lookup_step(8, 0, verify(9)))
+    assert planned(p, found=30)[0] == "model"
 
 
 def test_an_offer_that_was_not_drafted_teaches_the_lookup_what_the_text_is_like_now():
@@ -598,15 +608,12 @@ def test_an_offer_that_was_not_drafted_teaches_the_lookup_what_the_text_is_like_
     teach it as drafts would, without touching the costs."""
     verify = lambda n: 0.020 + 0.002 * (n - 1)  # noqa: E731
     p = hybrid(verify, 0.003, model_acceptance=0.9, lookup_acceptance=0.15)
-    p.draft_length(64, CONTEXT)
-    assert p.choose(found=30, allowance=64)[0] == "model"
+    assert planned(p, found=30)[0] == "model"
     spent, draft_seen = p.lookup.est.time_spent, p.lookup.draft_cost.observations
     sources = []
     for _ in range(12):  # the model drafts; the lookup's offer agrees with all 9 tokens each step emits
-        p.update(step(8, 8, 0.03, verify(9)))
-        p.score_lookup(9, 9)
-        p.draft_length(64, CONTEXT)
-        sources.append(p.choose(found=30, allowance=64, match_length=16)[0])
+        p.observe(offer_scored(step(8, 8, 0.03, verify(9)), 9, 9, run=16))
+        sources.append(planned(p, found=30, match_length=16)[0])
     assert sources[0] == "model" and sources[-1] == "lookup"
     assert p.lookup.est.by_place.estimates[3] > 0.8  # matches of 16-23 tokens: these offers' ones
     assert (p.lookup.est.time_spent, p.lookup.draft_cost.observations) == (spent, draft_seen)  # nothing spent
@@ -623,34 +630,30 @@ def test_a_request_whose_lookup_always_finds_something_still_lets_the_model_prob
     p = hybrid(verify, 0.010, model_acceptance=0.9, lookup_acceptance=0.9)
     p.model.probe_every, p.model.probe_budget = 5, 0.05
     for _ in range(40):  # the model's drafts all rejected: idle
-        p.model.update(step(4, 0, 0.05, verify(5)))
+        p.model.observe(step(4, 0, 0.05, verify(5)))
     assert p.model.idle
     sources = []
     for _ in range(30):  # the lookup finds a long match at every step, and its drafts hold
-        p.draft_length(64, CONTEXT)
-        source, k = p.choose(found=12, allowance=64, match_length=8)
+        source, k = planned(p, found=12, match_length=8)
         sources.append(source)
         if source == "lookup":
-            p.update(lookup_step(k, k, verify(k + 1)))
+            p.observe(lookup_step(k, k, verify(k + 1)))
         else:  # the model's probe, all of it accepted: the text is easy for it now
-            p.update(step(k, k, 0.02, verify(k + 1), k=k))
-            p.score_lookup(k + 1, k + 1)
+            p.observe(offer_scored(step(k, k, 0.02, verify(k + 1), k=k), k + 1, k + 1, run=8))
     assert sources.count("model") >= 1 and sources[0] == "lookup"
     assert p.model._retry_wanted or p.model.est.exploring or p.model.est.fresh_trials < p.model.min_trials
     # the re-try the probe asked for drafts from the model too, its first trials judged on this text
-    p.draft_length(64, CONTEXT)
-    assert p.choose(found=12, allowance=64, match_length=8)[0] == "model"
+    assert planned(p, found=12, match_length=8)[0] == "model"
 
     judged = hybrid(verify, 0.010, model_acceptance=0.9, lookup_acceptance=0.9)  # nothing to find out
-    judged.draft_length(64, CONTEXT)
-    assert judged.choose(found=12, allowance=64, match_length=8)[0] == "lookup"
+    assert planned(judged, found=12, match_length=8)[0] == "lookup"
 
 
 def test_the_hybrids_lookup_estimates_are_kept_beside_the_models():
     verify = lambda n: 0.020 + 0.002 * (n - 1)  # noqa: E731
     p = hybrid(verify, 0.003, model_acceptance=0.8, lookup_acceptance=0.8)
-    p.update(lookup_step(6, 2, verify(7)))
-    p.update(step(4, 4, 0.04, verify(5)))
+    p.observe(lookup_step(6, 2, verify(7)))
+    p.observe(step(4, 4, 0.04, verify(5)))
     state = p.cost_state()
     assert set(state) == {"verify", "draft", "acceptance", "lookup_acceptance"}
     again = HybridLength(AdaptiveLength(), AdaptiveLength(k_max=64, model_draft=False))
@@ -695,14 +698,14 @@ def test_a_regime_where_drafting_does_not_pay_leaves_another_drafting():
     p = primed(verify, draft_cost=0.004)
     p.start_request(GREEDY)
     for _ in range(30):
-        p.update(step(6, 6, 0.028, verify(7)))
+        p.observe(step(6, 6, 0.028, verify(7)))
     greedy_k = p.draft_length(16, CONTEXT)
     assert greedy_k >= 6
     for _ in range(40):  # 40 sampled requests, their drafts mostly rejected
         p.start_request(SAMPLED)
         for _ in range(4):
             k = p.draft_length(16, CONTEXT)
-            p.update(step(k, 0, 0.004 * (k + 1), verify(k + 1)) if k else step(0, 0, 0.0, verify(1)))
+            p.observe(step(k, 0, 0.004 * (k + 1), verify(k + 1)) if k else step(0, 0, 0.0, verify(1)))
     assert p.idle and p.est.acceptance < 0.5
     p.start_request(GREEDY)
     assert not p.idle and p.est.acceptance > 0.95
@@ -715,10 +718,10 @@ def test_each_regimes_estimates_and_probe_account_are_kept_between_processes():
     verify = lambda n: 0.024 + 0.002 * n  # noqa: E731
     p = primed(verify, draft_cost=0.004)
     p.start_request(GREEDY)
-    p.update(step(4, 4, 0.02, verify(5)))
+    p.observe(step(4, 4, 0.02, verify(5)))
     p.start_request(SAMPLED)
     for _ in range(20):
-        p.update(step(4, 0, 0.02, verify(5)))
+        p.observe(step(4, 0, 0.02, verify(5)))
     state = p.acceptance_state()
     assert state["layout"] == ACCEPTANCE_LAYOUT and len(state["regimes"]) == 2
     again = primed(verify, draft_cost=0.004)
@@ -740,7 +743,7 @@ def test_each_regime_probes_within_its_own_budget():
     greedy_account = (p.est.time_spent, p.est.probe_time)
     p.start_request(SAMPLED)
     for _ in range(40):
-        p.update(step(4, 0, 0.04, verify(5)))
+        p.observe(step(4, 0, 0.04, verify(5)))
     assert p.idle
     sampled_probes = run_idle(p, verify, 1000)  # ~26 s of sampled requests
     assert 2 <= len(sampled_probes) <= 4  # ~2% of 26 s, 0.2 s each
@@ -755,16 +758,16 @@ def test_a_retry_that_pays_costs_the_probe_budget_nothing():
     verify = lambda n: 0.024 + 0.002 * n  # noqa: E731
     p = primed(verify, draft_cost=0.004, prior_acceptance=0.95, probe_budget=0.0001)  # ~2 ms of budget
     for _ in range(300):
-        p.update(step(6, 6, 0.028, verify(7)))
+        p.observe(step(6, 6, 0.028, verify(7)))
     for _ in range(3):  # three requests in a row, each idled by an unlucky stretch and re-trying at the next
         while not p.idle:
-            p.update(step(4, 0, 0.02, verify(5)))
+            p.observe(step(4, 0, 0.02, verify(5)))
         p.start_request(GREEDY)
         assert not p.idle and p.draft_length(16, CONTEXT) > 0
         spent = p.est.probe_time
         while p.est.exploring:
             k = p.draft_length(16, CONTEXT)
-            p.update(step(k, k, 0.004 * (k + 1), verify(k + 1)))
+            p.observe(step(k, k, 0.004 * (k + 1), verify(k + 1)))
         assert p.est.probe_time == spent  # each step yielded more than its cost's worth of oracle passes
 
 
@@ -773,7 +776,7 @@ def test_an_idle_policy_says_why_in_numbers():
     p = idle_pair(verify)
     p.start_request(SAMPLED)
     for _ in range(40):
-        p.update(step(4, 0, 0.04, verify(5)))
+        p.observe(step(4, 0, 0.04, verify(5)))
     why = p.explain("the draft model")
     assert why.startswith("the draft model's estimated acceptance ") and "(temperature 0.85-1.15; an oracle pass 26 ms" in why
     assert re.search(r"a draft token \d+ ms\) predicts 0\.\d\dx the oracle alone at best \(k=\d+\); drafting needs 1\.10x$", why)
@@ -787,7 +790,7 @@ def test_re_tries_that_keep_failing_back_off():
     verify = lambda n: 0.024 + 0.002 * n  # noqa: E731
     p = primed(verify, draft_cost=0.030, prior_acceptance=0.95, draft_cost_ratio=0.05, probe_budget=0.0)
     for _ in range(300):  # drafts that were accepted, at a draft cost that makes them not pay
-        p.update(step(4, 4, 0.15, verify(5)))
+        p.observe(step(4, 4, 0.15, verify(5)))
     assert p.idle and p.est.long_acceptance > 0.9
     retries = []
     for request in range(40):
@@ -796,9 +799,9 @@ def test_re_tries_that_keep_failing_back_off():
             retries.append(request)
             while p.est.exploring:
                 k = p.draft_length(16, CONTEXT)
-                p.update(step(k, k, 0.030 * (k + 1), verify(k + 1)))
+                p.observe(step(k, k, 0.030 * (k + 1), verify(k + 1)))
         for _ in range(20):
-            p.update(step(0, 0, 0.0, verify(1)))
+            p.observe(step(0, 0, 0.0, verify(1)))
     assert retries == [0, 2, 6, 14, 30]
     assert p.est.retry_wait == 32 and p.acceptance_state()["regimes"][0]["retry_wait"] == 32
 
@@ -856,10 +859,10 @@ def test_a_catch_up_after_prompt_lookups_tokens_is_not_taken_for_the_drafts_own(
     p = primed(lambda n: 0.02 + 0.003 * n, draft_cost=0.005)
     p.catch_up = 1.5
     for caught_up in (4, 3, 4, 3, 4, 3):
-        p.update(StepRecord(k=4, drafted=4, accepted=2, draft_time=(caught_up + 3) * 0.005, verify_time=0.035,
+        p.observe(StepRecord(k=4, drafted=4, accepted=2, draft_time=(caught_up + 3) * 0.005, verify_time=0.035,
                             context=CONTEXT, draft_evaluated=caught_up + 3, source="model"))
     assert p.catch_up == pytest.approx(1.5)
     for caught_up in (1, 2) * 20:
-        p.update(StepRecord(k=4, drafted=4, accepted=2, draft_time=(caught_up + 3) * 0.005, verify_time=0.035,
+        p.observe(StepRecord(k=4, drafted=4, accepted=2, draft_time=(caught_up + 3) * 0.005, verify_time=0.035,
                             context=CONTEXT, draft_evaluated=caught_up + 3, source="model"))
     assert p.catch_up == pytest.approx(1.5, abs=0.05)

@@ -4,8 +4,10 @@ import numpy as np
 import pytest
 
 from localspec.runtime.factory import lookup_policy
-from localspec.speculative.proposers import (EMPTY_DRAFT, MATCH_CAP, Draft, DraftModelProposer, HybridProposer,
-                                  PromptLookupProposer)
+from localspec.outputs import DraftSource
+from localspec.speculative.plan import DraftPlan, unused_offer
+from localspec.speculative.proposers import (EMPTY_DRAFT, MATCH_CAP, MODEL_OFFER, Draft, DraftModelProposer, HybridProposer,
+                                  PromptLookupProposer, drive)
 from localspec.speculative.sampling import SamplingParams, logits_to_probs
 from scripted import ScriptedContext, ScriptedModel, hashed_logits, related_logits
 
@@ -120,8 +122,9 @@ def test_a_lookup_draws_from_the_occurrence_that_agrees_longest():
 
 
 def test_prompt_lookup_alone_sizes_each_draft_by_its_match():
-    """`--draft ngram`: the adaptive policy sizes a draft once the match is found (`LookupLength`):
-    a 2-token coincidence short, a copy that has held for 40 tokens long."""
+    """`--draft ngram`: the adaptive policy sizes a draft by the match the lookup found
+    (`LookupLength`): a 2-token coincidence short, a copy that has held for 40 tokens long; the
+    proposer then drafts what the plan says."""
     proposer = PromptLookupProposer()
     policy = lookup_policy()
     adaptive = policy.lookup
@@ -132,14 +135,14 @@ def test_prompt_lookup_alone_sizes_each_draft_by_its_match():
     source = list(range(100, 200))
     rng = np.random.default_rng(0)
     coincidence = source + [7, 150, 151]  # "150 151" occurs in the source, by chance
-    allowance = policy.draft_length(64, 100)
-    assert allowance == 64
-    fresh = proposer.propose(coincidence, allowance, GREEDY, rng, chooser=policy)
-    policy.draft_length(64, 100)
-    held = proposer.propose(source + [7] + source[:40], allowance, GREEDY, rng, chooser=policy)
-    assert fresh.match_length == 2 and 1 <= len(fresh) <= 8
-    assert held.match_length == 40 and len(held) >= 32
-    assert len(proposer.propose(coincidence, 64, GREEDY, rng)) == 51  # no policy sizes it: all it found
+    copying = source + [7] + source[:40]
+    fresh_offer, held_offer = proposer.offer(coincidence, 64), proposer.offer(copying, 64)
+    fresh, held = policy.plan(fresh_offer, 64, 100), policy.plan(held_offer, 64, 100)
+    assert fresh_offer.match_length == 2 and 1 <= fresh.length <= 8
+    assert held_offer.match_length == 40 and held.length >= 32
+    draft = drive(proposer.propose_steps(copying, held, held_offer, GREEDY, rng), None)
+    assert draft.tokens.tolist() == held_offer.found[:held.length].tolist() and draft.source == "lookup"
+    assert len(proposer.propose(coincidence, 64, GREEDY, rng)) == 51  # the plain plan: all it found
 
 
 class CountingModel:
@@ -147,17 +150,25 @@ class CountingModel:
 
     def __init__(self):
         self.calls = 0
+        self.resyncs = 0
 
-    def propose_steps(self, history, max_len, sampling, rng, constraint=None, chooser=None):
+    def offer(self, history, limit, constraint=None):
+        return MODEL_OFFER
+
+    def propose_steps(self, history, plan, offer, sampling, rng, constraint=None):
+        if plan.resync:
+            self.resync()
+        if plan.source != "model" or plan.length <= 0:
+            return EMPTY_DRAFT
         self.calls += 1
-        return Draft(np.array([99] * max_len, dtype=np.int32), None)
+        return Draft(np.array([99] * plan.length, dtype=np.int32), None)
         yield  # a model that needs no decode
 
     def start(self, *, catch_up):
         self.catch_up = catch_up
 
     def resync(self):
-        self.resyncs = getattr(self, "resyncs", 0) + 1
+        self.resyncs += 1
 
 
 def test_hybrid_uses_lookup_when_it_matches_and_the_model_otherwise():
@@ -172,57 +183,52 @@ def test_hybrid_uses_lookup_when_it_matches_and_the_model_otherwise():
     assert model.calls == 2 and model.resyncs == 1
 
 
-def test_a_hybrid_whose_chooser_did_not_size_the_step_takes_the_plain_rule():
-    """Another policy runs the request (`Engine.using_policy`): the adaptive chooser was not asked
-    for this step's length, so lookup's tokens when it found some, the model's otherwise."""
-    from localspec.speculative.policy import AdaptiveLength, HybridLength
-
+def test_a_hybrid_carries_out_the_plan_it_is_given():
+    """The plan says which source drafts, whatever the lookup found; a re-try's resync reaches the
+    model even on a step the lookup drafts; a probe after lookup drafts does not catch up."""
     model = CountingModel()
-    chooser = HybridLength(AdaptiveLength(), AdaptiveLength(k_max=64, model_draft=False))
     hybrid = HybridProposer(PromptLookupProposer(), model)
     rng = np.random.default_rng(0)
-    assert hybrid.propose([1, 2, 3, 1, 2], 2, GREEDY, rng, chooser=chooser).tokens.tolist() == [3, 1]
-    assert model.calls == 0
-    assert hybrid.propose([1, 2, 3, 4], 2, GREEDY, rng, chooser=chooser).tokens.tolist() == [99, 99]
-    assert model.calls == 1
+    text = [1, 2, 3, 1, 2]
+    offer = hybrid.offer(text, 4)
+    assert offer.found.tolist() == [3, 1, 2] and offer.model and offer.match_length == 2
+
+    def run(plan):
+        return drive(hybrid.propose_steps(text, plan, offer, GREEDY, rng), None)
+
+    assert run(DraftPlan(DraftSource.MODEL, 3)).tokens.tolist() == [99, 99, 99]  # found tokens, the model's turn
+    assert run(DraftPlan(DraftSource.LOOKUP, 1, resync=True)).tokens.tolist() == [3] and model.resyncs == 1
+    assert run(DraftPlan(DraftSource.MODEL, 2, probe=True)).tokens.tolist() == [99, 99] and model.resyncs == 1
+    assert len(run(DraftPlan())) == 0 and model.calls == 2
 
 
-class ModelFirst:
-    """A chooser that always lets the model draft; records how the lookup's unused offers scored."""
-
-    idle = False
-
-    def __init__(self):
-        self.scores = []
-
-    def choose(self, found, allowance, match_length=0):
-        return "model", allowance
-
-    def score_lookup(self, matched, compared):
-        self.scores.append((matched, compared))
+def test_an_unused_lookup_offer_is_scored_against_what_the_step_emitted():
+    offer = PromptLookupProposer().offer([1, 2, 3, 4, 5, 1, 2], 5)  # offers [3, 4, 5, 1, 2]
+    assert offer.found.tolist() == [3, 4, 5, 1, 2]
+    assert unused_offer(offer, DraftSource.MODEL, [3, 4, 7]) == (3, 2)  # two agreed, the third did not
+    assert unused_offer(offer, DraftSource.NONE, [3, 4, 5, 1, 2, 6]) == (5, 5)  # a plain step
+    assert unused_offer(offer, DraftSource.LOOKUP, [3, 4, 7]) == (0, 0)  # drafted: judged as a draft
+    assert unused_offer(MODEL_OFFER, DraftSource.MODEL, [3]) == (0, 0)  # nothing offered
 
 
-def test_a_lookup_offer_the_model_was_chosen_over_is_scored_against_what_the_step_emitted():
-    chooser = ModelFirst()
-    hybrid = HybridProposer(PromptLookupProposer(), CountingModel())
-    hybrid.start(catch_up=True)
-    rng = np.random.default_rng(0)
+def test_a_lookup_offer_leaves_a_grammar_walk_as_it_was():
+    class Walk:  # a grammar that allows every token but 5, and counts what is on it
+        depth = 0
 
-    def propose(text):
-        return hybrid.propose(text, 5, GREEDY, rng, chooser=chooser)
+        def extend(self, tokens):
+            n = next((i for i, t in enumerate(tokens) if t == 5), len(tokens))
+            self.depth += n
+            return n
 
-    text = [1, 2, 3, 4, 5, 1, 2]  # the lookup offers [3, 4, 5, 1, 2]
-    assert propose(text).tokens.tolist() == [99] * 5  # the model drafts
-    assert chooser.scores == []  # nothing emitted yet
-    propose(text + [3, 4, 7])  # the step emitted 3, 4, 7: two agreed, the third did not
-    assert chooser.scores == [(2, 3)]
-    propose(text + [3, 4, 7, 8])  # "7, 8" was never seen: nothing offered, nothing scored
-    propose(text + [3, 4, 7, 8, 9])
-    assert chooser.scores == [(2, 3)]
-    propose([1, 2, 9, 1, 2])  # offers [9, 1, 2]
-    hybrid.start(catch_up=True)  # a new request: the last offer is dropped, not scored against another text
-    propose([1, 2, 9, 1, 2, 9, 1])
-    assert chooser.scores == [(2, 3)]
+        def pop(self, n):
+            self.depth -= n
+
+    walk = Walk()
+    offer = PromptLookupProposer().offer([1, 2, 3, 4, 5, 1, 2], 5, walk)
+    assert offer.found.tolist() == [3, 4] and walk.depth == 0  # cut where the grammar refuses, nothing pushed
+    draft = drive(PromptLookupProposer().propose_steps([1, 2, 3, 4, 5, 1, 2], DraftPlan(DraftSource.LOOKUP, 2), offer,
+                                                       GREEDY, None, walk), None)
+    assert draft.tokens.tolist() == [3, 4] and walk.depth == 2  # the draft's tokens pushed, as a model's are
 
 
 def test_empty_draft_constant():

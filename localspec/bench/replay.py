@@ -23,9 +23,10 @@ from typing import Sequence
 
 import numpy as np
 
-from localspec.outputs import StepRecord
+from localspec.outputs import DraftSource, StepRecord
+from localspec.speculative.plan import NO_DRAFT, NO_OFFER, DraftPlan, Offer, unused_offer
 from localspec.speculative.policy import GREEDY, LengthPolicy
-from localspec.speculative.proposers import EMPTY_DRAFT, Draft, HybridProposer, PromptLookupProposer
+from localspec.speculative.proposers import EMPTY_DRAFT, MODEL_OFFER, Draft, HybridProposer, PromptLookupProposer
 
 MAX_CATCH_UP = 16  # as DraftModelProposer's: after a pause the draft catches up on a window this long
 
@@ -132,10 +133,16 @@ class TraceDrafter:
     def describe(self) -> str:
         return "model"
 
-    def propose_steps(self, history: Sequence[int], max_len: int, sampling=None, rng=None, constraint=None,
-                      chooser=None, model: bool = True):
-        if not model or max_len <= 0:
+    def offer(self, history: Sequence[int], limit: int, constraint=None) -> Offer:
+        return MODEL_OFFER
+
+    def propose_steps(self, history: Sequence[int], plan: DraftPlan, offer: Offer, sampling=None, rng=None,
+                      constraint=None):
+        if plan.resync:
+            self.resync()
+        if plan.source != DraftSource.MODEL or plan.length <= 0:
             return EMPTY_DRAFT
+        max_len = plan.length
         emitted = len(history) - len(self.trace.prompt_ids)
         drafted, accepted = self.trace.model_draft(emitted, max_len, self.p_min)
         if self.held < len(self.trace.prompt_ids):  # a new prompt: the oracle's cache of it is copied
@@ -147,7 +154,7 @@ class TraceDrafter:
         answer = self.trace.answer
         tokens = list(answer[emitted:emitted + accepted]) + [-1] * (drafted - accepted)  # -1: not the answer's
         self.held = len(history) + drafted - 1  # the last drafted token is never decoded
-        return Draft(np.asarray(tokens, dtype=np.int32), None, evaluated + drafted - 1, source="model")
+        return Draft(np.asarray(tokens, dtype=np.int32), None, evaluated + drafted - 1, source=DraftSource.MODEL)
         yield  # a generator, as a proposer's propose_steps is
 
 
@@ -185,10 +192,8 @@ def replay(trace: Trace, policy: LengthPolicy, costs: Costs, *, lookup: bool = T
     drafter = TraceDrafter(trace, p_min)
     finder = PromptLookupProposer()
     proposer = HybridProposer(finder, drafter) if lookup and model else drafter if model else finder
-    policy = policy.fork()
-    policy.start_request(GREEDY)
+    policy = policy.fork(GREEDY)
     proposer.start(catch_up=not policy.idle)
-    chooser = policy if hasattr(policy, "choose") else None  # as Engine._propose
     answer, prompt = trace.answer, list(trace.prompt_ids)
     history = prompt + [answer[0]]
     out = ReplayResult()
@@ -205,25 +210,24 @@ def replay(trace: Trace, policy: LengthPolicy, costs: Costs, *, lookup: bool = T
     first = StepRecord(k=0, drafted=0, accepted=0, draft_time=0.0,
                        verify_time=charge(costs.oracle.seconds(1, len(prompt) - 1)) + costs.host_step,
                        context=len(prompt) - 1)
-    policy.update(first)
+    policy.observe(first)
     out.tokens, out.seconds, out.steps, out.records = 1, first.verify_time, 1, [first]
     while len(history) - len(prompt) < len(answer):
         emitted = len(history) - len(prompt)
         context = len(history) - 1
         limit = max(0, trace.max_tokens - emitted - 1)  # as Engine._draft_limit
-        k = policy.draft_length(limit, context) if limit > 0 else 0
-        if k > 0 and policy.consume_catch_up():
-            proposer.resync()
+        offer = proposer.offer(history, limit) if limit > 0 else NO_OFFER  # as Engine._plan
+        plan = policy.plan(offer, limit, context) if limit > 0 else NO_DRAFT
         draft, evaluated, draft_time = EMPTY_DRAFT, 0, costs.host_step / 2
-        if k > 0:
+        if plan.drafts or plan.resync:
             drafter.last = (0, 0)
-            steps = proposer.propose_steps(history, k, None, None, None, chooser)
+            steps = proposer.propose_steps(history, plan, offer)
             try:
                 next(steps)
             except StopIteration as done:
                 draft = done.value
             drafted, evaluated = drafter.last
-            if draft.source == "model" and drafted:
+            if draft.source == DraftSource.MODEL and drafted:
                 draft_time += charge(costs.draft.seconds(max(1, evaluated), context)
                                      + (drafted - 1) * costs.draft.seconds(1, context))
         n = len(draft)
@@ -231,13 +235,16 @@ def replay(trace: Trace, policy: LengthPolicy, costs: Costs, *, lookup: bool = T
         while accepted < n and emitted + accepted < len(answer) and draft.tokens[accepted] == answer[emitted + accepted]:
             accepted += 1
         verify_time = charge(costs.oracle.seconds(n + 1, context)) + costs.host_step / 2
-        step = StepRecord(k=k, drafted=n, accepted=accepted, draft_time=draft_time, verify_time=verify_time,
-                          context=context, draft_evaluated=draft.evaluated, source=draft.source)
-        policy.update(step)
         gained = min(accepted + 1, len(answer) - emitted)
+        done = len(history) - len(prompt) + gained >= len(answer)
+        compared, matched = unused_offer(offer, draft.source, answer[emitted:emitted + gained]) if not done else (0, 0)
+        step = StepRecord(k=plan.length, drafted=n, accepted=accepted, draft_time=draft_time, verify_time=verify_time,
+                          context=context, draft_evaluated=draft.evaluated, source=draft.source,
+                          offer_compared=compared, offer_matched=matched, offer_run=offer.match_length)
+        policy.observe(step)
         history += answer[emitted:emitted + gained]
         out.add(gained=gained, drafted=n, accepted=accepted, seconds=draft_time + verify_time)
-        out.lookup_drafted += n if draft.source == "lookup" else 0
+        out.lookup_drafted += n if draft.source == DraftSource.LOOKUP else 0
         out.records.append(step)
     return out
 

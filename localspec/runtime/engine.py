@@ -1,23 +1,26 @@
-"""The engine: propose -> verify -> accept -> rollback, for one sequence or many at once.
+"""The engine: plan -> execute for one sequence or many at once; the scheduler applies the outcome.
 
 One speculative step, as in llama.cpp's speculative-simple:
 
     history = prompt + emitted tokens; the oracle's cache holds history[:-1], and the last token
               is kept out of it until the next step evaluates it
-    draft   = proposer.propose(history, k)                 # k tokens, maybe fewer
-    logits  = oracle.decode([last, d1..dk])                # ONE pass, logits at all k+1 positions
+    offer   = proposer.offer(history, limit)                 # what it could draft, found without decoding
+    plan    = policy.plan(offer, limit, context)             # which source drafts how many (DraftPlan)
+    draft   = the proposer carries the plan out              # k tokens, maybe fewer
+    logits  = oracle.decode([last, d1..dk])                  # ONE pass, logits at all k+1 positions
     out     = accepted draft tokens + a recovered or bonus token
     oracle cache trimmed to history + accepted (seq_rm); the draft's cache is synced lazily
 
 With no draft (or k = 0) the same loop is plain oracle decoding: the baseline.
 
 Many sequences (`Seq`, each in a slot: a sequence id of both contexts) step together, as
-llama-server's slots do: `step(running, prefill)` sizes every running sequence's draft (each with
-its fork of the length policy, priced for the shared pass: `policy.BatchPrice`), drafts for all of
-them (one draft-model decode per draft position: `proposers.drive_all`), builds ONE verify batch of
-every sequence's [last, d1..dk] and chunks of prompts being filled, decodes it, then accepts and
-rolls back each sequence on its own rows. `scheduler.Scheduler` decides who runs; `generate` and
-`stream` run one sequence through the same path.
+llama-server's slots do: `step(running, prefill)` plans every running sequence's draft (each with
+its fork of the length policy, priced for the shared pass), drafts for all of them (one
+draft-model decode per draft position: `proposers.drive_all`), builds ONE verify batch of every
+sequence's [last, d1..dk] and chunks of prompts being filled, decodes it, accepts and rolls back
+each sequence on its own rows, and returns each sequence's `StepOutcome`. The scheduler decides who
+runs and applies the outcomes (it alone changes a sequence's status); `generate` and `stream` run
+one sequence through the same path.
 
 Under a JSON schema or a grammar (`constraints.ConstraintWalk`), the draft proposes only allowed
 tokens (pushing them onto the walk), every verified row of the oracle's logits gets the mask of its
@@ -32,6 +35,7 @@ import numbers
 import os
 import time
 from contextlib import contextmanager
+from itertools import accumulate
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -45,13 +49,14 @@ from localspec.runtime.factory import (DEFAULT_DRAFT_MAX, DEFAULT_P_MIN, LOOKUP_
                       default_policy, kernel_identity)
 from localspec.llama.context import Detokenizer, LlamaContext, LlamaModel, Rows, on_local_gpu
 from localspec.options import GenerationOptions
-from localspec.outputs import Chunk, Result, Stats, StepRecord, TokenLogprob, TopLogprob
-from localspec.speculative.policy import LengthPolicy, Regime
+from localspec.outputs import Chunk, DraftSource, Result, Stats, StepRecord, TokenLogprob, TopLogprob
+from localspec.speculative.plan import NO_DRAFT, NO_OFFER, DraftPlan, SharedPass, unused_offer
+from localspec.speculative.policy import Learning, LengthPolicy, Regime
 from localspec.speculative.proposers import EMPTY_DRAFT, Draft, Proposer, drive_all, set_draft_p_min
 from localspec.speculative.sampling import (SamplingParams, bias_logits, coupled_choice, greedy_argmax, log_softmax, logits_to_probs,
                        mask_logits, seed_key, top_ids)
 from localspec.runtime.scheduler import Scheduler
-from localspec.runtime.sequence import PromptTooLongError, Request, Seq, Status  # noqa: F401 (callers import these from here too)
+from localspec.runtime.sequence import PromptTooLongError, Request, Seq, Status, StepOutcome  # noqa: F401 (callers import these from here too)
 from localspec.runtime.text import TextStream
 
 log = logging.getLogger("localspec.runtime.engine")
@@ -108,7 +113,7 @@ class Engine:
             parts.costs.store if parts.costs is not None else None)
         self.n_threads, self.gpu_layers = parts.n_threads, parts.gpu_layers
         self.rpc, self.draft_rpc = parts.rpc, parts.draft_rpc
-        if self.costs is not None:
+        if self.costs is not None and isinstance(self.policy, Learning):
             self.costs.load(self.policy)
         self.n_slots = min(ctx.n_seq for ctx in self.contexts)  # sequences generated at once
         self._drafting = 1.0  # sequences a batch's draft rounds are shared by, lately (for its prices)
@@ -145,8 +150,9 @@ class Engine:
 
     def save_costs(self, policy: LengthPolicy | None = None) -> None:
         """Write what the policy (default: the engine's) learned to the cache (after each request)."""
-        if self.costs is not None:
-            self.costs.save(self.policy if policy is None else policy)
+        policy = self.policy if policy is None else policy
+        if self.costs is not None and isinstance(policy, Learning):
+            self.costs.save(policy)
 
     @classmethod
     def from_pair(cls, name: str | None = None, **kwargs) -> "Engine":
@@ -269,22 +275,19 @@ class Engine:
         detok = Detokenizer(self.oracle_model)
         speculative = request.speculative and self.proposer is not None
         text = TextStream(detok.feed, detok.flush, request.stop, labelled=request.sources)
-        seq = Seq(list(prompt_tokens), request, rng=np.random.default_rng(None if seed is None else seed_key(seed)),
-                  text=text, stats=stats, policy=self.policy.fork(), speculative=speculative, walk=walk)
-        if speculative:
-            regime = Regime.of(request.sampling, constrained=request.constraint is not None)
-            stats.regime = regime.describe()
-            seq.policy.start_request(regime)
-        return seq
+        regime = Regime.of(request.sampling, constrained=request.constraint is not None) if speculative else None
+        stats.regime = regime.describe() if regime is not None else ""
+        return Seq(list(prompt_tokens), request, rng=np.random.default_rng(None if seed is None else seed_key(seed)),
+                   text=text, stats=stats, policy=self.policy.fork(regime), speculative=speculative, walk=walk)
 
-    def admit(self, seq: Seq, slot: int, free: Sequence[int] = ()) -> None:
-        """Put `seq` in `slot`: the oracle's cache there keeps what it shares with the prompt, or
-        takes a longer shared prefix another slot holds (a copy of that cache, not an evaluation:
-        the same system prompt, the next turn of a conversation, a finished request's text). What
-        the slot held that the prompt does not share is first moved to the emptiest of the `free`
-        slots, for a request that comes back to it."""
-        seq.slot = slot
-        seq.status = Status.PREFILL
+    def admit(self, seq: Seq, free: Sequence[int] = (), busy: Sequence[int] = ()) -> None:
+        """Ready the caches of `seq.slot` (the scheduler's choice) for `seq`: the oracle's cache
+        there keeps what it shares with the prompt, or takes a longer shared prefix another slot
+        holds (a copy of that cache, not an evaluation: the same system prompt, the next turn of a
+        conversation, a finished request's text). What the slot held that the prompt does not share
+        is first moved to the emptiest of the `free` slots, for a request that comes back to it.
+        `busy`: the slots other sequences run in."""
+        slot = seq.slot
         seq.backend_greedy = self.oracle.sample_greedy(slot, self.backend_sampling and _picks_suffice(seq))
         target = seq.history[:-1]
         common = self.oracle.common_prefix(target, seq=slot)
@@ -293,7 +296,6 @@ class Engine:
                       default=None)
         if parking is not None and held - common >= COPY_MIN and len(self.oracle.seq_tokens(parking)) < held:
             self.oracle.copy_seq(slot, parking, held)
-        busy = {s.slot for s in self.scheduler.active if s is not seq}
         # the longest shared prefix any other slot holds (a running sequence's too), the latest
         # finished one's first on a tie
         source, best = max(((other, self.oracle.common_prefix(target, seq=other)) for other in range(self.n_slots)
@@ -315,93 +317,102 @@ class Engine:
             # else a probe's window of it while the policy is idle)
             seq.proposer.start(catch_up=not seq.policy.idle)
 
-    def step(self, running: Sequence[Seq], prefill: Mapping[Seq, int] | None = None, *, queued: bool = False) -> None:
+    def step(self, running: Sequence[Seq], prefill: Mapping[Seq, int] | None = None, *,
+             queued: bool = False) -> list[StepOutcome]:
         """ONE pass of the oracle: a speculative step of each running sequence and the next
         `prefill[seq]` prompt tokens of each sequence filling its cache. What the steps emit goes
-        to each sequence's outbox; a sequence that finishes is marked so (its slot is the
-        scheduler's to free). `queued`: requests wait for a slot (one that finishes sooner lets
-        the next one in)."""
+        to each sequence's outbox; the returned outcomes say who finished and whose prompt is in
+        (the scheduler applies them). `queued`: requests wait for a slot (one that finishes sooner
+        lets the next one in)."""
         prefill = dict(prefill or {})
         running = sorted(running, key=lambda seq: seq.slot)  # rows in slot order: llama.cpp's fewest passes
         t0, l0 = time.perf_counter(), self._llama_seconds()
-        ks = self._plan(running, n_seqs=len(running) + len(prefill))
         closed = len(running) > 1 and not queued
-        # the draft model drafts for all of them or for none (see _all_or_none); lookups cost nothing
-        model = not closed or all(seq.policy.wants_model() for seq in self._may_draft(running))
-        rounds = self._propose(running, ks, model=model)
+        plans = self._plan(running, n_seqs=len(running) + len(prefill), closed=closed)
+        rounds = self._propose(running, plans)
         if closed:
             self._all_or_none(running)
         t1, l1 = time.perf_counter(), self._llama_seconds()
-        rows = [Rows(seq.slot, seq.history[len(self.oracle.seq_tokens(seq.slot)):][:n],
-                     n if seq.request.prompt_logprobs is not None else 0) for seq, n in prefill.items()]
-        rows += [Rows(seq.slot, [seq.history[-1]] + seq.draft.tokens.tolist(), len(seq.draft) + 1) for seq in running]
-        rows.sort(key=lambda r: r.seq)
+        rows = self._rows(running, prefill)
         contexts = {r.seq: len(self.oracle.seq_tokens(r.seq)) for r in rows}
-        logits = self.oracle.decode_rows(rows)  # [sum of running's k+1, vocab], in slot order
+        logits = self.oracle.decode_rows(rows)  # [sum of n_logits, vocab], in slot order
         picked = self.oracle.last_sampled  # [sum of running's k+1] the backend's greedy ids, or None
         t_decoded = time.perf_counter()
         self.last_pass = (len(rows), sum(len(r.tokens) for r in rows))
-        offsets, offset = {}, 0
-        for r in rows:
-            offsets[r.seq] = offset
-            offset += r.n_logits
-        for seq, n in prefill.items():
-            if seq.request.prompt_logprobs is not None:  # row j predicts the token after the j-th of the chunk
-                start = len(seq.prompt_logprobs)
-                targets = np.asarray(seq.history[start:start + n])  # [n]
-                seq.prompt_logprobs += self._logprobs(logits[offsets[seq.slot]:offsets[seq.slot] + n], targets,
-                                                      seq.request.prompt_logprobs)
-        outs = [self._verify(seq, logits[offsets[seq.slot]:offsets[seq.slot] + len(seq.draft) + 1],
-                             picked[offsets[seq.slot]:offsets[seq.slot] + len(seq.draft) + 1]
-                             if seq.backend_greedy else None) for seq in running]
+        offsets = dict(zip((r.seq for r in rows), accumulate((r.n_logits for r in rows), initial=0)))
+        self._prompt_logprobs(prefill, logits, offsets)
+        outs = [self._verify(*self._rows_of(seq, logits, picked, offsets[seq.slot])) for seq in running]
         t2, l2 = time.perf_counter(), self._llama_seconds()
-        batch_tokens = self.last_pass[1]
         host = {"draft_host_time": (t1 - t0) - (l1 - l0), "verify_host_time": (t2 - t1) - (l2 - l1)}
-        for seq, (out, logprobs, n_accepted) in zip(running, outs):
-            self._record(seq, out, logprobs, n_accepted, ks[seq], draft_time=t1 - t0, verify_time=t2 - t1,
-                         batch_seqs=len(rows), batch_tokens=batch_tokens, **host)
-        for seq in prefill:
-            if len(self.oracle.seq_tokens(seq.slot)) >= len(seq.history) - 1:
-                seq.status = Status.RUNNING
-                seq.stats.prompt_time = time.perf_counter() - seq.t_start
+        outcomes = [self._record(seq, out, logprobs, n_accepted, plans[seq], draft_time=t1 - t0,
+                                 verify_time=t2 - t1, batch_seqs=len(rows), batch_tokens=self.last_pass[1], **host)
+                    for seq, (out, logprobs, n_accepted) in zip(running, outs)]
+        outcomes += [StepOutcome(seq, prompt_done=len(self.oracle.seq_tokens(seq.slot)) >= len(seq.history) - 1)
+                     for seq in prefill]
         self._observe_batch(rows, contexts, rounds, prefill, t_decoded - t1)
         other = (time.perf_counter() - t2) - (self._llama_seconds() - l2)  # emitting, the policies' updates
         for seq in running:
             seq.stats.host_other_time += other
+        return outcomes
+
+    def _rows(self, running: Sequence[Seq], prefill: Mapping[Seq, int]) -> list[Rows]:
+        """The verify pass's rows in slot order: each prompt chunk being filled, each running
+        sequence's [last, d1..dk]."""
+        rows = [Rows(seq.slot, seq.history[len(self.oracle.seq_tokens(seq.slot)):][:n],
+                     n if seq.request.prompt_logprobs is not None else 0) for seq, n in prefill.items()]
+        rows += [Rows(seq.slot, [seq.history[-1]] + seq.draft.tokens.tolist(), len(seq.draft) + 1) for seq in running]
+        return sorted(rows, key=lambda r: r.seq)
+
+    @staticmethod
+    def _rows_of(seq: Seq, logits: np.ndarray, picked: np.ndarray | None,
+                 offset: int) -> tuple[Seq, np.ndarray, np.ndarray | None]:
+        """`seq`'s verified rows of the pass: logits [k+1, vocab] and, when llama.cpp picked its
+        greedy tokens, those picks [k+1]."""
+        n = len(seq.draft) + 1
+        return seq, logits[offset:offset + n], picked[offset:offset + n] if seq.backend_greedy else None
+
+    def _prompt_logprobs(self, prefill: Mapping[Seq, int], logits: np.ndarray, offsets: Mapping[int, int]) -> None:
+        """The logprobs of each prompt chunk's tokens, for the sequences that asked (row j of a
+        chunk predicts the token after the j-th of it)."""
+        for seq, n in prefill.items():
+            if seq.request.prompt_logprobs is not None:
+                start = len(seq.prompt_logprobs)
+                targets = np.asarray(seq.history[start:start + n])  # [n]
+                seq.prompt_logprobs += self._logprobs(logits[offsets[seq.slot]:offsets[seq.slot] + n], targets,
+                                                      seq.request.prompt_logprobs)
 
     def _llama_seconds(self) -> float:
         """Seconds spent inside llama.cpp so far, on every context."""
         return sum(ctx.llama_seconds for ctx in self.contexts)
 
-    def _plan(self, running: Sequence[Seq], *, n_seqs: int) -> dict[Seq, int]:
-        """Each running sequence's draft allowance, from its policy: priced for the shared pass
-        when other sequences share it (`policy.BatchPrice`)."""
-        contexts = [len(seq.history) - 1 for seq in running]
-        ks = {}
-        for seq, context in zip(running, contexts):
+    def _plan(self, running: Sequence[Seq], *, n_seqs: int, closed: bool) -> dict[Seq, DraftPlan]:
+        """Each running sequence's plan, from its policy and what its proposer offers; priced for
+        the shared pass when other sequences share it. `closed`: nobody waits for a slot (see
+        `_all_or_none`)."""
+        shared = SharedPass([len(seq.history) - 1 for seq in running], self._drafting) if n_seqs > 1 else None
+        plans = {}
+        for seq in running:
             limit = self._draft_limit(seq) if seq.stats.steps else 0  # the first token: a plain oracle step
-            if limit <= 0:
-                ks[seq] = 0
-                continue
-            seq.policy.set_price(seq.policy.batch_price(contexts, context, self._drafting) if n_seqs > 1 else None)
-            k = seq.policy.draft_length(limit, context)
-            if k > 0 and seq.policy.consume_catch_up():  # a re-try: the draft sees all the text again
-                seq.proposer.resync()
-            ks[seq] = k
-        return ks
+            seq.offer = seq.proposer.offer(seq.history, limit, seq.walk) if limit > 0 else NO_OFFER
+            plans[seq] = seq.policy.plan(seq.offer, limit, len(seq.history) - 1, shared) if limit > 0 else NO_DRAFT
+        if closed:
+            eligible = self._may_draft(running)
+            if not all(plans[seq].drafts for seq in eligible):  # one without a draft: the others' would be dropped
+                plans.update((seq, DraftPlan(resync=plans[seq].resync)) for seq in eligible)
+        return plans
 
-    def _propose(self, running: Sequence[Seq], ks: Mapping[Seq, int], *, model: bool = True) -> list:
-        """Every running sequence's draft (`seq.draft`): the draft model drafts for all of them
-        together, one decode per draft position (`model`: it may run at all). Returns the draft
-        decodes (`proposers.Round`s)."""
+    def _propose(self, running: Sequence[Seq], plans: Mapping[Seq, DraftPlan]) -> list:
+        """Every running sequence's draft (`seq.draft`), each proposer carrying out its plan: the
+        draft model drafts for all of them together, one decode per draft position. Returns the
+        draft decodes (`proposers.Round`s)."""
         proposals, drafting = [], []
         for seq in running:
             seq.draft = EMPTY_DRAFT
             seq.walk_base = seq.walk.depth if seq.walk is not None else 0
-            if ks[seq] > 0:
-                chooser = seq.policy if hasattr(seq.policy, "choose") else None
-                proposals.append(seq.proposer.propose_steps(seq.history, ks[seq], seq.request.sampling, seq.rng,
-                                                            seq.walk, chooser, model=model))
+            plan = plans[seq]
+            if plan.drafts or plan.resync:
+                proposals.append(seq.proposer.propose_steps(seq.history, plan, seq.offer, seq.request.sampling,
+                                                            seq.rng, seq.walk))
                 drafting.append(seq)
         if not proposals:
             return []
@@ -422,8 +433,8 @@ class Engine:
         """With nobody waiting for a slot, the batch runs until its longest answer ends: a draft
         that speeds one sequence up and slows the pass for all of them shortens nothing (the others
         still need as many passes) unless every sequence drafts. So the step drafts for every
-        sequence that may draft, or for none: the draft model runs only when every one of them
-        would draft with it (`step`), and the drafts are dropped when one of them has none.
+        sequence that may draft, or for none: every one of them plans a draft or none drafts
+        (`_plan`), and the drafts are dropped when one of them came back empty.
         (Measured on the reference CPU, 8 clients of 256-token answers: a few prompt-lookup copies
         and short model drafts for some sequences, probes among them, left the passes as many and
         made them dearer, 0.85x plain batched decoding.)"""
@@ -461,22 +472,26 @@ class Engine:
         logprobs = self._logprobs(raw[:len(out)], out, request.logprobs) if request.logprobs is not None else None
         return out.tolist(), logprobs, n_accepted
 
-    def _record(self, seq: Seq, out: list[int], logprobs: list[TokenLogprob] | None, n_accepted: int, k: int, *,
-                draft_time: float, verify_time: float, batch_seqs: int, batch_tokens: int,
-                draft_host_time: float = 0.0, verify_host_time: float = 0.0) -> None:
-        """Count `seq`'s step (its policy learns from it) and emit what it yielded."""
+    def _record(self, seq: Seq, out: list[int], logprobs: list[TokenLogprob] | None, n_accepted: int,
+                plan: DraftPlan, *, draft_time: float, verify_time: float, batch_seqs: int, batch_tokens: int,
+                draft_host_time: float = 0.0, verify_host_time: float = 0.0) -> StepOutcome:
+        """Emit what `seq`'s step yielded and count the step (its policy learns from it)."""
         draft, stats = seq.draft, seq.stats
-        step = StepRecord(k=k, drafted=len(draft), accepted=n_accepted, draft_time=draft_time,
-                          verify_time=verify_time, context=len(seq.history) - 1, draft_evaluated=draft.evaluated,
+        context = len(seq.history) - 1
+        could_draft = stats.steps > 0 and self._draft_limit(seq) > 0
+        emitted, finish = self._emit(out, seq, _sources(draft, n_accepted, len(out)) if seq.request.sources else None)
+        compared, matched = unused_offer(seq.offer, draft.source, emitted) if not finish else (0, 0)
+        step = StepRecord(k=plan.length, drafted=len(draft), accepted=n_accepted, draft_time=draft_time,
+                          verify_time=verify_time, context=context, draft_evaluated=draft.evaluated,
                           draft_prompt_time=draft.prompt_time, source=draft.source, batch_seqs=batch_seqs,
                           batch_tokens=batch_tokens if batch_seqs > 1 else 0, draft_host_time=draft_host_time,
-                          verify_host_time=verify_host_time)
+                          verify_host_time=verify_host_time, offer_compared=compared, offer_matched=matched,
+                          offer_run=seq.offer.match_length)
         if seq.request.speculative:  # a request that does not draft teaches the policy nothing
-            seq.policy.update(step)
-            stats.idle_steps += stats.steps > 0 and self._draft_limit(seq) > 0 and not step.drafted
+            seq.policy.observe(step)
+            stats.idle_steps += could_draft and not step.drafted
         stats.add_step(step)
-        seq.draft = None
-        emitted, finish = self._emit(out, seq, _sources(draft, n_accepted, len(out)) if seq.request.sources else None)
+        seq.draft, seq.offer = None, NO_OFFER
         structure = None
         if seq.walk is not None:
             stats.constraint_time = seq.walk.seconds
@@ -486,18 +501,18 @@ class Engine:
             stats.time_to_first_token = time.perf_counter() - seq.t_start
         if logprobs is not None:
             logprobs = logprobs[:len(emitted)]
-        if finish:
-            seq.finish_reason, seq.structure = finish, structure
-            seq.status = Status.FINISHED
-            piece = seq.text.finish()
-            stats.total_time = time.perf_counter() - seq.t_start
-            if seq.speculative:
-                if stats.idle_steps:
-                    stats.idle_reason = seq.policy.explain()
-                self.save_costs(seq.policy)
-            seq.emit(piece, emitted, logprobs, final=True)
-        elif emitted:
-            seq.emit(seq.text.release(), emitted, logprobs)  # stats so far
+        if not finish:
+            if emitted:
+                seq.emit(seq.text.release(), emitted, logprobs)  # stats so far
+            return StepOutcome(seq)
+        piece = seq.text.finish()
+        stats.total_time = time.perf_counter() - seq.t_start
+        if seq.speculative:
+            if stats.idle_steps:
+                stats.idle_reason = seq.policy.explain()
+            self.save_costs(seq.policy)
+        seq.emit(piece, emitted, logprobs, finish_reason=finish, structure=structure)
+        return StepOutcome(seq, finish_reason=finish, structure=structure)
 
     def _observe_batch(self, rows: Sequence[Rows], contexts: Mapping[int, int], rounds, prefill,
                        seconds: float) -> None:
@@ -506,6 +521,8 @@ class Engine:
         is known before batches form), and a verify pass shared by several sequences, once (a step
         alone teaches its policy through its record, as it always did), unless it also filled a
         prompt (a chunk of hundreds of tokens runs at another rate per token)."""
+        if not isinstance(self.policy, Learning):
+            return
         for held, t in rounds:
             at = {seq: context for seq, _, context in held}
             self.policy.observe_draft_round(self._passes(self.draft_ctx, [(seq, n) for seq, n, _ in held], at), t)
@@ -603,7 +620,7 @@ def _picks_suffice(seq: Seq) -> bool:
             and request.logprobs is None and request.prompt_logprobs is None)
 
 
-_DRAFT_SOURCES = {"model": "draft", "lookup": "lookup"}  # a Draft's source -> a token's (outputs.Chunk.sources)
+_DRAFT_SOURCES = {DraftSource.MODEL: "draft", DraftSource.LOOKUP: "lookup"}  # a Draft's source -> a token's (Chunk.sources)
 
 
 def _sources(draft: Draft, n_accepted: int, n: int) -> list[str]:

@@ -6,7 +6,8 @@ free one (what another slot's cache shares with its prompt is copied, and what t
 to a free one first: a conversation's next turn finds its own), fills the
 oracle's cache with its prompt in chunks of at most `prefill_chunk` tokens per pass while others
 run (or `n_batch` when nobody is streaming), then steps with the running ones until it finishes or
-is aborted. Each `step()` is ONE oracle pass (`Engine.step`).
+is aborted. Each `step()` is ONE oracle pass (`Engine.step`), whose outcomes the scheduler applies:
+it is the only place a sequence's status changes (vLLM's `update_from_output`).
 
 The scheduler is driven by one thread: the server's worker (its loop: take new jobs in, turn
 cancels into aborts, step, deliver), a batch file's runner, or `Engine.stream` for one sequence.
@@ -20,7 +21,7 @@ from collections import deque
 from typing import Iterator, Mapping, Protocol, Sequence
 
 from localspec.outputs import Chunk
-from localspec.runtime.sequence import Seq, Status
+from localspec.runtime.sequence import Seq, Status, StepOutcome
 
 log = logging.getLogger("localspec.runtime.scheduler")
 
@@ -33,10 +34,10 @@ class Stepper(Protocol):
     n_slots: int
     oracle: object  # a LlamaContext: `seq_tokens(slot)`, `n_batch`
 
-    def admit(self, seq: Seq, slot: int, free: Sequence[int] = ()) -> None: ...
+    def admit(self, seq: Seq, free: Sequence[int] = (), busy: Sequence[int] = ()) -> None: ...
 
     def step(self, running: Sequence[Seq], prefill: Mapping[Seq, int] | None = None, *,
-             queued: bool = False) -> None: ...
+             queued: bool = False) -> list[StepOutcome]: ...
 
 
 class Scheduler:
@@ -96,8 +97,10 @@ class Scheduler:
             # consecutive sequence ids in one pass (`LlamaContext.ubatches`); a prefix another slot
             # holds is copied over (`Engine.admit`)
             slot = min(free)
-            self.slots[slot] = seq
-            self.engine.admit(seq, slot, free)
+            busy = [i for i, s in enumerate(self.slots) if s is not None]
+            self.slots[slot], seq.slot = seq, slot
+            self.engine.admit(seq, free, busy)
+            seq.status = Status.PREFILL
 
     # -- one pass
 
@@ -119,23 +122,36 @@ class Scheduler:
                 prefill[seq] = n
                 budget -= n
             elif todo <= 0:  # nothing to evaluate (its prompt was cached): it runs in this pass
-                seq.status = Status.RUNNING
-                seq.stats.prompt_time = time.perf_counter() - seq.t_start
+                self._start_running(seq)
                 running.append(seq)
         if not running and not prefill:
             return []
+        touched = running + list(prefill)
         try:
-            self.engine.step(running, prefill, queued=bool(self.waiting))
+            outcomes = self.engine.step(running, prefill, queued=bool(self.waiting))
         except Exception as e:  # a failed pass fails the sequences in it, not the others queued
             log.exception("engine: a pass failed")
-            for seq in running + list(prefill):
+            for seq in touched:
                 self.abort(seq, e)
-            return running + list(prefill)
-        touched = running + list(prefill)
-        for seq in touched:
-            if seq.done:
-                self._free(seq)
+            return touched
+        self.apply(outcomes)
         return touched
+
+    def apply(self, outcomes: Sequence[StepOutcome]) -> None:
+        """What a pass did: a finished sequence leaves its slot, one whose prompt is in runs."""
+        for outcome in outcomes:
+            seq = outcome.seq
+            if outcome.finish_reason is not None:
+                seq.finish_reason, seq.structure = outcome.finish_reason, outcome.structure
+                seq.status = Status.FINISHED
+                self._free(seq)
+            elif outcome.prompt_done:
+                self._start_running(seq)
+
+    @staticmethod
+    def _start_running(seq: Seq) -> None:
+        seq.status = Status.RUNNING
+        seq.stats.prompt_time = time.perf_counter() - seq.t_start
 
     def run(self, seq: Seq) -> Iterator[Chunk]:
         """Add `seq` and step until it is done, yielding its chunks as they come (the generator of

@@ -19,11 +19,13 @@ import numpy as np
 
 from localspec.options import OPTIONS, GenerationOptions
 from localspec.outputs import Chunk, Stats, TokenLogprob
+from localspec.speculative.plan import NO_OFFER
 from localspec.speculative.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from localspec.constraints import Constraint, ConstraintWalk
     from localspec.speculative.policy import LengthPolicy
+    from localspec.speculative.plan import Offer
     from localspec.speculative.proposers import Draft, Proposer
     from localspec.runtime.text import TextStream
 
@@ -99,6 +101,7 @@ class Seq:
     structure: str | None = None
     error: BaseException | None = None  # why it was aborted, when it failed
     outbox: deque[Chunk] = field(default_factory=deque)
+    offer: "Offer" = field(default_factory=lambda: NO_OFFER)  # what the step's proposer offered (its plan's input)
     draft: "Draft | None" = None  # the step's draft, between proposing and verifying
     walk_base: int = 0  # the grammar walk's depth before the step's draft was pushed
     prompt_logprobs: list | None = None  # the prompt's TokenLogprobs as its prefill computes them (when asked)
@@ -115,12 +118,22 @@ class Seq:
     def completion_tokens(self) -> list[int]:
         return self.history[self.prompt_len:]
 
-    def emit(self, text: str, tokens: list[int], logprobs: list[TokenLogprob] | None, *, final: bool = False) -> None:
+    def emit(self, text: str, tokens: list[int], logprobs: list[TokenLogprob] | None, *,
+             finish_reason: str | None = None, structure: str | None = None) -> None:
         """Send `text`, just released by `self.text`, and the step's tokens (with their sources when
         the request asked: the released text's spans, which add up to it; the prompt's logprobs on the
-        first chunk when asked)."""
+        first chunk when asked). The last chunk carries why the generation ended."""
         sources = self.text.spans() if self.request.sources else None
         prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, None
-        self.outbox.append(Chunk(text, tokens, logprobs, finish_reason=self.finish_reason if final else None,
-                                 stats=self.stats, structure=self.structure if final else None,
-                                 prompt_logprobs=prompt_logprobs, sources=sources))
+        self.outbox.append(Chunk(text, tokens, logprobs, finish_reason=finish_reason, stats=self.stats,
+                                 structure=structure, prompt_logprobs=prompt_logprobs, sources=sources))
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one pass did to a sequence, for the scheduler to apply (it alone changes a status)."""
+
+    seq: Seq
+    finish_reason: str | None = None  # it ended in this step: "stop" or "length"
+    structure: str | None = None  # ... a constrained one complete or not (see Engine._structure)
+    prompt_done: bool = False  # its prompt is in the oracle's cache: it steps from the next pass

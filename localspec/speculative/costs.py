@@ -514,7 +514,7 @@ class CostStore:
 class CostBook:
     """Where a length policy's learned state is kept between processes: the store, and the identity
     each kind of state is kept under there (what it depends on: model files, threads, attention
-    kernel, machine, ...). See `LengthPolicy.cost_state`."""
+    kernel, machine, ...). See `policy.Learning.cost_state`."""
 
     def __init__(self, store: CostStore, keys: Mapping[str, Mapping[str, Any]]) -> None:
         self.store = store

@@ -94,49 +94,50 @@ from __future__ import annotations
 
 import bisect
 import copy
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
 from localspec.speculative.costs import DRAFT_ROUND_SHAPE, DRAFT_SHAPE, VERIFY_SHAPE, PassCost, expected_tokens_by_place
-from localspec.outputs import StepRecord
+from localspec.outputs import DraftSource, StepRecord
+from localspec.speculative.plan import NO_DRAFT, DraftPlan, Offer, SharedPass, plain_plan
 from localspec.speculative.sampling import SamplingParams
 
 
 class LengthPolicy(Protocol):
-    def draft_length(self, limit: int, context: int) -> int:
-        """Tokens to draft in the next step, 0..limit (0: plain oracle step); `context`: the tokens
-        the oracle holds before the step's verify pass."""
+    """What the engine asks of every draft-length policy: a plan before each step, the step's
+    record after it. A request runs on a fork of the engine's policy."""
 
-    def update(self, step: StepRecord) -> None:
+    def plan(self, offer: Offer, limit: int, context: int, shared: SharedPass | None = None) -> DraftPlan:
+        """Which source drafts the coming step and at most how many tokens (0..limit) from what the
+        proposer `offer`s; `context`: the tokens the oracle holds before the verify pass; `shared`:
+        the other sequences the pass carries (None: the pass is this sequence's own)."""
+
+    def observe(self, step: StepRecord) -> None:
         """The outcome of the step just verified."""
 
-    def start_request(self, regime: "Regime | None" = None) -> None:
-        """A new request begins (before its prompt is evaluated), sampling as `regime` says
-        (None: greedy); a policy that learns prices it with what it learned of that regime."""
+    def fork(self, regime: "Regime | None" = None) -> "LengthPolicy":
+        """The policy of one more request: what it learned shared, a request state of its own.
+        `regime`: how the request samples, for a request that drafts (None: it drafts nothing)."""
+
+    @property
+    def idle(self) -> bool:
+        """Whether the policy expects to draft nothing in the coming steps (a probe aside)."""
 
     def explain(self) -> str | None:
-        """Why the policy drafts nothing now, for people (its estimate against its threshold);
-        None when it has nothing to say."""
+        """Why the policy drafts nothing now, for people; None when it has nothing to say."""
 
-    def known_regimes(self) -> list[dict[str, Any]]:
-        """What the policy knows of each sampling regime it met, for people (`localspec check`)."""
+    def describe(self) -> str:
+        """How the draft length is chosen, for people (the chat's /stats)."""
 
-    def fork(self) -> "LengthPolicy":
-        """The policy of one more request running beside others: what it learned shared, a request
-        state of its own (the engine runs every request on a fork)."""
 
-    def wants_model(self) -> bool:
-        """Whether the step just sized (`draft_length`) runs the draft model (a probe included)."""
-
-    def batch_price(self, contexts: Sequence[int], context: int, drafting: float) -> "BatchPrice | None":
-        """What a draft costs a sequence at `context` in a pass shared with the sequences at `contexts`
-        (None: this policy prices nothing)."""
-
-    def set_price(self, price: "BatchPrice | None") -> None:
-        """Price the coming step's drafts so (None: the pass is the sequence's own)."""
+@runtime_checkable
+class Learning(Protocol):
+    """A policy that learns from the steps, and what the engine does with what it learned: the
+    passes shared by several sequences, the draft decodes, kept between processes."""
 
     def observe_pass(self, passes, seconds: float) -> None:
         """An oracle decode shared by several sequences (each `StepRecord` of it has batch_seqs > 1),
@@ -145,15 +146,8 @@ class LengthPolicy(Protocol):
     def observe_draft_round(self, passes, seconds: float) -> None:
         """A draft decode (a round of drafting), run as `passes`."""
 
-    def consume_catch_up(self) -> bool:
-        """Whether the draft should first catch up on all the text it has not seen (asked once)."""
-
-    @property
-    def idle(self) -> bool:
-        """Whether the policy expects to draft nothing in the coming steps (a probe aside)."""
-
-    def describe(self) -> str:
-        """How the draft length is chosen, for people (the chat's /stats)."""
+    def known_regimes(self) -> list[dict[str, Any]]:
+        """What the policy knows of each sampling regime it met, for people (`localspec check`)."""
 
     def cost_state(self) -> dict[str, dict[str, Any]]:
         """What the policy learned that is worth keeping between processes, by kind ("verify",
@@ -163,69 +157,34 @@ class LengthPolicy(Protocol):
         """Go on from an earlier process's `cost_state()[kind]` (a malformed one raises KeyError,
         TypeError or ValueError)."""
 
-    @property
-    def learns(self) -> bool:
-        """Whether the policy learns from the steps (then the engine loads and saves its cost state)."""
-
 
 class FixedLength:
-    """Always draft `k` tokens (fewer near max_tokens or the end of the context)."""
+    """Always draft `k` tokens (fewer near max_tokens or the end of the context): prompt lookup's
+    where it found some, else the draft model's (`plan.plain_plan`)."""
 
     def __init__(self, k: int) -> None:
         if k < 0:
             raise ValueError("draft length must be >= 0")
         self.k = k
 
-    def draft_length(self, limit: int, context: int = 0) -> int:
-        return min(self.k, limit)
+    def plan(self, offer: Offer, limit: int, context: int = 0, shared: SharedPass | None = None) -> DraftPlan:
+        return plain_plan(offer, min(self.k, limit))
 
-    def fork(self) -> "FixedLength":
+    def observe(self, step: StepRecord) -> None:
+        pass  # learns nothing
+
+    def fork(self, regime: "Regime | None" = None) -> "FixedLength":
         return self  # no state of its own
-
-    def wants_model(self) -> bool:
-        return self.k > 0
-
-    def batch_price(self, contexts: Sequence[int], context: int, drafting: float) -> None:
-        return None
-
-    def set_price(self, price) -> None:
-        pass
-
-    def observe_pass(self, passes, seconds: float) -> None:
-        pass
-
-    def observe_draft_round(self, passes, seconds: float) -> None:
-        pass
 
     @property
     def idle(self) -> bool:
         return self.k == 0
 
-    def update(self, step: StepRecord) -> None:
-        pass
-
-    def start_request(self, regime: "Regime | None" = None) -> None:
-        pass
-
     def explain(self) -> str | None:
         return "a fixed draft length of 0" if self.k == 0 else None
 
-    def known_regimes(self) -> list[dict[str, Any]]:
-        return []  # learns nothing
-
-    def consume_catch_up(self) -> bool:
-        return False
-
     def describe(self) -> str:
         return f"{self.k} (FixedLength)"
-
-    learns = False
-
-    def cost_state(self) -> dict[str, dict[str, Any]]:
-        return {}  # learns nothing
-
-    def load_cost_state(self, kind: str, state: Mapping[str, Any]) -> None:
-        pass
 
 
 def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
@@ -554,16 +513,26 @@ class AdaptiveLength:
     catch_up = property(lambda self: self.learned.catch_up, lambda self, n: setattr(self.learned, "catch_up", n))
     estimates = property(lambda self: self.learned.estimates)
 
-    def fork(self) -> "AdaptiveLength":
+    def fork(self, regime: Regime | None = None) -> "AdaptiveLength":
         """The policy of one more request running beside others: the same learned state (costs,
         estimates) and settings, a request state of its own (the match it is on, its text's
-        failures, a probe or re-try under way)."""
+        failures, a probe or re-try under way), started on `regime` when given."""
         twin = copy.copy(self)
         twin._run, twin.last_k, twin.context = 0, 0, 0
         twin._probing = twin._retry_wanted = twin._catch_up = False
         twin._text_failed = twin._text_predicted = 0.0
         twin.price = None
+        if regime is not None:
+            twin.start_request(regime)
         return twin
+
+    def plan(self, offer: Offer, limit: int, context: int = 0, shared: SharedPass | None = None) -> DraftPlan:
+        """The best length now (`draft_length`), drafted by the plain rule (`plan.plain_plan`)."""
+        self.set_price(self.batch_price(shared.contexts, context, shared.drafting) if shared is not None else None)
+        k = self.draft_length(limit, context)
+        if k <= 0:
+            return NO_DRAFT
+        return dataclasses.replace(plain_plan(offer, k), resync=self.consume_catch_up(), probe=self._probing)
 
     def estimates_of(self, regime: "Regime") -> "Estimates":
         """What is known of `regime`'s drafts (the priors, for one not met before)."""
@@ -798,7 +767,7 @@ class AdaptiveLength:
         self._probing = True
         return min(self.probe_length, available)
 
-    def update(self, step: StepRecord) -> None:
+    def observe(self, step: StepRecord) -> None:
         n_drafted, n_accepted = step.drafted, step.accepted
         spent = step.draft_time + step.verify_time
         self.est.time_spent += spent
@@ -820,9 +789,6 @@ class AdaptiveLength:
 
     def set_price(self, price: BatchPrice | None) -> None:
         self.price = price
-
-    def wants_model(self) -> bool:
-        return self.model_draft and self.last_k > 0
 
     def observe_pass(self, passes: Sequence[tuple[Sequence[int], Sequence[int]]], seconds: float) -> None:
         """An oracle decode of several sequences, which llama.cpp ran as `passes` (its ubatches: the
@@ -931,8 +897,6 @@ class AdaptiveLength:
         weight = max(1.0 - self.decay, 1.0 / (self.prior_weight + n))
         return estimate + weight * (outcome - estimate)
 
-    learns = True
-
     def describe(self) -> str:
         return f"AdaptiveLength (chosen per step{f', up to {self.k_max}' if self.k_max else ''})"
 
@@ -989,37 +953,20 @@ class HybridLength:
     right or wrong from its first token, and a draft model, each with its own `AdaptiveLength`
     (acceptance, continuation, the draft model's cost) over one fit of the oracle's pass costs.
 
-    `draft_length` runs the model's policy (its probes and re-tries included) and hands the
-    proposer an allowance; the proposer looks the text up and asks `choose`: when the lookup found
-    tokens and its own policy would draft some of them, the lookup drafts if its best length
-    promises at least the tokens per second of the model's choice (k = 0 included), else the model
-    drafts what its policy chose. A model's draft made for evidence (a probe, a re-try) goes first:
-    neither source settles a request for good, since the lookup's unused offers are scored too. A
-    step's record goes to the policy of the source that drafted it (an empty draft to the model's: a
-    plain oracle step, one of its idle steps)."""
-
-    learns = True
+    Each step the model's policy chooses its length (its probes and re-tries included); when the
+    lookup found tokens and its own policy would draft some of them, the lookup drafts if its best
+    length promises at least the tokens per second of the model's choice (k = 0 included), else
+    the model drafts what its policy chose. A model's draft made for evidence (a probe, a re-try)
+    goes first: neither source settles a request for good, since the lookup's unused offers are
+    scored too (`StepRecord.offer_*`). A step's record goes to the policy of the source that
+    drafted it (an empty draft to the model's: a plain oracle step, one of its idle steps)."""
 
     def __init__(self, model: AdaptiveLength, lookup: AdaptiveLength) -> None:
         self.model, self.lookup = model, lookup
         lookup.verify_cost = model.verify_cost  # one oracle: both learn its passes
-        self._model_k = 0
-        self.context = 0
-        self._asked = False  # draft_length ran for the step being proposed
-        self._offer_run = 0
 
-    def fork(self) -> "HybridLength":
-        return HybridLength(self.model.fork(), self.lookup.fork())
-
-    def batch_price(self, contexts: Sequence[int], context: int, drafting: float) -> BatchPrice | None:
-        return self.model.batch_price(contexts, context, drafting)
-
-    def wants_model(self) -> bool:
-        return self._model_k > 0
-
-    def set_price(self, price: BatchPrice | None) -> None:
-        self.model.set_price(price)
-        self.lookup.set_price(price)
+    def fork(self, regime: "Regime | None" = None) -> "HybridLength":
+        return HybridLength(self.model.fork(regime), self.lookup.fork(regime))
 
     def observe_pass(self, passes, seconds: float) -> None:
         self.model.observe_pass(passes, seconds)  # the lookup's verify cost is the same one
@@ -1031,60 +978,50 @@ class HybridLength:
     def idle(self) -> bool:
         return self.model.idle
 
-    def draft_length(self, limit: int, context: int = 0) -> int:
-        self.context = context
-        self._model_k = self.model.draft_length(limit, context) if limit > 0 else 0
-        self._asked = True
-        return min(limit, max(self._model_k, self.lookup.k_max))
+    def plan(self, offer: Offer, limit: int, context: int = 0, shared: SharedPass | None = None) -> DraftPlan:
+        price = self.model.batch_price(shared.contexts, context, shared.drafting) if shared is not None else None
+        self.model.set_price(price)
+        self.lookup.set_price(price)
+        k_model = self.model.draft_length(limit, context) if limit > 0 else 0
+        resync = limit > 0 and self.model.consume_catch_up()
+        source, k = self._choose(offer, min(limit, max(k_model, self.lookup.k_max)), k_model, context)
+        if k <= 0 or source == DraftSource.MODEL and not offer.model:
+            return DraftPlan(resync=resync)
+        return DraftPlan(source, k, resync=resync, probe=source == DraftSource.MODEL and self.model._probing)
 
-    def choose(self, found: int, allowance: int, match_length: int = 0) -> tuple[str, int] | None:
-        """(source, length) for this step, whose lookup found `found` tokens on a match
-        `match_length` tokens long; None for a step this policy did not size (another policy
-        runs the request: `Engine.using_policy`): the proposer's plain rule applies."""
-        asked, self._asked = self._asked, False
-        if not asked:
-            return None
-        k_model = min(self._model_k, allowance)
+    def _choose(self, offer: Offer, allowance: int, k_model: int, context: int) -> tuple[DraftSource, int]:
+        """(source, length) for a step whose lookup found `offer.found` tokens, within `allowance`."""
+        found = min(len(offer.found), allowance)
         if found <= 0:
-            return "model", k_model
-        self._offer_run = match_length  # where the offer's first token stands, if it goes unused
-        k_lookup = self.lookup.draft_length(allowance, self.context, offered=found, run=match_length)
+            return DraftSource.MODEL, k_model
+        k_lookup = self.lookup.draft_length(allowance, context, offered=found, run=offer.match_length)
         if k_lookup <= 0:
-            return "model", k_model
+            return DraftSource.MODEL, k_model
         if not self.model.verify_cost.ready:
-            return "lookup", k_lookup  # nothing measured yet: the free draft first
+            return DraftSource.LOOKUP, k_lookup  # nothing measured yet: the free draft first
         if k_model > 0 and self.model.seeking_evidence:
             # NOTE: the model's probe or re-try runs even where the lookup has an offer (which is
             # scored all the same): else a request whose text repeats itself keeps to the lookup for
             # its whole answer and the model never tries again (a held-out 400-token story: 1.05x
             # the oracle alone that way, 1.41x with the model's probes let through)
-            return "model", k_model
-        model_rate = self.model.rates(k_model, self.context)[k_model]
-        lookup_rate = self.lookup.rates(k_lookup, self.context)[k_lookup]
-        return ("lookup", k_lookup) if lookup_rate >= model_rate else ("model", k_model)
+            return DraftSource.MODEL, k_model
+        model_rate = self.model.rates(k_model, context)[k_model]
+        lookup_rate = self.lookup.rates(k_lookup, context)[k_lookup]
+        return (DraftSource.LOOKUP, k_lookup) if lookup_rate >= model_rate else (DraftSource.MODEL, k_model)
 
-    def score_lookup(self, matched: int, compared: int) -> None:
-        """The lookup's offer of a step it did not draft, scored against what the step emitted."""
-        self.lookup.score_unverified(matched, compared, run=self._offer_run)
-
-    def update(self, step: StepRecord) -> None:
-        used, other = (self.lookup, self.model) if step.source == "lookup" else (self.model, self.lookup)
-        used.update(step)
+    def observe(self, step: StepRecord) -> None:
+        used, other = (self.lookup, self.model) if step.source == DraftSource.LOOKUP else (self.model, self.lookup)
+        used.observe(step)
         if step.drafted:
             other.forget_alignment()
-
-    def start_request(self, regime: "Regime | None" = None) -> None:
-        self.model.start_request(regime)
-        self.lookup.start_request(regime)
+        if step.offer_compared:  # the lookup's offer that the step did not draft, scored as it went
+            self.lookup.score_unverified(step.offer_matched, step.offer_compared, run=step.offer_run)
 
     def explain(self) -> str | None:
         return self.model.explain("the draft model")
 
     def known_regimes(self) -> list[dict[str, Any]]:
         return self.model.known_regimes() + self.lookup.known_regimes()
-
-    def consume_catch_up(self) -> bool:
-        return self.model.consume_catch_up()
 
     def describe(self) -> str:
         return (f"HybridLength (prompt lookup up to {self.lookup.k_max} or the draft model up to "
@@ -1107,28 +1044,14 @@ class HybridLength:
 
 class LookupLength:
     """The length policy of prompt lookup alone (`--draft ngram`): an `AdaptiveLength` in the
-    lookup's layout (`LOOKUP_RUNS`), which sizes each draft once the proposer has found its match
-    and knows how long it is (`choose`, as `HybridLength` does for the hybrid's lookup);
-    `draft_length` hands the proposer an allowance."""
-
-    learns = True
+    lookup's layout (`LOOKUP_RUNS`), which sizes each draft by the match the proposer found and
+    how long it is, as `HybridLength` does for the hybrid's lookup."""
 
     def __init__(self, lookup: AdaptiveLength) -> None:
         self.lookup = lookup
-        self.context = 0
-        self._asked = False
 
-    def fork(self) -> "LookupLength":
-        return LookupLength(self.lookup.fork())
-
-    def batch_price(self, contexts: Sequence[int], context: int, drafting: float) -> BatchPrice | None:
-        return self.lookup.batch_price(contexts, context, drafting)
-
-    def wants_model(self) -> bool:
-        return False  # no model: its drafts cost nothing to make
-
-    def set_price(self, price: BatchPrice | None) -> None:
-        self.lookup.set_price(price)
+    def fork(self, regime: "Regime | None" = None) -> "LookupLength":
+        return LookupLength(self.lookup.fork(regime))
 
     def observe_pass(self, passes, seconds: float) -> None:
         self.lookup.observe_pass(passes, seconds)
@@ -1140,35 +1063,24 @@ class LookupLength:
     def idle(self) -> bool:
         return self.lookup.idle
 
-    def draft_length(self, limit: int, context: int = 0) -> int:
-        self.context, self._asked = context, limit > 0
-        return min(limit, self.lookup.k_max)
-
-    def choose(self, found: int, allowance: int, match_length: int = 0) -> tuple[str, int] | None:
-        asked, self._asked = self._asked, False
-        if not asked:
-            return None
+    def plan(self, offer: Offer, limit: int, context: int = 0, shared: SharedPass | None = None) -> DraftPlan:
+        allowance = min(limit, self.lookup.k_max)
+        found = min(len(offer.found), allowance)
         if found <= 0:
-            return "lookup", 0
-        return "lookup", self.lookup.draft_length(allowance, self.context, offered=found, run=match_length)
+            return NO_DRAFT
+        self.lookup.set_price(self.lookup.batch_price(shared.contexts, context, shared.drafting)
+                              if shared is not None else None)
+        k = self.lookup.draft_length(allowance, context, offered=found, run=offer.match_length)
+        return DraftPlan(DraftSource.LOOKUP, k) if k > 0 else NO_DRAFT
 
-    def score_lookup(self, matched: int, compared: int) -> None:
-        pass  # every offer is drafted, in part or whole
-
-    def update(self, step: StepRecord) -> None:
-        self.lookup.update(step)
-
-    def start_request(self, regime: "Regime | None" = None) -> None:
-        self.lookup.start_request(regime)
+    def observe(self, step: StepRecord) -> None:
+        self.lookup.observe(step)
 
     def explain(self) -> str | None:
         return "prompt lookup found no earlier text to copy that was worth drafting"
 
     def known_regimes(self) -> list[dict[str, Any]]:
         return self.lookup.known_regimes()
-
-    def consume_catch_up(self) -> bool:
-        return False  # nothing to catch up on
 
     def describe(self) -> str:
         return f"LookupLength (prompt lookup up to {self.lookup.k_max}, chosen per step from the match)"

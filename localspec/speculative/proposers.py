@@ -1,25 +1,21 @@
-"""Proposers: where draft tokens come from. Each is a small class behind one `propose` call.
+"""Proposers: where draft tokens come from. Each is a small class that carries out a plan.
 
-`propose(proposer, history, max_len, sampling, rng, constraint=None)` returns a `Draft` of at most
-`max_len` tokens that would follow `history` (every token so far, the not-yet-verified last one
-included). `start(catch_up=...)` says a new request begins; nothing is evaluated then, so the
-oracle's first token comes first.
-
-A proposer's `propose_steps(...)` is the same proposal as a generator: each draft-model decode it
-needs is yielded as `llama.Rows` (its sequence's tokens, logits for the last) and the logits are
-sent back; it returns the Draft. `propose` drives one alone on the proposer's `draft_context`; the
-engine drives every drafting sequence's together, one decode per draft position for all of them
-(`drive_all`). `fork(seq)` is the same proposer for another sequence of the same contexts (each
-request in a batch has its own: its draft-cache view, its unused lookup offer).
+A step asks a proposer twice. `offer(history, limit, constraint)` says what it could draft now
+without decoding anything (prompt lookup's match, whether a draft model is there): an `Offer`,
+which changes nothing. The length policy turns it into a `DraftPlan` (which source, how many
+tokens). `propose_steps(history, plan, offer, sampling, rng, constraint)` carries the plan out as a
+generator: each draft-model decode it needs is yielded as `llama.Rows` (its sequence's tokens,
+logits for the last) and the logits are sent back; it returns the `Draft`. The engine drives every
+drafting sequence's proposal together, one decode per draft position for all of them
+(`drive_all`); `propose` runs one alone with the plain plan (`plan.plain_plan`). A proposer knows
+no policy. `fork(seq)` is the same proposer for another sequence of the same contexts;
+`start(catch_up=...)` says a new request begins (nothing is evaluated then, so the oracle's first
+token comes first).
 
 Under a grammar (`constraint`, a `constraints.ConstraintWalk` holding `history`'s generated tokens)
 a proposer proposes only tokens the grammar allows and pushes each one onto the walk: the draft
 model picks from its logits with the grammar's mask applied (its distribution, handed to the
 verifier, is the constrained one); a model-free draft is cut at the first token the grammar refuses.
-
-A proposer that can draft from the text (prompt lookup) takes a `chooser` (the request's length
-policy: `policy.HybridLength`, `policy.LookupLength`) that sizes the draft once the lookup's match
-is known, and for a hybrid says which source drafts; without one, plain rules apply.
 """
 
 from __future__ import annotations
@@ -31,7 +27,9 @@ from typing import Callable, Generator, Protocol, Sequence
 
 import numpy as np
 
-from localspec.llama.context import LlamaContext, Rows, shared_prefix
+from localspec.llama.context import LlamaContext, Rows
+from localspec.outputs import DraftSource
+from localspec.speculative.plan import NO_OFFER, DraftPlan, Offer, plain_plan
 from localspec.speculative.sampling import (SamplingParams, bias_logits, coupled_choice, greedy_argmax, logits_to_probs, mask_logits,
                        sample, top_probability_at_least)
 
@@ -45,7 +43,7 @@ class Draft:
     probs: np.ndarray | None  # [k, oracle vocab] the distributions the tokens were drawn from; None: point masses
     evaluated: int = 0  # tokens a draft model evaluated to propose these (its catch-up included)
     prompt_time: float = 0.0  # seconds of the proposing spent evaluating a new request's prompt
-    source: str = "model"  # where the tokens came from: "model" (a draft model) or "lookup" (the text); "" none
+    source: DraftSource = DraftSource.MODEL  # where the tokens came from
     match_length: int = 0  # a lookup draft: the tokens before it that agree with the text before its source (up to MATCH_CAP)
 
     def __len__(self) -> int:
@@ -54,7 +52,8 @@ class Draft:
 
 log = logging.getLogger("localspec.speculative.proposers")
 
-EMPTY_DRAFT = Draft(np.zeros(0, dtype=np.int32), None, source="")  # nothing drafted: no source
+EMPTY_DRAFT = Draft(np.zeros(0, dtype=np.int32), None, source=DraftSource.NONE)
+MODEL_OFFER = Offer(model=True)  # a draft model's offer: it can draft, whatever the text
 
 
 # a proposal as a generator: yields the draft-model decodes it needs, receives their logits
@@ -65,16 +64,17 @@ ProposeSteps = Generator[Rows, np.ndarray, Draft]
 class Proposer(Protocol):
     draft_context: LlamaContext | None  # the context its decodes run on (None: it never decodes)
 
-    def propose_steps(self, history: Sequence[int], max_len: int, sampling: SamplingParams,
-                      rng: np.random.Generator, constraint=None, chooser=None, model: bool = True) -> ProposeSteps:
-        """`model`: the draft model may run (False: only what costs no decode, prompt lookup)."""
+    def offer(self, history: Sequence[int], limit: int, constraint=None) -> Offer:
+        """What it could draft after `history` (at most `limit` tokens), found without decoding;
+        changes nothing (a grammar walk is left as it was)."""
+
+    def propose_steps(self, history: Sequence[int], plan: DraftPlan, offer: Offer, sampling: SamplingParams,
+                      rng: np.random.Generator, constraint=None) -> ProposeSteps:
+        """Carry out `plan` (made from `offer`, this step's): the Draft, its decodes yielded."""
 
     def start(self, *, catch_up: bool) -> None:
         """A new request begins. `catch_up`: the first proposal conditions on the whole prompt
         (drafting is expected to pay); otherwise a later probe may condition on part of it."""
-
-    def resync(self) -> None:
-        """Drafting resumes after a pause: the next proposal conditions on all of the text again."""
 
     def describe(self) -> str:
         """What kind of proposer this is ("model", "lookup", "hybrid", "cross-tokenizer"): the key
@@ -84,10 +84,14 @@ class Proposer(Protocol):
         """The same proposer for sequence `seq` of its contexts, with a request state of its own."""
 
 
-def propose(proposer: Proposer, history: Sequence[int], max_len: int, sampling: SamplingParams,
-            rng: np.random.Generator, constraint=None, chooser=None) -> Draft:
-    """One proposal, its decodes run one at a time on the proposer's draft context."""
-    return drive(proposer.propose_steps(history, max_len, sampling, rng, constraint, chooser), proposer.draft_context)
+def propose(proposer: Proposer, history: Sequence[int], max_len: int, sampling: SamplingParams | None = None,
+            rng: np.random.Generator | None = None, constraint=None) -> Draft:
+    """One proposal of at most `max_len` tokens by the plain plan (prompt lookup's tokens where it
+    found some, else the draft model's), its decodes run one at a time on the proposer's context."""
+    offer = proposer.offer(history, max_len, constraint)
+    steps = proposer.propose_steps(history, plain_plan(offer, max_len), offer, sampling or SamplingParams(),
+                                   rng if rng is not None else np.random.default_rng(), constraint)
+    return drive(steps, proposer.draft_context)
 
 
 def drive(steps: ProposeSteps, ctx: LlamaContext | None) -> Draft:
@@ -136,11 +140,12 @@ def drive_all(proposals: Sequence[ProposeSteps], ctx: LlamaContext | None) -> tu
 
 
 class _Drives:
-    """`propose`: the proposal's decodes run one at a time on the proposer's own draft context."""
+    """`propose`: one proposal by the plain plan, its decodes run one at a time on the proposer's own
+    draft context (see the module function)."""
 
-    def propose(self, history: Sequence[int], max_len: int, sampling: SamplingParams,
-                rng: np.random.Generator, constraint=None, chooser=None) -> Draft:
-        return propose(self, history, max_len, sampling, rng, constraint, chooser)
+    def propose(self, history: Sequence[int], max_len: int, sampling: SamplingParams | None = None,
+                rng: np.random.Generator | None = None, constraint=None) -> Draft:
+        return propose(self, history, max_len, sampling, rng, constraint)
 
 
 class DraftModelProposer(_Drives):
@@ -201,6 +206,9 @@ class DraftModelProposer(_Drives):
     def describe(self) -> str:
         return "model"
 
+    def offer(self, history: Sequence[int], limit: int, constraint=None) -> Offer:
+        return MODEL_OFFER
+
     def _held(self) -> list[int]:
         return self.ctx.seq_tokens(self.seq)
 
@@ -249,10 +257,13 @@ class DraftModelProposer(_Drives):
         n_draft = self.ctx.n_vocab
         return tokens if n_draft >= self.n_vocab else [t for t in tokens if t < n_draft]
 
-    def propose_steps(self, history: Sequence[int], max_len: int, sampling: SamplingParams,
-                      rng: np.random.Generator, constraint=None, chooser=None, model: bool = True) -> ProposeSteps:
-        if not model:
+    def propose_steps(self, history: Sequence[int], plan: DraftPlan, offer: Offer, sampling: SamplingParams,
+                      rng: np.random.Generator, constraint=None) -> ProposeSteps:
+        if plan.resync:
+            self.resync()
+        if plan.source != DraftSource.MODEL or plan.length <= 0:
             return EMPTY_DRAFT
+        max_len = plan.length
         prompt, self.prompt_pending = self.prompt_pending, False
         adopting = self._adoptable(history)  # judged once: it compares the caches with the text
         view = self._view(history, adopting=adopting)
@@ -344,7 +355,7 @@ MATCH_CAP = 64  # a lookup match is measured back at most this far
 SOURCES_COMPARED = 32  # a lookup compares the latest this many occurrences of its n-gram
 
 
-class PromptLookupProposer:
+class PromptLookupProposer(_Drives):
     """Prompt lookup (n-gram) drafting, no model: find the earlier occurrences of the history's
     last n tokens (longest n first) and propose what followed the one whose text before it agrees
     longest with the history's (the latest on a tie). Pays off when the output copies from the
@@ -353,8 +364,7 @@ class PromptLookupProposer:
     Each draft says how far back the match goes (`Draft.match_length`: the history's last tokens that
     agree with the ones before the draft's source, n or more, up to `MATCH_CAP`): a copy that has
     held for 30 tokens goes on far more often than a 2-token coincidence, and the length policy sizes
-    the draft by it. A `chooser` (the adaptive policy of prompt lookup alone: `policy.LookupLength`)
-    sizes each draft once the match is known; None: every token found, up to max_len.
+    the draft by it (`policy.LookupLength`, `policy.HybridLength`).
 
     `min_ngram` defaults to 2: a single repeated token ("the", ",") predicts little, and in the hybrid
     proposer a 1-token match would almost always shut the draft model out.
@@ -374,17 +384,11 @@ class PromptLookupProposer:
         self.min_ngram = min_ngram
         self.is_end = is_end
 
-    def propose_steps(self, history: Sequence[int], max_len: int, sampling: SamplingParams | None = None,
-                      rng: np.random.Generator | None = None, constraint=None, chooser=None,
-                      model: bool = True) -> ProposeSteps:
-        return self.propose(history, max_len, sampling, rng, constraint, chooser)
-        yield  # a proposal that decodes nothing
-
-    def propose(self, history: Sequence[int], max_len: int, sampling: SamplingParams | None = None,
-                rng: np.random.Generator | None = None, constraint=None, chooser: SourceChooser | None = None) -> Draft:
-        """`chooser`: sizes the draft once its match is known (see the class)."""
-        if max_len <= 0:
-            return EMPTY_DRAFT
+    def offer(self, history: Sequence[int], limit: int, constraint=None) -> Offer:
+        """The tokens that followed the best earlier occurrence of the text's last n-gram (at most
+        `limit`, cut at an end of generation and at the first the grammar refuses)."""
+        if limit <= 0:
+            return NO_OFFER
         tokens = np.asarray(history, dtype=np.int32)  # [n]
         ends = np.flatnonzero(tokens[:-1] == tokens[-1]) if len(tokens) else tokens  # [m] earlier places of the last token
         for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
@@ -393,26 +397,28 @@ class PromptLookupProposer:
                 found = found[tokens[found - back] == tokens[-1 - back]]
             if found.size:
                 follow, held = best_source(tokens, found[-SOURCES_COMPARED:] + 1)
-                guess = tokens[follow:follow + max_len].copy()
+                guess = tokens[follow:follow + limit].copy()  # [<= limit]
                 if self.is_end is not None:
                     guess = guess[:next((i + 1 for i, t in enumerate(guess.tolist()) if self.is_end(t)), len(guess))]
-                if constraint is not None:  # only what the grammar allows, checked before it is proposed
-                    guess = guess[:constraint.extend(guess.tolist())]
-                choice = chooser.choose(len(guess), max_len, held) if chooser is not None else None
-                if choice is not None and choice[1] < len(guess):
-                    if constraint is not None:
-                        constraint.pop(len(guess) - choice[1])
-                    guess = guess[:choice[1]]
-                return Draft(guess, None, source="lookup", match_length=held) if len(guess) else EMPTY_DRAFT
-        if chooser is not None:
-            chooser.choose(0, max_len, 0)  # a plain oracle step
-        return EMPTY_DRAFT
+                if constraint is not None:  # only what the grammar allows; the walk is left as it was
+                    allowed = constraint.extend(guess.tolist())
+                    constraint.pop(allowed)
+                    guess = guess[:allowed]
+                return Offer(guess, held) if len(guess) else NO_OFFER
+        return NO_OFFER
+
+    def propose_steps(self, history: Sequence[int], plan: DraftPlan, offer: Offer, sampling: SamplingParams,
+                      rng: np.random.Generator, constraint=None) -> ProposeSteps:
+        if plan.source != DraftSource.LOOKUP or plan.length <= 0 or not len(offer.found):
+            return EMPTY_DRAFT
+        tokens = offer.found[:plan.length]  # [k]
+        if constraint is not None:
+            constraint.extend(tokens.tolist())  # allowed: the offer was checked
+        return Draft(tokens, None, source=DraftSource.LOOKUP, match_length=offer.match_length)
+        yield  # a proposal that decodes nothing
 
     def start(self, *, catch_up: bool) -> None:
         pass  # nothing to evaluate
-
-    def resync(self) -> None:
-        pass
 
     def describe(self) -> str:
         return "lookup"
@@ -449,7 +455,7 @@ def match_length(tokens: np.ndarray, follow: int) -> int:
 
 
 class _Wrapper(_Drives):
-    """A proposer around a draft-model proposer (`drafter`): a new request and a resync are its business."""
+    """A proposer around a draft-model proposer (`drafter`): a new request is its business."""
 
     drafter: Proposer
 
@@ -461,81 +467,44 @@ class _Wrapper(_Drives):
         self.drafter.start(catch_up=catch_up)
 
     def resync(self) -> None:
+        """The next draft conditions on all of the text again."""
         self.drafter.resync()
 
 
-class SourceChooser(Protocol):
-    def choose(self, found: int, allowance: int, match_length: int = 0) -> tuple[str, int] | None:
-        """("lookup" | "model", draft length) for a step whose lookup found `found` tokens on a
-        match `match_length` tokens long (`Draft.match_length`), within the `allowance` the length policy gave
-        (see `policy.HybridLength`); None: it did not size this step (another policy runs the
-        request), the proposer's plain rule applies."""
-
-    def score_lookup(self, matched: int, compared: int) -> None:
-        """The lookup offered tokens the step did not draft; once the step emitted its tokens, the
-        first `compared` of the offer were compared with them and the first `matched` agreed."""
-
-    @property
-    def idle(self) -> bool:
-        """The draft model is not worth running now (it only probes)."""
-
-
 class HybridProposer(_Wrapper):
-    """Prompt lookup (free) and a draft model. Each step the lookup looks for the text's latest
-    n-gram match first; the `chooser` (the request's `policy.HybridLength`) then says which source
-    drafts and how much, from what each has been worth. Without one, or for a step it did not size
-    (a fixed length): the lookup's tokens when it found some, the draft model's otherwise.
+    """Prompt lookup (free) and a draft model. Its offer is the lookup's match, with the model
+    beside it; the plan says which of them drafts (`policy.HybridLength` decides from what each has
+    been worth).
 
     After a stretch of lookup drafts the draft model has not seen the tokens they added: when it
     drafts again it catches up on all of them (a copy of the oracle's cache where it can), not on
-    a window as after a pause in drafting, unless its policy is idle (a probe).
+    a window as after a pause in drafting, unless its draft is a probe."""
 
-    When the model drafts (or nothing does) while the lookup had found tokens, the next proposal
-    first scores that offer against the tokens the step emitted and tells the chooser
-    (`score_lookup`): the lookup's estimates follow the text even while it is not chosen."""
-
-    def __init__(self, lookup: PromptLookupProposer, model: Proposer) -> None:
+    def __init__(self, lookup: PromptLookupProposer, model: "DraftModelProposer | CrossTokenizerProposer") -> None:
         self.lookup = lookup
         self.model = self.drafter = model
-        self._last = "model"
-        self._offer: tuple[int, np.ndarray] | None = None  # (history length, tokens) of an offer not drafted
+        self._last = DraftSource.MODEL  # the source of the last draft
 
     def fork(self, seq: int) -> "HybridProposer":
         return HybridProposer(self.lookup.fork(seq), self.model.fork(seq))
 
-    def start(self, *, catch_up: bool) -> None:
-        self._offer = None
-        super().start(catch_up=catch_up)
+    def offer(self, history: Sequence[int], limit: int, constraint=None) -> Offer:
+        found = self.lookup.offer(history, limit, constraint)
+        return Offer(found.found, found.match_length, model=True)
 
-    def _score_offer(self, history: Sequence[int], chooser: SourceChooser | None) -> None:
-        """Score the last step's unused lookup offer against the tokens that step emitted."""
-        offer, self._offer = self._offer, None
-        if offer is None or chooser is None or len(history) <= offer[0]:
-            return
-        start, tokens = offer
-        emitted = history[start:start + len(tokens)]
-        chooser.score_lookup(shared_prefix(tokens, emitted), len(emitted))
-
-    def propose_steps(self, history: Sequence[int], max_len: int, sampling: SamplingParams,
-                      rng: np.random.Generator, constraint=None, chooser: SourceChooser | None = None,
-                      model: bool = True) -> ProposeSteps:
-        self._score_offer(history, chooser)
-        found = self.lookup.propose(history, max_len, sampling, rng, constraint)  # pushed onto the walk
-        choice = chooser.choose(len(found), max_len, found.match_length) if chooser is not None else None
-        source, k = choice or (("lookup", len(found)) if len(found) else ("model", max_len))
-        if constraint is not None:
-            constraint.pop(len(found) - (k if source == "lookup" else 0))
-        if source != "lookup" and len(found):
-            self._offer = (len(history), found.tokens)
-        if source == "lookup":
-            self._last = "lookup"
-            return Draft(found.tokens[:k], None, source="lookup") if k else EMPTY_DRAFT
-        if k <= 0 or not model:
-            return EMPTY_DRAFT
-        if self._last == "lookup" and not (chooser is not None and chooser.idle):
+    def propose_steps(self, history: Sequence[int], plan: DraftPlan, offer: Offer, sampling: SamplingParams,
+                      rng: np.random.Generator, constraint=None) -> ProposeSteps:
+        if plan.resync:  # a re-try: the model's next draft, whenever it comes, sees all of the text
             self.model.resync()
-        self._last = "model"
-        return (yield from self.model.propose_steps(history, k, sampling, rng, constraint))
+        if plan.source == DraftSource.LOOKUP:
+            self._last = DraftSource.LOOKUP
+            return (yield from self.lookup.propose_steps(history, plan, offer, sampling, rng, constraint))
+        if plan.source != DraftSource.MODEL or plan.length <= 0:
+            return EMPTY_DRAFT
+        if self._last == DraftSource.LOOKUP and not plan.probe:
+            self.model.resync()
+        self._last = DraftSource.MODEL
+        return (yield from self.model.propose_steps(history, plan, offer, sampling, rng, constraint))
 
     def describe(self) -> str:
         return "hybrid"
@@ -563,6 +532,9 @@ class CrossTokenizerProposer(_Wrapper):
     def fork(self, seq: int) -> "CrossTokenizerProposer":
         return CrossTokenizerProposer(self.inner.fork(seq), oracle=self.oracle, draft=self.draft)
 
+    def offer(self, history: Sequence[int], limit: int, constraint=None) -> Offer:
+        return MODEL_OFFER
+
     def _text(self, history: Sequence[int]) -> str:
         n = 0
         limit = min(len(self._history), len(history))
@@ -574,14 +546,17 @@ class CrossTokenizerProposer(_Wrapper):
             self._pieces.append(self.oracle.token_piece(token, special=True))
         return b"".join(self._pieces).decode("utf-8", errors="ignore")
 
-    def propose_steps(self, history: Sequence[int], max_len: int, sampling: SamplingParams,
-                      rng: np.random.Generator, constraint=None, chooser=None, model: bool = True) -> ProposeSteps:
+    def propose_steps(self, history: Sequence[int], plan: DraftPlan, offer: Offer, sampling: SamplingParams,
+                      rng: np.random.Generator, constraint=None) -> ProposeSteps:
         """Under a grammar the draft model drafts freely (its ids are not the oracle's) and the
         re-tokenized draft is cut at the first token the grammar refuses."""
-        if max_len <= 0 or not model:
+        if plan.resync:
+            self.inner.resync()
+        if plan.source != DraftSource.MODEL or plan.length <= 0:
             return EMPTY_DRAFT
+        max_len = plan.length
         draft_history = self.draft.tokenize(self._text(history), add_special=True, parse_special=True)
-        proposal = yield from self.inner.propose_steps(draft_history, max_len, sampling, rng)
+        proposal = yield from self.inner.propose_steps(draft_history, plan, NO_OFFER, sampling, rng)
         if not len(proposal):
             return EMPTY_DRAFT
         text = self.draft.detokenize(proposal.tokens.tolist())
