@@ -27,6 +27,7 @@ from localspec.outputs import DraftSource, StepRecord
 from localspec.speculative.plan import NO_DRAFT, NO_OFFER, DraftPlan, Offer, unused_offer
 from localspec.speculative.policy import GREEDY, LengthPolicy
 from localspec.speculative.proposers import EMPTY_DRAFT, MODEL_OFFER, Draft, HybridProposer, PromptLookupProposer
+from localspec.speculative.sampling import SamplingParams
 
 MAX_CATCH_UP = 16  # as DraftModelProposer's: after a pause the draft catches up on a window this long
 
@@ -181,6 +182,9 @@ class ReplayResult:
         self.accepted += accepted
 
 
+GREEDY_SAMPLING = SamplingParams()  # the traces are greedy
+
+
 def replay(trace: Trace, policy: LengthPolicy, costs: Costs, *, lookup: bool = True, model: bool = True,
            p_min: float = 0.3, noise: float = 0.0, stalls: float = 0.0,
            rng: np.random.Generator | None = None) -> ReplayResult:
@@ -221,7 +225,7 @@ def replay(trace: Trace, policy: LengthPolicy, costs: Costs, *, lookup: bool = T
         draft, evaluated, draft_time = EMPTY_DRAFT, 0, costs.host_step / 2
         if plan.drafts or plan.resync:
             drafter.last = (0, 0)
-            steps = proposer.propose_steps(history, plan, offer)
+            steps = proposer.propose_steps(history, plan, offer, GREEDY_SAMPLING, None)
             try:
                 next(steps)
             except StopIteration as done:
