@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
+from localspec import __version__
 from localspec.llama.backend import default_threads
 from localspec.options import DEFAULT_CTX
 
@@ -172,12 +173,6 @@ def machine_info(threads: int) -> dict:
         except (ValueError, OSError, AttributeError):
             pass
     try:
-        import importlib.metadata as md
-
-        localspec_version = md.version("localspec")
-    except Exception:
-        localspec_version = "unknown"
-    try:
         import llama_cpp
 
         system_info = llama_cpp.llama_print_system_info().decode("utf-8", errors="replace").strip()
@@ -194,7 +189,7 @@ def machine_info(threads: int) -> dict:
         "os": f"{platform.system()} {platform.release()}",
         "python": platform.python_version(),
         "llama_cpp_python": anchor.llama_cpp_python_version(),
-        "localspec": localspec_version,
+        "localspec": __version__,
         "git_commit": _git_commit(),
         "load_average_start": _loadavg(),
     }

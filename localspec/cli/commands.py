@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import click
 
+from localspec import __version__
 from localspec.options import DEFAULT_CTX, OPTIONS, GenerationOptions, OptionError
 
 EXIT_USAGE = 2
@@ -240,7 +241,7 @@ def open_engine(*, pair, oracle, draft, no_draft, draft_max, draft_length, p_min
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--debug", is_flag=True, help="Show llama.cpp's log and tracebacks.")
-@click.version_option(package_name="localspec")
+@click.version_option(version=__version__, prog_name="localspec")
 def main(debug: bool) -> None:
     """localspec: faster local generation with speculative decoding, same output."""
     logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, format="%(name)s: %(message)s")

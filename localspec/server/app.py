@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
+from localspec import __version__
 from localspec.outputs import Chunk, Stats, TokenLogprob
 from localspec.runtime.sequence import PromptTooLongError
 from localspec.server import report as R
@@ -713,7 +714,7 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
                        max_tokens_limit=max_tokens_limit, time_limit=time_limit, log_prompts=log_prompts)
 
     app = FastAPI(
-        title="localspec", version=_version(), lifespan=_lifespan, docs_url=None, redoc_url=None,  # apidocs.py
+        title="localspec", version=__version__, lifespan=_lifespan, docs_url=None, redoc_url=None,  # apidocs.py
         description="OpenAI-compatible API over localspec's speculative-decoding engine. "
                     "Extension: `\"speculative\": {\"enabled\": false, \"draft_max\": 6, \"sources\": true}` per "
                     "request (`sources`: each choice says where its tokens came from, and its figures); "
@@ -810,10 +811,3 @@ def _stream_error(event: Failed) -> str:
     return json.dumps(APIError(500, _SERVER_ERROR).body())
 
 
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("localspec")
-    except Exception:
-        return "0"
