@@ -35,8 +35,9 @@ import json
 import math
 import re
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from localspec.bench.ceiling import (acceptance_from_tokens_per_step, fit_costs, geomean, median, percentile, predicted_speedup,
                       ratio_interval, record_ceiling)
@@ -91,7 +92,7 @@ def repriced(reports: Mapping[str, dict]) -> dict[tuple[str, str, str], float]:
         for system in rep["systems"]:
             if system.get("kind") == LLAMA_CPP:
                 continue
-            model_draft = draft if uses_draft_model(system.get("kind", ""), system.get("params", {})) else None
+            model_draft = draft if _drafts_with_model(system) else None
             for workload in sorted({w for w, name in rows if name == system["name"]}):
                 x = pooled_ceiling(rows[(workload, system["name"])], verify, model_draft, alone)
                 if x is not None:
@@ -131,101 +132,191 @@ def _anchor_fit(system: dict, fits: dict[str, tuple]) -> tuple | None:
 
 def _row(system: dict, workload: str, runs: list[dict], base: dict[tuple[str, int], dict], fits: dict[str, tuple],
          one_shot_base: dict[str, float]) -> dict:
-    name = system["name"]
+    """One result row (RESULT_FIELDS, in that order): a system's runs on one workload (or on all of
+    them), set against the baseline's runs of the same prompt and repetition (`base`, by (prompt id,
+    rep)) and the baseline's one-shot wall times (`one_shot_base`, by prompt id)."""
+    by_prompt = _by_prompt(runs)
+    drafting = _Drafting.of(runs)
+    ceiling, costs = _ceiling_and_costs(system, runs, fits, drafting)
+    fields = {"system": system["name"], "workload": workload, "n_prompts": len(by_prompt), "n_runs": len(runs),
+              "tokens_per_second": _tokens_per_second(by_prompt), "ceiling": ceiling, "costs": costs,
+              "peak_rss": system.get("peak_rss"), **_against_baseline(by_prompt, base), **drafting.fields(),
+              **_one_shot(by_prompt, one_shot_base), **_per_run_figures(runs)}
+    fields["efficiency"] = fields["speedup"] / ceiling if fields["speedup"] and ceiling else None
+    return {name: fields[name] for name in RESULT_FIELDS}
+
+
+def _by_prompt(runs: list[dict]) -> dict[str, list[dict]]:
+    """The runs grouped by prompt id, in the order the prompts first appear."""
     by_prompt: dict[str, list[dict]] = defaultdict(list)
     for r in runs:
         by_prompt[r["prompt_id"]].append(r)
+    return by_prompt
 
+
+def _tokens_per_second(by_prompt: dict[str, list[dict]]) -> float | None:
+    """Tokens over generation time, each the median over a prompt's repetitions, summed over prompts."""
     tokens = time = 0.0
-    speedups: dict[str, float] = {}
-    ttft_ratios: dict[str, float] = {}
-    paired: dict[str, float] = {}
-    paired_ratios: list[float] = []  # every run's
-    for pid, rs in by_prompt.items():
+    for rs in by_prompt.values():
         tokens += median([r["completion_tokens"] for r in rs])
         time += median([r["completion_tokens"] / r["tokens_per_second"] for r in rs if r["tokens_per_second"] > 0]
                        or [math.inf])
-        ratios = [r["tokens_per_second"] / b["tokens_per_second"] for r in rs
-                  if (b := base.get((pid, r["rep"]))) and b["tokens_per_second"] > 0]
-        if ratios:
-            speedups[pid] = median(ratios)
-        ratios = [r["ttft"] / b["ttft"] for r in rs
-                  if r.get("ttft") and (b := base.get((pid, r["rep"]))) and b.get("ttft")]
-        if ratios:
-            ttft_ratios[pid] = median(ratios)
-        ratios = [r["tokens_per_second"] / r["paired_tokens_per_second"] for r in rs
-                  if (r.get("paired_tokens_per_second") or 0) > 0]
-        if ratios:
-            paired[pid] = median(ratios)
-            paired_ratios += ratios
+    return tokens / time if time > 0 else None
 
-    drafted = sum(r["drafted"] or 0 for r in runs)
-    accepted = sum(r["accepted"] or 0 for r in runs)
-    steps = sum(r["steps"] or 0 for r in runs)
-    tokens_per_step = 1.0 + accepted / steps if steps else None
-    k_mean = drafted / steps if steps else 0.0
-    a = acceptance_from_tokens_per_step(tokens_per_step, k_mean) if tokens_per_step and k_mean > 0 else None
 
-    ceiling = costs = None
-    own = fits.get(name)
+def _per_prompt(by_prompt: dict[str, list[dict]], ratios: Callable[[str, list[dict]], list[float]]) -> dict[str, list[float]]:
+    """Per prompt id, `ratios(prompt id, its runs)`; prompts with none are left out."""
+    out = {}
+    for pid, rs in by_prompt.items():
+        if xs := ratios(pid, rs):
+            out[pid] = xs
+    return out
+
+
+def _against_baseline(by_prompt: dict[str, list[dict]], base: dict[tuple[str, int], dict]) -> dict:
+    """speedup (with speedup_per_prompt), ttft_ratio and the paired figures: per prompt the median of
+    its runs' ratios, then the geometric mean over prompts (the paired interval from every run's)."""
+    speedups = _medians(_per_prompt(by_prompt, lambda pid, rs: _speed_ratios(pid, rs, base)))
+    ttft_ratios = _medians(_per_prompt(by_prompt, lambda pid, rs: _ttft_ratios(pid, rs, base)))
+    paired = _per_prompt(by_prompt, lambda _pid, rs: _paired_ratios(rs))
+    return {"speedup": _geomean_or_none(speedups), "speedup_per_prompt": speedups,
+            "paired_speedup": _geomean_or_none(_medians(paired)),
+            "paired_interval": ratio_interval([x for xs in paired.values() for x in xs]),
+            "ttft_ratio": _geomean_or_none(ttft_ratios)}
+
+
+def _speed_ratios(pid: str, runs: list[dict], base: dict[tuple[str, int], dict]) -> list[float]:
+    """Each run's tokens/s over the baseline's on the same prompt in the same repetition."""
+    return [r["tokens_per_second"] / b["tokens_per_second"] for r in runs
+            if (b := base.get((pid, r["rep"]))) and b["tokens_per_second"] > 0]
+
+
+def _ttft_ratios(pid: str, runs: list[dict], base: dict[tuple[str, int], dict]) -> list[float]:
+    """Each run's time to first token over the baseline's on the same prompt in the same repetition."""
+    return [r["ttft"] / b["ttft"] for r in runs if r.get("ttft") and (b := base.get((pid, r["rep"]))) and b.get("ttft")]
+
+
+def _paired_ratios(runs: list[dict]) -> list[float]:
+    """Each run's tokens/s over its own process's run with drafting off (`--paired`)."""
+    return [r["tokens_per_second"] / r["paired_tokens_per_second"] for r in runs
+            if (r.get("paired_tokens_per_second") or 0) > 0]
+
+
+def _medians(per_prompt: dict[str, list[float]]) -> dict[str, float]:
+    return {pid: median(xs) for pid, xs in per_prompt.items()}
+
+
+def _geomean_or_none(per_prompt: dict[str, float]) -> float | None:
+    return geomean(list(per_prompt.values())) if per_prompt else None
+
+
+@dataclass(frozen=True)
+class _Drafting:
+    """A row's drafting totals over its runs, and the figures they give."""
+
+    drafted: int
+    accepted: int
+    steps: int
+
+    @classmethod
+    def of(cls, runs: list[dict]) -> _Drafting:
+        return cls(sum(r["drafted"] or 0 for r in runs), sum(r["accepted"] or 0 for r in runs),
+                   sum(r["steps"] or 0 for r in runs))
+
+    @property
+    def tokens_per_step(self) -> float | None:
+        return 1.0 + self.accepted / self.steps if self.steps else None
+
+    @property
+    def mean_length(self) -> float:
+        """Draft tokens per step (0.0 without steps)."""
+        return self.drafted / self.steps if self.steps else 0.0
+
+    @property
+    def per_token_acceptance(self) -> float | None:
+        tokens_per_step, k = self.tokens_per_step, self.mean_length
+        return acceptance_from_tokens_per_step(tokens_per_step, k) if tokens_per_step and k > 0 else None
+
+    def fields(self) -> dict:
+        return {"acceptance_rate": self.accepted / self.drafted if self.drafted else None,
+                "per_token_acceptance": self.per_token_acceptance,
+                "mean_accepted_length": self.accepted / self.steps if self.steps else None,
+                "tokens_per_step": self.tokens_per_step,
+                "mean_draft_length": self.mean_length if self.steps else None}
+
+
+def _drafts_with_model(system: dict) -> bool:
+    return uses_draft_model(system.get("kind", ""), system.get("params", {}))
+
+
+def _typical_context(runs: list[dict]) -> float:
+    """The context a row's passes typically see: the median of prompt + half the completion."""
+    return median([r["prompt_tokens"] + r["completion_tokens"] / 2 for r in runs])
+
+
+def _ceiling_and_costs(system: dict, runs: list[dict], fits: dict[str, tuple],
+                       drafting: _Drafting) -> tuple[float | None, dict | None]:
+    """The row's ceiling, from the system's own fitted costs (then also those costs, for the report),
+    or for the C++ anchor from localspec's (see _anchor_fit); (None, None) when neither applies."""
     alone = fits["baseline"][0] if "baseline" in fits else None  # the oracle's one-token cost, from its own run
+    own = fits.get(system["name"])
     if own is not None:
         verify, draft = own
-        model_draft = draft if uses_draft_model(system.get("kind", ""), system.get("params", {})) else None
-        ceiling = pooled_ceiling(runs, verify, model_draft, alone)
-        if name == "baseline":
-            ceiling = 1.0
-        context = median([r["prompt_tokens"] + r["completion_tokens"] / 2 for r in runs])
-        length = max(1, round(k_mean))  # the draft's cost per token at its typical length in this run
-        costs = {"context": context, "verify": {str(n): verify(n, int(context)) for n in COST_SIZES},
-                 "draft_per_token": (draft(length, int(context)) / length
-                                     if model_draft is not None and draft.ready else None)}
-    elif system.get("kind") == LLAMA_CPP and a is not None and k_mean > 0:
-        fit = _anchor_fit(system, fits)
-        if fit is not None and fit[1].ready:
-            verify, draft = fit
-            context = int(median([r["prompt_tokens"] + r["completion_tokens"] / 2 for r in runs]))
-            c_draft = draft(8, context) / 8 if uses_draft_model(system["kind"], system.get("params", {})) else 0.0
-            one_token = alone or verify
-            ceiling = predicted_speedup(a, k_mean, c_draft,
-                                        lambda n: (one_token if round(n) <= 1 else verify)(max(1, round(n)), context))
-    speedup = geomean(list(speedups.values())) if speedups else None
+        model_draft = draft if _drafts_with_model(system) else None
+        ceiling = 1.0 if system["name"] == "baseline" else pooled_ceiling(runs, verify, model_draft, alone)
+        return ceiling, _costs(runs, verify, model_draft, drafting.mean_length)
+    a = drafting.per_token_acceptance
+    if system.get("kind") == LLAMA_CPP and a is not None and drafting.mean_length > 0:
+        return _anchor_ceiling(system, runs, fits, alone, a, drafting.mean_length), None
+    return None, None
 
+
+def _costs(runs: list[dict], verify, model_draft, k_mean: float) -> dict:
+    """The fitted costs at the row's typical context: a verify pass of each of COST_SIZES tokens, and
+    the draft model's cost per token at its typical length in this run (None without one)."""
+    context = _typical_context(runs)
+    length = max(1, round(k_mean))
+    return {"context": context, "verify": {str(n): verify(n, int(context)) for n in COST_SIZES},
+            "draft_per_token": (model_draft(length, int(context)) / length
+                                if model_draft is not None and model_draft.ready else None)}
+
+
+def _anchor_ceiling(system: dict, runs: list[dict], fits: dict[str, tuple], alone, a: float,
+                    k_mean: float) -> float | None:
+    """The standard model's speedup at the anchor's acceptance `a` and mean draft length, priced with
+    localspec's costs for the same K (None when no fit is ready)."""
+    fit = _anchor_fit(system, fits)
+    if fit is None or not fit[1].ready:
+        return None
+    verify, draft = fit
+    context = int(_typical_context(runs))
+    c_draft = draft(8, context) / 8 if _drafts_with_model(system) else 0.0
+    one_token = alone or verify
+    return predicted_speedup(a, k_mean, c_draft,
+                             lambda n: (one_token if round(n) <= 1 else verify)(max(1, round(n)), context))
+
+
+def _one_shot(by_prompt: dict[str, list[dict]], one_shot_base: dict[str, float]) -> dict:
+    """one_shot_wall (summed over prompts) and one_shot_speedup (the baseline's over it, geometric mean)."""
     shots = one_shot_walls((pid, r) for pid, rs in by_prompt.items() for r in rs)
-    shot_ratios = [one_shot_base[pid] / t for pid, t in shots.items() if one_shot_base.get(pid)]
+    ratios = [one_shot_base[pid] / t for pid, t in shots.items() if one_shot_base.get(pid)]
+    return {"one_shot_wall": sum(shots.values()) if shots else None,
+            "one_shot_speedup": geomean(ratios) if ratios else None}
 
+
+def _per_run_figures(runs: list[dict]) -> dict:
+    """The figures pooled over runs: TTFT, per-token latency, greedy match, host time per token."""
     latencies = [x for r in runs for x in (r.get("latencies") or [])]
     ttfts = [r["ttft"] for r in runs if r.get("ttft") is not None]
     matches = [r["match"] for r in runs if r.get("match") is not None]
     host = [(r["host_ms_per_token"], r["completion_tokens"]) for r in runs
             if r.get("host_ms_per_token") is not None and r.get("completion_tokens")]
     return {
-        "system": name,
-        "workload": workload,
-        "n_prompts": len(by_prompt),
-        "n_runs": len(runs),
-        "tokens_per_second": tokens / time if time > 0 else None,
-        "speedup": speedup,
-        "speedup_per_prompt": speedups,
-        "paired_speedup": geomean(list(paired.values())) if paired else None,
-        "paired_interval": ratio_interval(paired_ratios),
-        "acceptance_rate": accepted / drafted if drafted else None,
-        "per_token_acceptance": a,
-        "mean_accepted_length": accepted / steps if steps else None,
-        "tokens_per_step": tokens_per_step,
-        "mean_draft_length": k_mean if steps else None,
-        "ceiling": ceiling,
-        "efficiency": speedup / ceiling if speedup and ceiling else None,
-        "one_shot_wall": sum(shots.values()) if shots else None,
-        "one_shot_speedup": geomean(shot_ratios) if shot_ratios else None,
         "ttft": median(ttfts) if ttfts else None,
-        "ttft_ratio": geomean(list(ttft_ratios.values())) if ttft_ratios else None,
         "latency_p50": percentile(latencies, 50) if latencies else None,
         "latency_p95": percentile(latencies, 95) if latencies else None,
-        "peak_rss": system.get("peak_rss"),
         "greedy_match": sum(matches) / len(matches) if matches else None,
         "mismatched_runs": sum(1 for m in matches if m < 1.0),
-        "costs": costs,
         # the controller's own time per token, outside llama.cpp (localspec's runs only)
         "host_ms_per_token": sum(h * n for h, n in host) / sum(n for _, n in host) if host else None,
     }
