@@ -164,7 +164,8 @@ def _tokens_per_second(by_prompt: dict[str, list[dict]]) -> float | None:
     return tokens / time if time > 0 else None
 
 
-def _per_prompt(by_prompt: dict[str, list[dict]], ratios: Callable[[str, list[dict]], list[float]]) -> dict[str, list[float]]:
+def _per_prompt(by_prompt: dict[str, list[dict]],
+                ratios: Callable[[str, list[dict]], list[float]]) -> dict[str, list[float]]:
     """Per prompt id, `ratios(prompt id, its runs)`; prompts with none are left out."""
     out = {}
     for pid, rs in by_prompt.items():
