@@ -611,3 +611,165 @@ def test_the_report_weighs_host_time_per_token_by_tokens():
     rows = {(r["system"], r["workload"]): r for r in report.aggregate(rep)}
     assert rows[("k4", "chat")]["host_ms_per_token"] == pytest.approx((100 + 4 * 300) / 400)
     assert rows[("baseline", "chat")]["host_ms_per_token"] is None
+
+
+# ---------------------------------------------------------------------------------------- the report, pinned
+
+GOLDEN = Path(__file__).resolve().parent / "data" / "bench_report"
+
+
+def _full_report():
+    """A hand-made run that reaches every part of the report: two workloads (so "all" rows), a
+    drafting system with paired, one-shot and host-time figures, an adaptive system, a C++ anchor
+    (its ceiling from localspec's costs), a skipped system, notes, and the machine and setup."""
+    rep = _synthetic_report()
+    rep["systems"][2] = {"name": "llama.cpp-k4", "kind": "llama.cpp", "params": {"k": 4},
+                         "description": "llama.cpp's speculative decoding, K=4", "status": "ok", "peak_rss": 3 * 2**28}
+    rep["systems"][0]["description"] = "the oracle alone"
+    rep["systems"][1]["description"] = "a draft model, K=4"
+    rep["systems"] += [{"name": "adaptive", "kind": "localspec", "params": {"draft": "model"},
+                        "description": "the length policy", "status": "ok", "peak_rss": 2**30 + 2**20},
+                       {"name": "lookup", "kind": "localspec", "params": {"draft": "ngram"},
+                        "description": "prompt lookup", "status": "skipped", "reason": "failed on p1: boom"}]
+    for r in rep["runs"]:
+        r["ttft"] = (0.1 if r["prompt_id"] == "p1" else 0.3) * (1.0 if r["system"] == "baseline" else 1.2)
+        r["one_shot_wall"] = (5.0 if r["system"] == "baseline" else 4.0) + 0.1 * r["rep"]
+        r["host_ms_per_token"] = 0.5 + 0.1 * r["rep"]
+        if r["system"] == "k4":
+            r["paired_tokens_per_second"] = r["tokens_per_second"] / (1.8 + 0.05 * r["rep"])
+            r["paired_records"] = [[0, 0, 0, 0.0, 1.1 * verify_cost(1), 100 + i, 0] for i in range(20)]
+    for rep_i in range(3):
+        for workload, pid, base_tps in (("chat", "p1", 50.0), ("chat", "p2", 40.0), ("code", "c1", 30.0)):
+            if workload == "code":
+                rep["runs"].append({"system": "baseline", "workload": workload, "prompt_id": pid, "rep": rep_i,
+                                    "completion_tokens": 80, "tokens_per_second": base_tps + rep_i, "ttft": 0.2,
+                                    "drafted": 0, "accepted": 0, "steps": 80, "latencies": [0.03] * 79,
+                                    "prompt_tokens": 200, "match": 1.0, "one_shot_wall": 6.0,
+                                    "records": [[0, 0, 0, 0.0, verify_cost(1), 200 + i, 0] for i in range(80)]})
+                rep["runs"].append({"system": "k4", "workload": workload, "prompt_id": pid, "rep": rep_i,
+                                    "completion_tokens": 80, "tokens_per_second": 2.5 * (base_tps + rep_i),
+                                    "ttft": 0.25, "drafted": 80, "accepted": 70, "steps": 20,
+                                    "latencies": [0.012] * 79, "prompt_tokens": 200, "match": 1.0,
+                                    "records": _k4_records(200)[:21], "one_shot_wall": 3.5 + 0.2 * rep_i})
+            rep["runs"].append({"system": "adaptive", "workload": workload, "prompt_id": pid, "rep": rep_i,
+                                "completion_tokens": 90, "tokens_per_second": 2.2 * (base_tps + rep_i),
+                                "ttft": 0.12, "drafted": 60, "accepted": 50, "steps": 40, "latencies": [0.011] * 89,
+                                "prompt_tokens": 100, "match": 0.9 if rep_i == 1 else 1.0,
+                                "records": [[3, 3, 2, 0.003, verify_cost(4), 100 + 3 * i, 3] for i in range(40)],
+                                "host_ms_per_token": 0.7})
+            rep["runs"].append({"system": "llama.cpp-k4", "workload": workload, "prompt_id": pid, "rep": rep_i,
+                                "completion_tokens": 100, "tokens_per_second": 1.7 * (base_tps + rep_i), "ttft": None,
+                                "drafted": 100, "accepted": 60, "steps": 40, "latencies": [], "prompt_tokens": 100,
+                                "match": 0.8, "one_shot_wall": 4.5, "peak_rss": 3 * 2**28})
+    rep["config"] = {
+        "pair": "smollm2-135m", "oracle": "smollm2-135m-f32", "draft": "smollm2-135m-q4", "cross_tokenizer": False,
+        "oracle_path": "/cache/oracle.gguf", "draft_path": "/cache/draft.gguf", "threads": 2, "n_ctx": 4096,
+        "reps": 3, "temperature": 0.0, "paired": True, "one_shot": True,
+        "mixed_warmup": {"requests": 12, "max_tokens": 48, "temperatures": [1.0, 0.7]},
+        "workloads": ["chat", "code"],
+        "prompts": [{"workload": "chat", "id": "p1", "max_tokens": 100, "prompt_tokens": 100},
+                    {"workload": "chat", "id": "p2", "max_tokens": 100, "prompt_tokens": 100},
+                    {"workload": "code", "id": "c1", "max_tokens": 80, "prompt_tokens": 200}]}
+    rep["machine"] = {"cpu": "AMD EPYC 7B13", "cpu_flags": ["avx", "avx2", "fma"], "llama_cpp_system_info": "CPU : AVX2 = 1",
+                      "logical_cpus": 4, "physical_cores": 2, "threads": 2, "ram_bytes": 16 * 2**30 + 2**28,
+                      "os": "Linux 6.1", "python": "3.11.9", "llama_cpp_python": "0.3.16", "localspec": "0.9.0",
+                      "git_commit": "abc1234", "load_average_start": [1.0, 0.5, 0.25],
+                      "load_average_end": [2.125, 1.0, 0.5]}
+    rep.update(schema="localspec-bench/1", created="2025-01-02T03:04:05+00:00", elapsed_seconds=123.4,
+               notes=["the C++ anchor's prompt text does not tokenize to exactly localspec's prompt tokens for: p2"])
+    rep["results"] = report.aggregate(rep)
+    return rep
+
+
+def _rounded(x):
+    """Floats to 10 significant digits: the pin holds what the report computes, not the last bits of
+    a least-squares fit."""
+    if isinstance(x, float):
+        return float(f"{x:.10g}")
+    if isinstance(x, dict):
+        return {k: _rounded(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_rounded(v) for v in x]
+    return x
+
+
+def _golden_outputs():
+    """(name, text) of every pinned output: the result rows (JSON), results documents with and without
+    the optional parts, and the summary `localspec bench` prints."""
+    full = report.clean(_full_report())
+    plain = _synthetic_report()
+    plain.update(machine={}, created="2025-01-02T03:04:05+00:00",
+                 config={**plain["config"], "oracle": "o.gguf", "draft": None, "n_ctx": 512, "reps": 3,
+                         "workloads": ["chat"]})
+    for s in plain["systems"]:
+        s["description"] = f"the {s['name']} system"
+    plain["results"] = report.aggregate(plain)
+    plain = report.clean(plain)
+    charts = {"Speedup against acceptance": "speedup_vs_acceptance.png", "Tokens per second": "tokens_per_second.png"}
+    return [("rows.json", json.dumps(_rounded(full["results"]), indent=1, ensure_ascii=False) + "\n"),
+            ("RESULTS.md", report.results_document(full, charts, command="localspec bench --paired --one-shot")),
+            ("RESULTS-plain.md", report.results_document(plain)),
+            ("summary.txt", report.summary(full))]
+
+
+@pytest.mark.parametrize("name", ["rows.json", "RESULTS.md", "RESULTS-plain.md", "summary.txt"])
+def test_the_report_matches_its_pinned_output(name):
+    """The result rows, the results document and the summary of a fixed, hand-made run, as committed
+    in tests/data/bench_report/ (rewrite them with `python tests/test_bench.py --write-golden` when a
+    change to the report is meant)."""
+    text = dict(_golden_outputs())[name]
+    assert text == (GOLDEN / name).read_text("utf-8")
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--write-golden"]:
+    GOLDEN.mkdir(parents=True, exist_ok=True)
+    for name, text in _golden_outputs():
+        (GOLDEN / name).write_text(text, "utf-8")
+
+
+CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC 7B13
+physical id\t: 0
+core id\t: 0
+flags\t\t: fpu sse4_2 avx avx2 fma f16c
+
+processor\t: 1
+model name\t: AMD EPYC 7B13
+physical id\t: 0
+core id\t: 0
+flags\t\t: fpu sse4_2 avx avx2 fma f16c
+
+processor\t: 2
+model name\t: AMD EPYC 7B13
+physical id\t: 0
+core id\t: 1
+flags\t\t: fpu sse4_2 avx avx2 fma f16c
+"""
+
+
+def test_machine_info_reads_the_cpu_its_features_cores_and_memory(monkeypatch):
+    """From /proc/cpuinfo (the flags llama.cpp cares about, in CPU_FLAGS' order; physical cores as
+    distinct (physical id, core id) pairs, the last block without a blank line after it) and
+    /proc/meminfo."""
+    from localspec.bench import runner
+
+    real = Path.read_text
+    files = {"/proc/cpuinfo": CPUINFO, "/proc/meminfo": "MemTotal:       16384 kB\nMemFree:  1 kB\n"}
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: files[str(self)] if str(self) in files
+                        else real(self, *a, **k))
+    info = runner.machine_info(3)
+    assert info["cpu"] == "AMD EPYC 7B13" and info["cpu_flags"] == ["sse4_2", "avx", "avx2", "fma", "f16c"]
+    assert info["physical_cores"] == 2 and info["ram_bytes"] == 16384 * 1024 and info["threads"] == 3
+    assert list(info) == ["cpu", "cpu_flags", "llama_cpp_system_info", "logical_cpus", "physical_cores", "threads",
+                          "ram_bytes", "os", "python", "llama_cpp_python", "localspec", "git_commit",
+                          "load_average_start"]
+
+    def missing(self, *a, **k):
+        if str(self).startswith("/proc/"):
+            raise OSError("no /proc here")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Path, "read_text", missing)
+    info = runner.machine_info(1)
+    assert info["cpu_flags"] == [] and info["physical_cores"] is None and info["ram_bytes"] > 0

@@ -35,8 +35,9 @@ import json
 import math
 import re
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from localspec.bench.ceiling import (acceptance_from_tokens_per_step, fit_costs, geomean, median, percentile, predicted_speedup,
                       ratio_interval, record_ceiling)
@@ -91,7 +92,7 @@ def repriced(reports: Mapping[str, dict]) -> dict[tuple[str, str, str], float]:
         for system in rep["systems"]:
             if system.get("kind") == LLAMA_CPP:
                 continue
-            model_draft = draft if uses_draft_model(system.get("kind", ""), system.get("params", {})) else None
+            model_draft = draft if _drafts_with_model(system) else None
             for workload in sorted({w for w, name in rows if name == system["name"]}):
                 x = pooled_ceiling(rows[(workload, system["name"])], verify, model_draft, alone)
                 if x is not None:
@@ -131,101 +132,192 @@ def _anchor_fit(system: dict, fits: dict[str, tuple]) -> tuple | None:
 
 def _row(system: dict, workload: str, runs: list[dict], base: dict[tuple[str, int], dict], fits: dict[str, tuple],
          one_shot_base: dict[str, float]) -> dict:
-    name = system["name"]
+    """One result row (RESULT_FIELDS, in that order): a system's runs on one workload (or on all of
+    them), set against the baseline's runs of the same prompt and repetition (`base`, by (prompt id,
+    rep)) and the baseline's one-shot wall times (`one_shot_base`, by prompt id)."""
+    by_prompt = _by_prompt(runs)
+    drafting = _Drafting.of(runs)
+    ceiling, costs = _ceiling_and_costs(system, runs, fits, drafting)
+    fields = {"system": system["name"], "workload": workload, "n_prompts": len(by_prompt), "n_runs": len(runs),
+              "tokens_per_second": _tokens_per_second(by_prompt), "ceiling": ceiling, "costs": costs,
+              "peak_rss": system.get("peak_rss"), **_against_baseline(by_prompt, base), **drafting.fields(),
+              **_one_shot(by_prompt, one_shot_base), **_per_run_figures(runs)}
+    fields["efficiency"] = fields["speedup"] / ceiling if fields["speedup"] and ceiling else None
+    return {name: fields[name] for name in RESULT_FIELDS}
+
+
+def _by_prompt(runs: list[dict]) -> dict[str, list[dict]]:
+    """The runs grouped by prompt id, in the order the prompts first appear."""
     by_prompt: dict[str, list[dict]] = defaultdict(list)
     for r in runs:
         by_prompt[r["prompt_id"]].append(r)
+    return by_prompt
 
+
+def _tokens_per_second(by_prompt: dict[str, list[dict]]) -> float | None:
+    """Tokens over generation time, each the median over a prompt's repetitions, summed over prompts."""
     tokens = time = 0.0
-    speedups: dict[str, float] = {}
-    ttft_ratios: dict[str, float] = {}
-    paired: dict[str, float] = {}
-    paired_ratios: list[float] = []  # every run's
-    for pid, rs in by_prompt.items():
+    for rs in by_prompt.values():
         tokens += median([r["completion_tokens"] for r in rs])
         time += median([r["completion_tokens"] / r["tokens_per_second"] for r in rs if r["tokens_per_second"] > 0]
                        or [math.inf])
-        ratios = [r["tokens_per_second"] / b["tokens_per_second"] for r in rs
-                  if (b := base.get((pid, r["rep"]))) and b["tokens_per_second"] > 0]
-        if ratios:
-            speedups[pid] = median(ratios)
-        ratios = [r["ttft"] / b["ttft"] for r in rs
-                  if r.get("ttft") and (b := base.get((pid, r["rep"]))) and b.get("ttft")]
-        if ratios:
-            ttft_ratios[pid] = median(ratios)
-        ratios = [r["tokens_per_second"] / r["paired_tokens_per_second"] for r in rs
-                  if (r.get("paired_tokens_per_second") or 0) > 0]
-        if ratios:
-            paired[pid] = median(ratios)
-            paired_ratios += ratios
+    return tokens / time if time > 0 else None
 
-    drafted = sum(r["drafted"] or 0 for r in runs)
-    accepted = sum(r["accepted"] or 0 for r in runs)
-    steps = sum(r["steps"] or 0 for r in runs)
-    tokens_per_step = 1.0 + accepted / steps if steps else None
-    k_mean = drafted / steps if steps else 0.0
-    a = acceptance_from_tokens_per_step(tokens_per_step, k_mean) if tokens_per_step and k_mean > 0 else None
 
-    ceiling = costs = None
-    own = fits.get(name)
+def _per_prompt(by_prompt: dict[str, list[dict]],
+                ratios: Callable[[str, list[dict]], list[float]]) -> dict[str, list[float]]:
+    """Per prompt id, `ratios(prompt id, its runs)`; prompts with none are left out."""
+    out = {}
+    for pid, rs in by_prompt.items():
+        if xs := ratios(pid, rs):
+            out[pid] = xs
+    return out
+
+
+def _against_baseline(by_prompt: dict[str, list[dict]], base: dict[tuple[str, int], dict]) -> dict:
+    """speedup (with speedup_per_prompt), ttft_ratio and the paired figures: per prompt the median of
+    its runs' ratios, then the geometric mean over prompts (the paired interval from every run's)."""
+    speedups = _medians(_per_prompt(by_prompt, lambda pid, rs: _speed_ratios(pid, rs, base)))
+    ttft_ratios = _medians(_per_prompt(by_prompt, lambda pid, rs: _ttft_ratios(pid, rs, base)))
+    paired = _per_prompt(by_prompt, lambda _pid, rs: _paired_ratios(rs))
+    return {"speedup": _geomean_or_none(speedups), "speedup_per_prompt": speedups,
+            "paired_speedup": _geomean_or_none(_medians(paired)),
+            "paired_interval": ratio_interval([x for xs in paired.values() for x in xs]),
+            "ttft_ratio": _geomean_or_none(ttft_ratios)}
+
+
+def _speed_ratios(pid: str, runs: list[dict], base: dict[tuple[str, int], dict]) -> list[float]:
+    """Each run's tokens/s over the baseline's on the same prompt in the same repetition."""
+    return [r["tokens_per_second"] / b["tokens_per_second"] for r in runs
+            if (b := base.get((pid, r["rep"]))) and b["tokens_per_second"] > 0]
+
+
+def _ttft_ratios(pid: str, runs: list[dict], base: dict[tuple[str, int], dict]) -> list[float]:
+    """Each run's time to first token over the baseline's on the same prompt in the same repetition."""
+    return [r["ttft"] / b["ttft"] for r in runs if r.get("ttft") and (b := base.get((pid, r["rep"]))) and b.get("ttft")]
+
+
+def _paired_ratios(runs: list[dict]) -> list[float]:
+    """Each run's tokens/s over its own process's run with drafting off (`--paired`)."""
+    return [r["tokens_per_second"] / r["paired_tokens_per_second"] for r in runs
+            if (r.get("paired_tokens_per_second") or 0) > 0]
+
+
+def _medians(per_prompt: dict[str, list[float]]) -> dict[str, float]:
+    return {pid: median(xs) for pid, xs in per_prompt.items()}
+
+
+def _geomean_or_none(per_prompt: dict[str, float]) -> float | None:
+    return geomean(list(per_prompt.values())) if per_prompt else None
+
+
+@dataclass(frozen=True)
+class _Drafting:
+    """A row's drafting totals over its runs, and the figures they give."""
+
+    drafted: int
+    accepted: int
+    steps: int
+
+    @classmethod
+    def of(cls, runs: list[dict]) -> _Drafting:
+        return cls(sum(r["drafted"] or 0 for r in runs), sum(r["accepted"] or 0 for r in runs),
+                   sum(r["steps"] or 0 for r in runs))
+
+    @property
+    def tokens_per_step(self) -> float | None:
+        return 1.0 + self.accepted / self.steps if self.steps else None
+
+    @property
+    def mean_length(self) -> float:
+        """Draft tokens per step (0.0 without steps)."""
+        return self.drafted / self.steps if self.steps else 0.0
+
+    @property
+    def per_token_acceptance(self) -> float | None:
+        tokens_per_step, k = self.tokens_per_step, self.mean_length
+        return acceptance_from_tokens_per_step(tokens_per_step, k) if tokens_per_step and k > 0 else None
+
+    def fields(self) -> dict:
+        return {"acceptance_rate": self.accepted / self.drafted if self.drafted else None,
+                "per_token_acceptance": self.per_token_acceptance,
+                "mean_accepted_length": self.accepted / self.steps if self.steps else None,
+                "tokens_per_step": self.tokens_per_step,
+                "mean_draft_length": self.mean_length if self.steps else None}
+
+
+def _drafts_with_model(system: dict) -> bool:
+    return uses_draft_model(system.get("kind", ""), system.get("params", {}))
+
+
+def _typical_context(runs: list[dict]) -> float:
+    """The context a row's passes typically see: the median of prompt + half the completion."""
+    return median([r["prompt_tokens"] + r["completion_tokens"] / 2 for r in runs])
+
+
+def _ceiling_and_costs(system: dict, runs: list[dict], fits: dict[str, tuple],
+                       drafting: _Drafting) -> tuple[float | None, dict | None]:
+    """The row's ceiling, from the system's own fitted costs (then also those costs, for the report),
+    or for the C++ anchor from localspec's (see _anchor_fit); (None, None) when neither applies."""
     alone = fits["baseline"][0] if "baseline" in fits else None  # the oracle's one-token cost, from its own run
+    own = fits.get(system["name"])
     if own is not None:
         verify, draft = own
-        model_draft = draft if uses_draft_model(system.get("kind", ""), system.get("params", {})) else None
-        ceiling = pooled_ceiling(runs, verify, model_draft, alone)
-        if name == "baseline":
-            ceiling = 1.0
-        context = median([r["prompt_tokens"] + r["completion_tokens"] / 2 for r in runs])
-        length = max(1, round(k_mean))  # the draft's cost per token at its typical length in this run
-        costs = {"context": context, "verify": {str(n): verify(n, int(context)) for n in COST_SIZES},
-                 "draft_per_token": (draft(length, int(context)) / length
-                                     if model_draft is not None and draft.ready else None)}
-    elif system.get("kind") == LLAMA_CPP and a is not None and k_mean > 0:
-        fit = _anchor_fit(system, fits)
-        if fit is not None and fit[1].ready:
-            verify, draft = fit
-            context = int(median([r["prompt_tokens"] + r["completion_tokens"] / 2 for r in runs]))
-            c_draft = draft(8, context) / 8 if uses_draft_model(system["kind"], system.get("params", {})) else 0.0
-            one_token = alone or verify
-            ceiling = predicted_speedup(a, k_mean, c_draft,
-                                        lambda n: (one_token if round(n) <= 1 else verify)(max(1, round(n)), context))
-    speedup = geomean(list(speedups.values())) if speedups else None
+        model_draft = draft if _drafts_with_model(system) else None
+        ceiling = 1.0 if system["name"] == "baseline" else pooled_ceiling(runs, verify, model_draft, alone)
+        return ceiling, _costs(runs, verify, model_draft, drafting.mean_length)
+    a = drafting.per_token_acceptance
+    if system.get("kind") == LLAMA_CPP and a is not None and drafting.mean_length > 0:
+        return _anchor_ceiling(system, runs, fits, alone, a, drafting.mean_length), None
+    return None, None
 
+
+def _costs(runs: list[dict], verify, model_draft, k_mean: float) -> dict:
+    """The fitted costs at the row's typical context: a verify pass of each of COST_SIZES tokens, and
+    the draft model's cost per token at its typical length in this run (None without one)."""
+    context = _typical_context(runs)
+    length = max(1, round(k_mean))
+    return {"context": context, "verify": {str(n): verify(n, int(context)) for n in COST_SIZES},
+            "draft_per_token": (model_draft(length, int(context)) / length
+                                if model_draft is not None and model_draft.ready else None)}
+
+
+def _anchor_ceiling(system: dict, runs: list[dict], fits: dict[str, tuple], alone, a: float,
+                    k_mean: float) -> float | None:
+    """The standard model's speedup at the anchor's acceptance `a` and mean draft length, priced with
+    localspec's costs for the same K (None when no fit is ready)."""
+    fit = _anchor_fit(system, fits)
+    if fit is None or not fit[1].ready:
+        return None
+    verify, draft = fit
+    context = int(_typical_context(runs))
+    c_draft = draft(8, context) / 8 if _drafts_with_model(system) else 0.0
+    one_token = alone or verify
+    return predicted_speedup(a, k_mean, c_draft,
+                             lambda n: (one_token if round(n) <= 1 else verify)(max(1, round(n)), context))
+
+
+def _one_shot(by_prompt: dict[str, list[dict]], one_shot_base: dict[str, float]) -> dict:
+    """one_shot_wall (summed over prompts) and one_shot_speedup (the baseline's over it, geometric mean)."""
     shots = one_shot_walls((pid, r) for pid, rs in by_prompt.items() for r in rs)
-    shot_ratios = [one_shot_base[pid] / t for pid, t in shots.items() if one_shot_base.get(pid)]
+    ratios = [one_shot_base[pid] / t for pid, t in shots.items() if one_shot_base.get(pid)]
+    return {"one_shot_wall": sum(shots.values()) if shots else None,
+            "one_shot_speedup": geomean(ratios) if ratios else None}
 
+
+def _per_run_figures(runs: list[dict]) -> dict:
+    """The figures pooled over runs: TTFT, per-token latency, greedy match, host time per token."""
     latencies = [x for r in runs for x in (r.get("latencies") or [])]
     ttfts = [r["ttft"] for r in runs if r.get("ttft") is not None]
     matches = [r["match"] for r in runs if r.get("match") is not None]
     host = [(r["host_ms_per_token"], r["completion_tokens"]) for r in runs
             if r.get("host_ms_per_token") is not None and r.get("completion_tokens")]
     return {
-        "system": name,
-        "workload": workload,
-        "n_prompts": len(by_prompt),
-        "n_runs": len(runs),
-        "tokens_per_second": tokens / time if time > 0 else None,
-        "speedup": speedup,
-        "speedup_per_prompt": speedups,
-        "paired_speedup": geomean(list(paired.values())) if paired else None,
-        "paired_interval": ratio_interval(paired_ratios),
-        "acceptance_rate": accepted / drafted if drafted else None,
-        "per_token_acceptance": a,
-        "mean_accepted_length": accepted / steps if steps else None,
-        "tokens_per_step": tokens_per_step,
-        "mean_draft_length": k_mean if steps else None,
-        "ceiling": ceiling,
-        "efficiency": speedup / ceiling if speedup and ceiling else None,
-        "one_shot_wall": sum(shots.values()) if shots else None,
-        "one_shot_speedup": geomean(shot_ratios) if shot_ratios else None,
         "ttft": median(ttfts) if ttfts else None,
-        "ttft_ratio": geomean(list(ttft_ratios.values())) if ttft_ratios else None,
         "latency_p50": percentile(latencies, 50) if latencies else None,
         "latency_p95": percentile(latencies, 95) if latencies else None,
-        "peak_rss": system.get("peak_rss"),
         "greedy_match": sum(matches) / len(matches) if matches else None,
         "mismatched_runs": sum(1 for m in matches if m < 1.0),
-        "costs": costs,
         # the controller's own time per token, outside llama.cpp (localspec's runs only)
         "host_ms_per_token": sum(h * n for h, n in host) / sum(n for _, n in host) if host else None,
     }
@@ -370,104 +462,132 @@ def summary(report: dict) -> str:
 
 def results_document(report: dict, charts: dict[str, str] | None = None, command: str | None = None) -> str:
     """benchmarks/RESULTS.md: the machine, the models, the table, the charts and how to read them."""
-    m, c = report["machine"], report["config"]
-    ram = f"{m['ram_bytes'] / 2**30:.1f} GiB" if m.get("ram_bytes") else "unknown"
-    load = lambda v: ", ".join(f"{x:.2f}" for x in v) if v else "unknown"  # noqa: E731
-    systems = "\n".join(f"| `{s['name']}` | {s['description']} | {s.get('status', 'ok')}"
-                        f"{': ' + s['reason'] if s.get('reason') else ''} |" for s in report["systems"])
-    out = [
-        "# localspec benchmark results",
-        "",
-        f"Generated by `localspec bench` on {report['created']} (localspec {m.get('localspec')}"
-        f"{', commit ' + m['git_commit'] if m.get('git_commit') else ''}"
-        + (f"): `{command}`. " if command else "). ") + "Regenerate with `scripts/regenerate_bench.sh`.",
-        "",
-        "## Machine",
-        "",
-        "| | |",
-        "|---|---|",
-        f"| CPU | {m.get('cpu')} |",
-        f"| CPU features | {', '.join(m.get('cpu_flags') or []) or 'unknown'} |",
-        f"| llama.cpp backend | {m.get('llama_cpp_system_info') or 'unknown'} |",
-        f"| cores | {m.get('physical_cores') or '?'} physical, {m.get('logical_cpus')} logical |",
-        f"| threads used | {m.get('threads')} (every system) |",
-        f"| RAM | {ram} |",
-        f"| OS / Python | {m.get('os')} / {m.get('python')} |",
-        f"| llama-cpp-python | {m.get('llama_cpp_python')} (the C++ anchor is built from the same llama.cpp sources) |",
-        f"| load average (1, 5, 15 min) | start {load(m.get('load_average_start'))}; end {load(m.get('load_average_end'))} |",
-        "",
-        "## Setup",
-        "",
-        f"- oracle: `{c['oracle']}`; draft: `{c['draft']}`" + (f" (pair `{c['pair']}`)" if c.get("pair") else ""),
-        f"- greedy decoding (temperature 0), context {c['n_ctx']}, {c['reps']} interleaved repetitions, "
-        f"{len(c['prompts'])} prompts ({', '.join(c['workloads'])}); run time {report.get('elapsed_seconds', '?')} s",
-        *([f"- before the timed runs, each drafting localspec system answered {w['requests']} sampled requests "
-           f"(temperatures {', '.join(f'{t:g}' for t in w['temperatures'])} in turn, {w['max_tokens']} tokens each): "
-           "mixed traffic, as a server sees"] if (w := c.get("mixed_warmup")) and w.get("requests") else []),
-        "- every figure is measured in the same run, on the same prompts, GGUF files and thread count",
-        "",
-        "| system | what | status |",
-        "|---|---|---|",
-        systems,
-        "",
-        "## Results",
-        "",
-        *[f"- {line}" for line in headline(report)],
-        "",
-        markdown_table(report),
-        "",
-    ]
+    out = [*_document_heading(report, command), *_machine_section(report["machine"]), *_setup_section(report),
+           *_results_section(report)]
     if report.get("notes"):
         out += ["Notes:", ""] + [f"- {n}" for n in report["notes"]] + [""]
     if charts:
         out += ["## Charts", ""]
         for title, path in charts.items():
             out += [f"![{title}]({path})", ""]
-    out += [
-        "## How to read this",
+    out += _how_to_read(report)
+    return "\n".join(out)
+
+
+def _document_heading(report: dict, command: str | None) -> list[str]:
+    """The title and where the document came from: when, which localspec, the command line."""
+    m = report["machine"]
+    return ["# localspec benchmark results", "",
+            f"Generated by `localspec bench` on {report['created']} (localspec {m.get('localspec')}"
+            f"{', commit ' + m['git_commit'] if m.get('git_commit') else ''}"
+            + (f"): `{command}`. " if command else "). ") + "Regenerate with `scripts/regenerate_bench.sh`.", ""]
+
+
+def _machine_section(m: dict) -> list[str]:
+    """The machine's table: CPU, features, llama.cpp's backend, cores, threads, memory, software, load."""
+    ram = f"{m['ram_bytes'] / 2**30:.1f} GiB" if m.get("ram_bytes") else "unknown"
+    load = lambda v: ", ".join(f"{x:.2f}" for x in v) if v else "unknown"  # noqa: E731
+    rows = [
+        ("CPU", m.get("cpu")),
+        ("CPU features", ", ".join(m.get("cpu_flags") or []) or "unknown"),
+        ("llama.cpp backend", m.get("llama_cpp_system_info") or "unknown"),
+        ("cores", f"{m.get('physical_cores') or '?'} physical, {m.get('logical_cpus')} logical"),
+        ("threads used", f"{m.get('threads')} (every system)"),
+        ("RAM", ram),
+        ("OS / Python", f"{m.get('os')} / {m.get('python')}"),
+        ("llama-cpp-python", f"{m.get('llama_cpp_python')} (the C++ anchor is built from the same llama.cpp sources)"),
+        ("load average (1, 5, 15 min)",
+         f"start {load(m.get('load_average_start'))}; end {load(m.get('load_average_end'))}"),
+    ]
+    return ["## Machine", "", "| | |", "|---|---|", *(f"| {name} | {value} |" for name, value in rows), ""]
+
+
+def _setup_section(report: dict) -> list[str]:
+    """The models, the decoding and repetitions, the warm-up, and the systems with their status."""
+    c = report["config"]
+    w = c.get("mixed_warmup")
+    warmup = ([f"- before the timed runs, each drafting localspec system answered {w['requests']} sampled requests "
+               f"(temperatures {', '.join(f'{t:g}' for t in w['temperatures'])} in turn, {w['max_tokens']} tokens "
+               "each): mixed traffic, as a server sees"] if w and w.get("requests") else [])
+    systems = [f"| `{s['name']}` | {s['description']} | {s.get('status', 'ok')}"
+               f"{': ' + s['reason'] if s.get('reason') else ''} |" for s in report["systems"]]
+    return [
+        "## Setup",
         "",
-        "- **tok/s**: generated tokens per second after the oracle's prompt evaluation (the draft's, in its "
-        "first proposal, counts: only speculation pays it; for `llama.cpp`, the "
-        "`decoded N tokens ... speed` it prints; for `lcp-lookup`, first to last token).",
-        "- **speedup**: tok/s over the baseline's (the oracle alone through localspec) on the same prompt in "
-        "the same repetition; median over repetitions, geometric mean over prompts.",
-        *(["- **paired speedup** (`--paired`): tok/s over the same system's own run of the same prompt with "
-           "drafting switched off, in the same process and repetition, right before or after it (alternating); "
-           "the same aggregation; in brackets, a 95% confidence interval (a t-interval over the log ratios "
-           "of every run). The baseline runs in a process of its own, and processes differ in speed by "
-           "several percent on a shared VM: the paired figure is the one to judge a few percent by."]
-          if _has_paired(report) else []),
-        "- **ceiling**: the speedup the measured costs allow for the steps the system took. localspec's "
-        "engine records every step (tokens drafted and accepted, draft and verify time, context length); a "
-        "pass-cost model, verify(n, c) and draft(l, c) as functions of the tokens in the pass and of the "
-        "context (localspec/speculative/costs.py), is fitted to all of a system's steps, and the ceiling is the oracle "
-        "alone's predicted time for the same tokens over the predicted time of those steps. For the C++ "
-        "anchor (no per-step record): the standard model, E = (1 − a^(K+1)) / (1 − a) tokens per step at "
-        "its acceptance, with the costs fitted to localspec's run of the same K. **efficiency** = speedup / "
-        "ceiling: what the implementation keeps of what the costs allow (around 100%: at the ceiling, within "
-        "noise).",
-        *(["- **one-shot**: a fresh process per prompt, as a script runs it: `localspec generate ... --json` "
-           "timed from process start to exit (imports, model loading, prompt and generation; model files "
-           "already cached, and the fitted costs an earlier process kept in the cache), the median of the "
-           "repetitions. For "
-           "the C++ anchor, its own process's wall time. **one-shot speedup**: the baseline's (`localspec "
-           "generate --no-draft`) over it, geometric mean over prompts."] if _has_one_shot(report) else []),
-        "- **acceptance**: accepted / drafted tokens; **accepted/step**: accepted draft tokens per verify pass.",
-        "- **TTFT**: time to first token, prompt evaluation included (not reported by the C++ anchor); "
-        "**TTFT vs alone**: over the oracle alone's on the same prompt and repetition (median per prompt, "
-        "geometric mean over prompts; the TTFT ms of a row is a median over runs of prompts of every length).",
-        "- **p50/p95 ms/tok**: per-token latency from chunk arrival times divided by tokens per chunk.",
-        "- **host ms/tok**: the controller's own time per token: the steps' wall time minus the time inside "
-        "llama.cpp (its decodes and the logits' read); localspec's runs only.",
-        "- **peak RSS**: of each system's own process (model weights are mmapped, so the file pages it "
-        "touched count too); for the anchor, the largest of its per-generation processes.",
-        "- **greedy match**: agreement with the baseline's greedy output in the same repetition (common "
-        "prefix over the longer output; tokens, or text characters for the anchor). llama.cpp's batched "
-        "logits can differ from one-token logits in the last bits, so on a near-tie an output can diverge "
-        "and still be the oracle's argmax at every verified position.",
+        f"- oracle: `{c['oracle']}`; draft: `{c['draft']}`" + (f" (pair `{c['pair']}`)" if c.get("pair") else ""),
+        f"- greedy decoding (temperature 0), context {c['n_ctx']}, {c['reps']} interleaved repetitions, "
+        f"{len(c['prompts'])} prompts ({', '.join(c['workloads'])}); run time {report.get('elapsed_seconds', '?')} s",
+        *warmup,
+        "- every figure is measured in the same run, on the same prompts, GGUF files and thread count",
+        "",
+        "| system | what | status |",
+        "|---|---|---|",
+        "\n".join(systems),
         "",
     ]
-    return "\n".join(out)
+
+
+def _results_section(report: dict) -> list[str]:
+    return ["## Results", "", *[f"- {line}" for line in headline(report)], "", markdown_table(report), ""]
+
+
+# What each column means, for the results document: (when, text); "paired" and "one_shot" entries
+# only for a report with those figures.
+HOW_TO_READ = (
+    ("always",
+     "- **tok/s**: generated tokens per second after the oracle's prompt evaluation (the draft's, in its "
+     "first proposal, counts: only speculation pays it; for `llama.cpp`, the "
+     "`decoded N tokens ... speed` it prints; for `lcp-lookup`, first to last token)."),
+    ("always",
+     "- **speedup**: tok/s over the baseline's (the oracle alone through localspec) on the same prompt in "
+     "the same repetition; median over repetitions, geometric mean over prompts."),
+    ("paired",
+     "- **paired speedup** (`--paired`): tok/s over the same system's own run of the same prompt with "
+     "drafting switched off, in the same process and repetition, right before or after it (alternating); "
+     "the same aggregation; in brackets, a 95% confidence interval (a t-interval over the log ratios "
+     "of every run). The baseline runs in a process of its own, and processes differ in speed by "
+     "several percent on a shared VM: the paired figure is the one to judge a few percent by."),
+    ("always",
+     "- **ceiling**: the speedup the measured costs allow for the steps the system took. localspec's "
+     "engine records every step (tokens drafted and accepted, draft and verify time, context length); a "
+     "pass-cost model, verify(n, c) and draft(l, c) as functions of the tokens in the pass and of the "
+     "context (localspec/speculative/costs.py), is fitted to all of a system's steps, and the ceiling is the oracle "
+     "alone's predicted time for the same tokens over the predicted time of those steps. For the C++ "
+     "anchor (no per-step record): the standard model, E = (1 − a^(K+1)) / (1 − a) tokens per step at "
+     "its acceptance, with the costs fitted to localspec's run of the same K. **efficiency** = speedup / "
+     "ceiling: what the implementation keeps of what the costs allow (around 100%: at the ceiling, within "
+     "noise)."),
+    ("one_shot",
+     "- **one-shot**: a fresh process per prompt, as a script runs it: `localspec generate ... --json` "
+     "timed from process start to exit (imports, model loading, prompt and generation; model files "
+     "already cached, and the fitted costs an earlier process kept in the cache), the median of the "
+     "repetitions. For "
+     "the C++ anchor, its own process's wall time. **one-shot speedup**: the baseline's (`localspec "
+     "generate --no-draft`) over it, geometric mean over prompts."),
+    ("always", "- **acceptance**: accepted / drafted tokens; **accepted/step**: accepted draft tokens per verify pass."),
+    ("always",
+     "- **TTFT**: time to first token, prompt evaluation included (not reported by the C++ anchor); "
+     "**TTFT vs alone**: over the oracle alone's on the same prompt and repetition (median per prompt, "
+     "geometric mean over prompts; the TTFT ms of a row is a median over runs of prompts of every length)."),
+    ("always", "- **p50/p95 ms/tok**: per-token latency from chunk arrival times divided by tokens per chunk."),
+    ("always",
+     "- **host ms/tok**: the controller's own time per token: the steps' wall time minus the time inside "
+     "llama.cpp (its decodes and the logits' read); localspec's runs only."),
+    ("always",
+     "- **peak RSS**: of each system's own process (model weights are mmapped, so the file pages it "
+     "touched count too); for the anchor, the largest of its per-generation processes."),
+    ("always",
+     "- **greedy match**: agreement with the baseline's greedy output in the same repetition (common "
+     "prefix over the longer output; tokens, or text characters for the anchor). llama.cpp's batched "
+     "logits can differ from one-token logits in the last bits, so on a near-tie an output can diverge "
+     "and still be the oracle's argmax at every verified position."),
+)
+
+
+def _how_to_read(report: dict) -> list[str]:
+    """The "How to read this" section: HOW_TO_READ's entries that apply to this report."""
+    shown = {"always": True, "paired": _has_paired(report), "one_shot": _has_one_shot(report)}
+    return ["## How to read this", "", *(text for when, text in HOW_TO_READ if shown[when]), ""]
 
 
 # ------------------------------------------------------------------------------------ charts
@@ -475,60 +595,102 @@ def results_document(report: dict, charts: dict[str, str] | None = None, command
 
 def write_charts(report: dict, directory: str | Path) -> tuple[dict[str, str], str | None]:
     """speedup_vs_acceptance.png and tokens_per_second.png; ({title: path}, None) or ({}, why not)."""
+    plt = _pyplot()
+    if plt is None:
+        return {}, "charts skipped: matplotlib is not installed (pip install 'localspec[bench]')"
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    data = _ChartData.of(report)
+    out: dict[str, str] = {}
+    for title, filename, draw in CHARTS:
+        fig = draw(plt, data)
+        fig.tight_layout()
+        path = directory / filename
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        out[title] = str(path)
+    return out, None
+
+
+def _pyplot():
+    """matplotlib.pyplot on the Agg backend (no display needed), or None without matplotlib."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return {}, "charts skipped: matplotlib is not installed (pip install 'localspec[bench]')"
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    rows = [r for r in report["results"] if r["workload"] != ALL]
-    workloads = _workload_order(report)
-    systems = [s["name"] for s in report["systems"] if any(r["system"] == s["name"] for r in rows)]
-    colors = {w: f"C{i}" for i, w in enumerate(workloads)}
-    markers = "os^Dv<>pP*hX"
-    out: dict[str, str] = {}
+        return None
+    return plt
 
+
+@dataclass(frozen=True)
+class _ChartData:
+    """What the charts draw: the per-workload result rows, the workloads in order and the systems
+    that have rows, with a colour per workload."""
+
+    rows: list[dict]
+    workloads: list[str]
+    systems: list[str]
+    colors: dict[str, str]
+
+    @classmethod
+    def of(cls, report: dict) -> _ChartData:
+        rows = [r for r in report["results"] if r["workload"] != ALL]
+        workloads = _workload_order(report)
+        systems = [s["name"] for s in report["systems"] if any(r["system"] == s["name"] for r in rows)]
+        return cls(rows, workloads, systems, {w: f"C{i}" for i, w in enumerate(workloads)})
+
+
+MARKERS = "os^Dv<>pP*hX"  # one per system in the speedup chart, in turn
+
+
+def _speedup_vs_acceptance(plt, data: _ChartData):
+    """Each system's speedup (filled) and ceiling (hollow, joined to it) against its acceptance rate,
+    a marker per system and a colour per workload."""
     fig, ax = plt.subplots(figsize=(8, 5.5))
-    for i, name in enumerate(systems):
+    for i, name in enumerate(data.systems):
         if name == "baseline":
             continue
-        for r in rows:
+        marker = MARKERS[i % len(MARKERS)]
+        for r in data.rows:
             if r["system"] != name or r["acceptance_rate"] is None or r["speedup"] is None:
                 continue
-            ax.scatter(r["acceptance_rate"], r["speedup"], color=colors[r["workload"]], marker=markers[i % len(markers)],
-                       s=55, zorder=3)
+            color = data.colors[r["workload"]]
+            ax.scatter(r["acceptance_rate"], r["speedup"], color=color, marker=marker, s=55, zorder=3)
             if r["ceiling"] is not None:
-                ax.scatter(r["acceptance_rate"], r["ceiling"], facecolors="none", edgecolors=colors[r["workload"]],
-                           marker=markers[i % len(markers)], s=55, zorder=2)
-                ax.plot([r["acceptance_rate"]] * 2, [r["speedup"], r["ceiling"]], color=colors[r["workload"]],
-                        lw=0.6, alpha=0.5)
+                ax.scatter(r["acceptance_rate"], r["ceiling"], facecolors="none", edgecolors=color, marker=marker,
+                           s=55, zorder=2)
+                ax.plot([r["acceptance_rate"]] * 2, [r["speedup"], r["ceiling"]], color=color, lw=0.6, alpha=0.5)
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-    from matplotlib.lines import Line2D
-
-    handles = [Line2D([], [], color=colors[w], marker="o", ls="", label=w) for w in workloads]
-    handles += [Line2D([], [], color="k", marker=markers[i % len(markers)], ls="", label=n)
-                for i, n in enumerate(systems) if n != "baseline"]
-    handles += [Line2D([], [], color="k", marker="o", mfc="none", ls="", label="ceiling (predicted)")]
-    ax.legend(handles=handles, fontsize=8, ncol=2, loc="best")
+    ax.legend(handles=_speedup_legend(data), fontsize=8, ncol=2, loc="best")
     ax.set_xlabel("acceptance rate (accepted / drafted)")
     ax.set_ylabel("speedup over the oracle alone (×)")
     ax.set_title("Speedup against acceptance (filled: measured, hollow: ceiling)")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path = directory / "speedup_vs_acceptance.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    out["Speedup against acceptance"] = str(path)
+    return fig
 
+
+def _speedup_legend(data: _ChartData) -> list:
+    """The speedup chart's legend: the workloads' colours, the systems' markers, the ceiling's look."""
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], color=data.colors[w], marker="o", ls="", label=w) for w in data.workloads]
+    handles += [Line2D([], [], color="k", marker=MARKERS[i % len(MARKERS)], ls="", label=n)
+                for i, n in enumerate(data.systems) if n != "baseline"]
+    handles += [Line2D([], [], color="k", marker="o", mfc="none", ls="", label="ceiling (predicted)")]
+    return handles
+
+
+def _tokens_per_second_chart(plt, data: _ChartData):
+    """Tokens per second: a group of bars per workload, a bar per system."""
+    systems, workloads = data.systems, data.workloads
     fig, ax = plt.subplots(figsize=(max(7, 1.2 * len(workloads) * max(1, len(systems)) / 3), 5))
     width = 0.8 / max(1, len(systems))
     for i, name in enumerate(systems):
         xs, ys = [], []
         for j, w in enumerate(workloads):
-            r = next((r for r in rows if r["system"] == name and r["workload"] == w), None)
+            r = next((r for r in data.rows if r["system"] == name and r["workload"] == w), None)
             if r and r["tokens_per_second"]:
                 xs.append(j + (i - (len(systems) - 1) / 2) * width)
                 ys.append(r["tokens_per_second"])
@@ -539,12 +701,12 @@ def write_charts(report: dict, directory: str | Path) -> tuple[dict[str, str], s
     ax.set_title("Generation speed per system and workload")
     ax.legend(fontsize=8, ncol=3)
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    path = directory / "tokens_per_second.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    out["Tokens per second"] = str(path)
-    return out, None
+    return fig
+
+
+# write_charts' charts: (title, file name, what draws it)
+CHARTS = (("Speedup against acceptance", "speedup_vs_acceptance.png", _speedup_vs_acceptance),
+          ("Tokens per second", "tokens_per_second.png", _tokens_per_second_chart))
 
 
 def clean(x: Any) -> Any:

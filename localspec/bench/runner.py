@@ -136,30 +136,65 @@ CPU_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx
 
 
 def machine_info(threads: int) -> dict:
+    """The machine a run ran on, for the report: CPU, its features and cores, memory, software
+    versions and the load average at the start."""
+    cpu, flags, physical_cores = _cpu()
+    return {
+        "cpu": cpu,
+        "cpu_flags": flags,
+        "llama_cpp_system_info": _llama_cpp_system_info(),
+        "logical_cpus": os.cpu_count(),
+        "physical_cores": physical_cores,
+        "threads": threads,
+        "ram_bytes": _ram_bytes(),
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "llama_cpp_python": anchor.llama_cpp_python_version(),
+        "localspec": __version__,
+        "git_commit": _git_commit(),
+        "load_average_start": _loadavg(),
+    }
+
+
+def _cpu() -> tuple[str, list[str], int | None]:
+    """(CPU model, its CPU_FLAGS, physical cores) from /proc/cpuinfo; without it, the platform's
+    processor name, no flags and None."""
     cpu = platform.processor() or platform.machine()
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return cpu, [], None
+    return _parse_cpuinfo(text, cpu)
+
+
+def _parse_cpuinfo(text: str, cpu: str) -> tuple[str, list[str], int | None]:
+    """/proc/cpuinfo's model name (else `cpu`), the CPU_FLAGS its first flags line lists, and its
+    physical cores: the distinct (physical id, core id) of its blocks (None when it names none)."""
     physical: set[tuple[str, str]] = set()
     flags: list[str] = []
-    try:
-        phys = core = None
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            key, value = key.strip(), value.strip()
-            if key in ("flags", "Features") and not flags:
-                present = set(value.split())
-                flags = [f for f in CPU_FLAGS if f in present]
-            if key == "model name":
-                cpu = value
-            elif key == "physical id":
-                phys = value
-            elif key == "core id":
-                core = value
-            elif not key and phys is not None:
-                physical.add((phys, core or ""))
-                phys = core = None
-        if phys is not None:
+    phys = core = None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key, value = key.strip(), value.strip()
+        if key in ("flags", "Features") and not flags:
+            present = set(value.split())
+            flags = [f for f in CPU_FLAGS if f in present]
+        if key == "model name":
+            cpu = value
+        elif key == "physical id":
+            phys = value
+        elif key == "core id":
+            core = value
+        elif not key and phys is not None:
             physical.add((phys, core or ""))
-    except OSError:
-        pass
+            phys = core = None
+    if phys is not None:
+        physical.add((phys, core or ""))
+    return cpu, flags, len(physical) or None
+
+
+def _ram_bytes() -> int | None:
+    """Total memory: /proc/meminfo's MemTotal, else the page size times the physical pages."""
     ram = None
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -172,27 +207,17 @@ def machine_info(threads: int) -> dict:
             ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         except (ValueError, OSError, AttributeError):
             pass
+    return ram
+
+
+def _llama_cpp_system_info() -> str | None:
+    """llama.cpp's own account of its backend (the SIMD features it was built with), if it loads."""
     try:
         import llama_cpp
 
-        system_info = llama_cpp.llama_print_system_info().decode("utf-8", errors="replace").strip()
+        return llama_cpp.llama_print_system_info().decode("utf-8", errors="replace").strip()
     except Exception:
-        system_info = None
-    return {
-        "cpu": cpu,
-        "cpu_flags": flags,
-        "llama_cpp_system_info": system_info,
-        "logical_cpus": os.cpu_count(),
-        "physical_cores": len(physical) or None,
-        "threads": threads,
-        "ram_bytes": ram,
-        "os": f"{platform.system()} {platform.release()}",
-        "python": platform.python_version(),
-        "llama_cpp_python": anchor.llama_cpp_python_version(),
-        "localspec": __version__,
-        "git_commit": _git_commit(),
-        "load_average_start": _loadavg(),
-    }
+        return None
 
 
 def _git_commit() -> str | None:
@@ -217,149 +242,26 @@ def _loadavg() -> list[float] | None:
 
 def run_bench(config: BenchConfig) -> dict:
     """Run the benchmark and return the report (a JSON-able dict; see report.py for its fields)."""
-    from localspec.models import Registry
-
     say = config.progress or (lambda _msg: None)
     if config.reps < 1:
         raise ValueError("reps must be >= 1")
     if not config.prompts:
         raise ValueError("no prompts to run")
     threads = config.threads or default_threads()
-    registry = Registry.load()
-    oracle_path = str(registry.resolve(config.oracle, progress=say))
-    draft_path = str(registry.resolve(config.draft, progress=say)) if config.draft else None
-    models = {"oracle": oracle_path, "draft": draft_path, "oracle_path": oracle_path,
-              "cross_tokenizer": config.cross_tokenizer}
-
+    models = _resolve_models(config, say)
     started = _dt.datetime.now(_dt.timezone.utc)
     machine = machine_info(threads)
-    systems = list(config.systems)
-    if not any(s.is_baseline for s in systems):
-        systems.insert(0, parse_systems([])[0])
-    status: dict[str, dict] = {s.name: {"status": "ok", "info": {}} for s in systems}
-    workers: dict[str, Worker] = {}
-    anchor_bins: dict[str, Path] = {}
-    notes: list[str] = []
-
-    def skip(spec: SystemSpec, reason: str) -> None:
-        status[spec.name] = {"status": "skipped", "reason": reason, "info": status[spec.name].get("info", {})}
-        say(f"{spec.name}: skipped: {reason}")
-
+    bench = _Bench(config, say, threads, models, _with_baseline(config.systems))
     try:
-        # load every system once
-        for spec in systems:
-            needs_draft = spec.uses_draft_model
-            if needs_draft and not draft_path:
-                skip(spec, "no draft model given")
-                continue
-            if spec.kind == LLAMA_CPP:
-                try:
-                    anchor_bins[spec.name] = anchor.find_binary(spec.params["binary"], config.anchor_bin)
-                    anchor.Flags.detect(str(anchor_bins[spec.name]))
-                except anchor.AnchorUnavailable as e:
-                    skip(spec, str(e))
-                continue
-            say(f"loading {spec.name} ...")
-            w = Worker(spec.name)
-            try:
-                reply = w.call(op="load", system=spec.to_dict(), models=models, n_ctx=config.n_ctx, threads=threads)
-                status[spec.name]["info"] = w.info = reply["info"]
-                workers[spec.name] = w
-            except Exception as e:
-                w.close()
-                if spec.is_baseline:
-                    raise BenchError(f"the baseline does not load: {e}") from e
-                skip(spec, f"does not load: {_first_line(e)}")
-
-        base = workers["baseline"]
-        prepared = base.call(op="prepare", prompts=[p.to_dict() for p in config.prompts])["prompts"]
-        by_id = {(p.workload, p.id): prep for p, prep in zip(config.prompts, prepared)}
-        mismatched = [p["id"] for p in prepared if not p["anchor_tokens_match"]]
-        if mismatched and anchor_bins:
-            notes.append("the C++ anchor's prompt text does not tokenize to exactly localspec's prompt tokens for: "
-                         + ", ".join(mismatched))
-
+        bench.load_systems()
+        bench.prepare_prompts()
         if config.warmup:
-            first = config.prompts[0]
-            for spec in systems:
-                w = workers.get(spec.name)
-                if w is None:
-                    continue
-                say(f"warming up {spec.name} ...")
-                try:
-                    w.call(op="run", tokens=by_id[(first.workload, first.id)]["tokens"],
-                           max_tokens=min(WARMUP_TOKENS, first.max_tokens), json_schema=_schema(first))
-                except Exception as e:
-                    if spec.is_baseline:
-                        raise BenchError(f"the baseline failed to warm up: {e}") from e
-                    skip(spec, f"failed to warm up: {_first_line(e)}")
-            for spec in systems:
-                w = workers.get(spec.name)
-                if w is None or spec.kind != LOCALSPEC or spec.params.get("draft") is None or not config.mixed_warmup:
-                    continue
-                say(f"warming up {spec.name} with {config.mixed_warmup} sampled requests ...")
-                for j in range(config.mixed_warmup):
-                    prompt = config.prompts[j % len(config.prompts)]
-                    try:
-                        w.call(op="run", tokens=by_id[(prompt.workload, prompt.id)]["tokens"],
-                               max_tokens=min(MIXED_WARMUP_TOKENS, prompt.max_tokens), json_schema=_schema(prompt),
-                               temperature=MIXED_WARMUP_TEMPERATURES[j % len(MIXED_WARMUP_TEMPERATURES)])
-                    except Exception as e:
-                        skip(spec, f"failed to warm up: {_first_line(e)}")
-                        break
-            if config.one_shot:  # one untimed process first: bytecode cached and files paged in, as for a user
-                one_shot_run(next(s for s in systems if s.is_baseline), replace(first, max_tokens=WARMUP_TOKENS),
-                             models, threads, config.n_ctx)
-
-        active = [s for s in systems if status[s.name]["status"] == "ok"]
-        runs: list[dict] = []
-        outputs: dict[tuple[str, str, str, int], dict] = {}  # (system, workload, id, rep) -> tokens/text
-        total = config.reps * len(config.prompts) * len(active)
-        done = 0
-        t_run = time.perf_counter()
-        for rep in range(config.reps):
-            for i, prompt in enumerate(config.prompts):
-                prep = by_id[(prompt.workload, prompt.id)]
-                shift = (rep * len(config.prompts) + i) % len(active)
-                for spec in active[shift:] + active[:shift]:
-                    if status[spec.name]["status"] != "ok":
-                        continue
-                    done += 1
-                    try:
-                        record, output = _run_one(spec, prompt, prep, rep, workers, anchor_bins, models, threads,
-                                                  config.n_ctx, paired=config.paired, paired_first=(rep + i) % 2 == 0,
-                                                  one_shot=config.one_shot)
-                    except Exception as e:
-                        if spec.is_baseline:
-                            raise BenchError(f"the baseline failed on {prompt.id}: {e}") from e
-                        skip(spec, f"failed on {prompt.id}: {_first_line(e)}")
-                        continue
-                    runs.append(record)
-                    outputs[(spec.name, prompt.workload, prompt.id, rep)] = output
-                    paired_tps = record.get("paired_tokens_per_second")
-                    say(f"[{done}/{total}] rep {rep + 1} {prompt.id} {spec.name}: "
-                        f"{record['tokens_per_second']:.1f} tok/s ({record['completion_tokens']} tokens)"
-                        + (f", drafting off {paired_tps:.1f} tok/s" if paired_tps else "")
-                        + (f", one-shot {record['one_shot_wall']:.2f} s" if record.get("one_shot_wall") else ""))
-        elapsed = time.perf_counter() - t_run
-
-        for name, w in workers.items():
-            try:
-                status[name]["peak_rss"] = w.call(op="rss")["peak_rss"]
-                status[name]["peak_rss_scope"] = "the system's own worker process (model load included)"
-            except Exception:
-                pass
+            bench.warm_up()
+        runs, outputs, elapsed = bench.timed_runs()
+        bench.record_workers_rss()
     finally:
-        for w in workers.values():
-            w.close()
-
-    for spec in systems:
-        if spec.kind == LLAMA_CPP:
-            rss = [r["peak_rss"] for r in runs if r["system"] == spec.name and r.get("peak_rss")]
-            if rss:
-                status[spec.name]["peak_rss"] = max(rss)
-                status[spec.name]["peak_rss_scope"] = "the largest of its per-generation processes (wait4)"
-
+        bench.close()
+    bench.record_anchor_rss(runs)
     _add_matches(runs, outputs)
     machine["load_average_end"] = _loadavg()
     report = {
@@ -367,27 +269,231 @@ def run_bench(config: BenchConfig) -> dict:
         "created": started.isoformat(timespec="seconds"),
         "elapsed_seconds": round(elapsed, 1),
         "machine": machine,
-        "config": {
-            "pair": config.pair, "oracle": config.oracle, "draft": config.draft,
-            "cross_tokenizer": config.cross_tokenizer,
-            "oracle_path": oracle_path, "draft_path": draft_path, "threads": threads, "n_ctx": config.n_ctx,
-            "reps": config.reps, "temperature": 0.0, "paired": config.paired, "one_shot": config.one_shot,
-            "mixed_warmup": {"requests": config.mixed_warmup if config.warmup else 0, "max_tokens": MIXED_WARMUP_TOKENS,
-                             "temperatures": list(MIXED_WARMUP_TEMPERATURES)},
-            "workloads": sorted({p.workload for p in config.prompts}),
-            "prompts": [{"workload": p.workload, "id": p.id, "max_tokens": p.max_tokens,
-                         "prompt_tokens": len(by_id[(p.workload, p.id)]["tokens"])} for p in config.prompts],
-        },
-        "systems": [{**spec.to_dict(), **status[spec.name]} for spec in systems],
+        "config": _config_section(config, models, threads, bench.prepared),
+        "systems": [{**spec.to_dict(), **bench.status[spec.name]} for spec in bench.systems],
         "runs": runs,
-        "notes": notes,
+        "notes": bench.notes,
     }
     report["results"] = aggregate(report)
-    for r in runs:  # per-token latencies are in the aggregates; keep the JSON small
+    _keep_latency_percentiles(runs)
+    return report
+
+
+def _resolve_models(config: BenchConfig, say: Callable[[str], None]) -> dict:
+    """The oracle's and the draft's GGUF paths (fetched if need be), as the workers take them."""
+    from localspec.models import Registry
+
+    registry = Registry.load()
+    oracle_path = str(registry.resolve(config.oracle, progress=say))
+    draft_path = str(registry.resolve(config.draft, progress=say)) if config.draft else None
+    return {"oracle": oracle_path, "draft": draft_path, "oracle_path": oracle_path,
+            "cross_tokenizer": config.cross_tokenizer}
+
+
+def _with_baseline(systems: Sequence[SystemSpec]) -> list[SystemSpec]:
+    """The systems to run, the baseline first unless they name it."""
+    systems = list(systems)
+    if not any(s.is_baseline for s in systems):
+        systems.insert(0, parse_systems([])[0])
+    return systems
+
+
+def _config_section(config: BenchConfig, models: dict, threads: int, prepared: dict) -> dict:
+    """The report's "config": what was run, on which models, how often, with which prompts."""
+    return {
+        "pair": config.pair, "oracle": config.oracle, "draft": config.draft,
+        "cross_tokenizer": config.cross_tokenizer,
+        "oracle_path": models["oracle"], "draft_path": models["draft"], "threads": threads, "n_ctx": config.n_ctx,
+        "reps": config.reps, "temperature": 0.0, "paired": config.paired, "one_shot": config.one_shot,
+        "mixed_warmup": {"requests": config.mixed_warmup if config.warmup else 0, "max_tokens": MIXED_WARMUP_TOKENS,
+                         "temperatures": list(MIXED_WARMUP_TEMPERATURES)},
+        "workloads": sorted({p.workload for p in config.prompts}),
+        "prompts": [{"workload": p.workload, "id": p.id, "max_tokens": p.max_tokens,
+                     "prompt_tokens": len(prepared[(p.workload, p.id)]["tokens"])} for p in config.prompts],
+    }
+
+
+def _keep_latency_percentiles(runs: list[dict]) -> None:
+    """Per-token latencies are in the aggregates; the runs keep only their p50 and p95 (a small JSON)."""
+    for r in runs:
         lat = r.pop("latencies", [])
         r["latency_p50"] = percentile(lat, 50) if lat else None
         r["latency_p95"] = percentile(lat, 95) if lat else None
-    return report
+
+
+class _Bench:
+    """One benchmark run's systems as it goes: their status ("ok" or "skipped" with a reason, their
+    load info and peak RSS), their worker processes, the anchor's binaries, the prompts as the
+    baseline tokenized them, and notes for the report."""
+
+    def __init__(self, config: BenchConfig, say: Callable[[str], None], threads: int, models: dict,
+                 systems: list[SystemSpec]) -> None:
+        self.config, self.say, self.threads, self.models, self.systems = config, say, threads, models, systems
+        self.status: dict[str, dict] = {s.name: {"status": "ok", "info": {}} for s in systems}
+        self.workers: dict[str, Worker] = {}
+        self.anchor_bins: dict[str, Path] = {}
+        self.notes: list[str] = []
+        self.prepared: dict[tuple[str, str], dict] = {}  # (workload, prompt id) -> the baseline's "prepare" reply
+
+    def skip(self, spec: SystemSpec, reason: str) -> None:
+        """Take a system out of the rest of the run, saying why."""
+        self.status[spec.name] = {"status": "skipped", "reason": reason,
+                                  "info": self.status[spec.name].get("info", {})}
+        self.say(f"{spec.name}: skipped: {reason}")
+
+    def load_systems(self) -> None:
+        """Find each C++ anchor's binary and load every other system in a worker of its own; a system
+        that cannot is skipped, a baseline that cannot is a BenchError."""
+        for spec in self.systems:
+            if spec.uses_draft_model and not self.models["draft"]:
+                self.skip(spec, "no draft model given")
+            elif spec.kind == LLAMA_CPP:
+                self._find_anchor(spec)
+            else:
+                self._load_worker(spec)
+
+    def _find_anchor(self, spec: SystemSpec) -> None:
+        try:
+            self.anchor_bins[spec.name] = anchor.find_binary(spec.params["binary"], self.config.anchor_bin)
+            anchor.Flags.detect(str(self.anchor_bins[spec.name]))
+        except anchor.AnchorUnavailable as e:
+            self.skip(spec, str(e))
+
+    def _load_worker(self, spec: SystemSpec) -> None:
+        self.say(f"loading {spec.name} ...")
+        w = Worker(spec.name)
+        try:
+            reply = w.call(op="load", system=spec.to_dict(), models=self.models, n_ctx=self.config.n_ctx,
+                           threads=self.threads)
+            self.status[spec.name]["info"] = w.info = reply["info"]
+            self.workers[spec.name] = w
+        except Exception as e:
+            w.close()
+            if spec.is_baseline:
+                raise BenchError(f"the baseline does not load: {e}") from e
+            self.skip(spec, f"does not load: {_first_line(e)}")
+
+    def prepare_prompts(self) -> None:
+        """Have the baseline tokenize every prompt (and render the anchor's text); note the prompts
+        whose anchor text does not tokenize to the same tokens, when an anchor runs."""
+        prompts = self.config.prompts
+        prepared = self.workers["baseline"].call(op="prepare", prompts=[p.to_dict() for p in prompts])["prompts"]
+        self.prepared = {(p.workload, p.id): prep for p, prep in zip(prompts, prepared)}
+        mismatched = [p["id"] for p in prepared if not p["anchor_tokens_match"]]
+        if mismatched and self.anchor_bins:
+            self.notes.append("the C++ anchor's prompt text does not tokenize to exactly localspec's prompt tokens "
+                              "for: " + ", ".join(mismatched))
+
+    def tokens(self, prompt: BenchPrompt) -> list[int]:
+        return self.prepared[(prompt.workload, prompt.id)]["tokens"]
+
+    def warm_up(self) -> None:
+        """Untimed: one short greedy run of the first prompt per worker, then each drafting localspec
+        system's sampled requests, then (with one_shot) one `localspec generate` process."""
+        first = self.config.prompts[0]
+        for spec in self.systems:
+            if spec.name in self.workers:
+                self._warm_up_greedy(spec, first)
+        for spec in self.systems:
+            if (spec.name in self.workers and spec.kind == LOCALSPEC and spec.params.get("draft") is not None
+                    and self.config.mixed_warmup):
+                self._warm_up_sampled(spec)
+        if self.config.one_shot:  # one untimed process first: bytecode cached and files paged in, as for a user
+            one_shot_run(next(s for s in self.systems if s.is_baseline), replace(first, max_tokens=WARMUP_TOKENS),
+                         self.models, self.threads, self.config.n_ctx)
+
+    def _warm_up_greedy(self, spec: SystemSpec, prompt: BenchPrompt) -> None:
+        self.say(f"warming up {spec.name} ...")
+        try:
+            self.workers[spec.name].call(op="run", tokens=self.tokens(prompt),
+                                         max_tokens=min(WARMUP_TOKENS, prompt.max_tokens), json_schema=_schema(prompt))
+        except Exception as e:
+            if spec.is_baseline:
+                raise BenchError(f"the baseline failed to warm up: {e}") from e
+            self.skip(spec, f"failed to warm up: {_first_line(e)}")
+
+    def _warm_up_sampled(self, spec: SystemSpec) -> None:
+        """config.mixed_warmup sampled requests over the prompts in turn, MIXED_WARMUP_TEMPERATURES in turn."""
+        prompts = self.config.prompts
+        self.say(f"warming up {spec.name} with {self.config.mixed_warmup} sampled requests ...")
+        for j in range(self.config.mixed_warmup):
+            prompt = prompts[j % len(prompts)]
+            try:
+                self.workers[spec.name].call(
+                    op="run", tokens=self.tokens(prompt), max_tokens=min(MIXED_WARMUP_TOKENS, prompt.max_tokens),
+                    json_schema=_schema(prompt),
+                    temperature=MIXED_WARMUP_TEMPERATURES[j % len(MIXED_WARMUP_TEMPERATURES)])
+            except Exception as e:
+                self.skip(spec, f"failed to warm up: {_first_line(e)}")
+                break
+
+    def timed_runs(self) -> tuple[list[dict], dict[tuple[str, str, str, int], dict], float]:
+        """Every repetition of every prompt on every system still running, interleaved (see the module
+        docstring): (run records, outputs by (system, workload, prompt id, rep), seconds taken)."""
+        prompts = self.config.prompts
+        active = [s for s in self.systems if self.status[s.name]["status"] == "ok"]
+        runs: list[dict] = []
+        outputs: dict[tuple[str, str, str, int], dict] = {}  # (system, workload, id, rep) -> tokens/text
+        total = self.config.reps * len(prompts) * len(active)
+        done = 0
+        t_run = time.perf_counter()
+        for rep in range(self.config.reps):
+            for i, prompt in enumerate(prompts):
+                shift = (rep * len(prompts) + i) % len(active)
+                for spec in active[shift:] + active[:shift]:
+                    if self.status[spec.name]["status"] != "ok":
+                        continue
+                    done += 1
+                    result = self._run(spec, prompt, rep, paired_first=(rep + i) % 2 == 0)
+                    if result is None:
+                        continue
+                    record, output = result
+                    runs.append(record)
+                    outputs[(spec.name, prompt.workload, prompt.id, rep)] = output
+                    self.say(_progress_line(done, total, rep, prompt, spec, record))
+        return runs, outputs, time.perf_counter() - t_run
+
+    def _run(self, spec: SystemSpec, prompt: BenchPrompt, rep: int, paired_first: bool) -> tuple[dict, dict] | None:
+        """One timed run (see _run_one); None when it failed and the system is skipped from now on."""
+        try:
+            return _run_one(spec, prompt, self.prepared[(prompt.workload, prompt.id)], rep, self.workers,
+                            self.anchor_bins, self.models, self.threads, self.config.n_ctx, paired=self.config.paired,
+                            paired_first=paired_first, one_shot=self.config.one_shot)
+        except Exception as e:
+            if spec.is_baseline:
+                raise BenchError(f"the baseline failed on {prompt.id}: {e}") from e
+            self.skip(spec, f"failed on {prompt.id}: {_first_line(e)}")
+            return None
+
+    def record_workers_rss(self) -> None:
+        """Each worker's peak RSS (where it still answers)."""
+        for name, w in self.workers.items():
+            try:
+                self.status[name]["peak_rss"] = w.call(op="rss")["peak_rss"]
+                self.status[name]["peak_rss_scope"] = "the system's own worker process (model load included)"
+            except Exception:
+                pass
+
+    def record_anchor_rss(self, runs: list[dict]) -> None:
+        """Each C++ anchor's peak RSS: the largest of its runs' processes."""
+        for spec in self.systems:
+            if spec.kind == LLAMA_CPP:
+                rss = [r["peak_rss"] for r in runs if r["system"] == spec.name and r.get("peak_rss")]
+                if rss:
+                    self.status[spec.name]["peak_rss"] = max(rss)
+                    self.status[spec.name]["peak_rss_scope"] = "the largest of its per-generation processes (wait4)"
+
+    def close(self) -> None:
+        for w in self.workers.values():
+            w.close()
+
+
+def _progress_line(done: int, total: int, rep: int, prompt: BenchPrompt, spec: SystemSpec, record: dict) -> str:
+    paired_tps = record.get("paired_tokens_per_second")
+    return (f"[{done}/{total}] rep {rep + 1} {prompt.id} {spec.name}: "
+            f"{record['tokens_per_second']:.1f} tok/s ({record['completion_tokens']} tokens)"
+            + (f", drafting off {paired_tps:.1f} tok/s" if paired_tps else "")
+            + (f", one-shot {record['one_shot_wall']:.2f} s" if record.get("one_shot_wall") else ""))
 
 
 def _schema(prompt: BenchPrompt) -> dict | None:
