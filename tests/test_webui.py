@@ -198,6 +198,7 @@ def browser():
     options.binary_location = CHROMIUM
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1280,860"):
         options.add_argument(arg)
+    options.set_capability("goog:loggingPrefs", {"performance": "ALL"})  # the network log: requested()
     driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
     yield driver
     driver.quit()
@@ -634,3 +635,84 @@ def test_a_reply_cannot_put_html_or_script_into_the_page(browser):
             const box = document.createElement('div'); box.append(f); return box.innerHTML;""") \
             == '<p>ok<a target="_blank" rel="noopener noreferrer">a</a></p>'
 
+
+def requested(driver) -> list[str]:
+    """The URLs the browser asked for since the last call, from its network log."""
+    messages = (json.loads(entry["message"])["message"] for entry in driver.get_log("performance"))
+    return [m["params"]["request"]["url"] for m in messages if m["method"] == "Network.requestWillBeSent"]
+
+
+def test_no_request_from_the_page_or_the_api_docs_leaves_the_machine(browser):
+    """From the browser's own network log: loading the page, a reply (one that names an image
+    elsewhere) and its copy button, then /docs, asked this server for everything, and nothing else."""
+    with replying_server(INJECTION_REPLY + "\n```\ncode\n```\n") as url:
+        requested(browser)  # what earlier tests asked for
+        page = Page(browser, url)
+        ask(page)
+        page.js("document.querySelector('#messages .code button.copy').click()")
+        browser.get(url + "/docs")
+        wait_for(browser, lambda: browser.execute_script("return document.querySelectorAll('.opblock').length"),
+                 30, "Swagger UI drew no endpoints")
+        urls = requested(browser)
+    elsewhere = [u for u in urls if not (u.startswith(url + "/") or u.startswith(("data:", "blob:")))]
+    assert elsewhere == []
+    paths = {u[len(url):] for u in urls if u.startswith(url)}
+    assert {"/", "/webui/app.js", "/webui/app.css", "/webui/vendor/markdown-it.js", "/webui/vendor/purify.js",
+            "/v1/models", "/v1/chat/completions", "/docs", "/docs/swagger-ui-bundle.js", "/openapi.json"} <= paths
+
+
+def page_overflow(page: Page) -> dict:
+    """How many pixels the page, the conversation's box, and the last reply's last code block and
+    table are wider than what shows of them; and the window's width."""
+    return page.js("""const d = document.documentElement;
+        const b = [...document.querySelectorAll('#messages .message.assistant .text')].pop();
+        const over = e => e.scrollWidth - e.clientWidth, last = s => [...b.querySelectorAll(s)].pop();
+        return {page: over(d), body: over(document.body), messages: over(document.getElementById('messages')),
+                code: over(last('pre')), table: over(last('.table')), width: window.innerWidth};""")
+
+
+WIDE_REPLY = MARKDOWN_REPLY + """
+| Model | Draft model | Acceptance | Tokens per second | Speedup over the oracle alone |
+|---|---|---|---|---|
+| SmolLM2-1.7B-Instruct | SmolLM2-135M-Instruct | 0.81 | 42.0 | 1.9x |
+
+```
+localspec serve --model SmolLM2-1.7B-Instruct --draft SmolLM2-135M-Instruct --parallel 4 --ctx 4096
+```
+"""
+
+
+def test_the_page_fits_a_phone_and_follows_the_dark_mode_of_the_system(browser):
+    """At a phone's width (390 px) the page never scrolls sideways: a wide table and a long code
+    line scroll inside their own boxes. In the system's dark mode the page, the reply and its code
+    are dark; in its light mode, light."""
+    def luminance(css: str) -> float:
+        r, g, b = (int(x) for x in re.findall(r"\d+", css)[:3])
+        return (0.2126 * r + 0.7152 * g + 0.0722 * b) / 255
+
+    def colours(page: Page) -> dict:
+        return page.js("""const c = e => getComputedStyle(document.querySelector(e));
+            return {page: c('body').backgroundColor, text: c('body').color,
+                    reply: c('#messages .message.assistant .text').backgroundColor,
+                    code: c('#messages .text pre').backgroundColor};""")
+
+    with replying_server(WIDE_REPLY) as url:
+        browser.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
+                                {"width": 390, "height": 844, "deviceScaleFactor": 2, "mobile": True})
+        try:
+            page = Page(browser, url)
+            ask(page)
+            fit = page_overflow(page)
+            assert fit["width"] == 390 and fit["page"] == fit["body"] == fit["messages"] == 0, fit
+            assert fit["code"] > 0 and fit["table"] > 0, fit  # the wide parts scroll on their own
+            light = colours(page)
+            browser.execute_cdp_cmd("Emulation.setEmulatedMedia",
+                                    {"features": [{"name": "prefers-color-scheme", "value": "dark"}]})
+            dark = colours(page)
+        finally:
+            browser.execute_cdp_cmd("Emulation.setEmulatedMedia", {"features": []})
+            browser.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+    assert all(luminance(light[part]) > 0.85 for part in ("page", "reply", "code")), light
+    assert luminance(light["text"]) < 0.2, light
+    assert all(luminance(dark[part]) < 0.2 for part in ("page", "reply", "code")), dark
+    assert luminance(dark["text"]) > 0.85, dark
