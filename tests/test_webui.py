@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 from contextlib import contextmanager
@@ -16,6 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Iterator
 
 import httpx
+import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -155,7 +157,10 @@ def test_the_page_is_served_from_the_package_and_only_talks_to_this_server(url):
     for asset in ("/", "/webui/app.js", "/webui/app.css"):  # no address elsewhere: nothing comes from anywhere else
         r = httpx.get(url + asset, timeout=10)
         assert r.status_code == 200 and "://" not in r.text, asset
-    assert httpx.get(url + "/webui/app.py", timeout=10).status_code == 404  # its three files, nothing else
+    for library in ("/webui/vendor/markdown-it.js", "/webui/vendor/purify.js"):  # the Markdown libraries it loads
+        r = httpx.get(url + library, timeout=10)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/javascript"), library
+    assert httpx.get(url + "/webui/app.py", timeout=10).status_code == 404  # its files, nothing else
 
 
 def test_the_api_docs_are_served_from_the_package(url):
@@ -193,6 +198,7 @@ def browser():
     options.binary_location = CHROMIUM
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1280,860"):
         options.add_argument(arg)
+    options.set_capability("goog:loggingPrefs", {"performance": "ALL"})  # the network log: requested()
     driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
     yield driver
     driver.quit()
@@ -411,8 +417,302 @@ def test_a_failure_in_the_middle_of_a_reply_shows_and_keeps_what_came(browser):
         page = Page(browser, server.url)
         page.send("Hi")
         reply = page.wait(lambda: finished(page), 10, "no error shown")
-        assert reply["pieces"] == [[" 1,", "oracle"]] and reply["lines"] == [SERVER_ERROR]
+        # drawn as Markdown, the paragraph loses its leading space; the conversation keeps it
+        assert reply["pieces"] == [["1,", "oracle"]] and reply["lines"] == [SERVER_ERROR]
         assert page.js("return chat.messages") == [{"role": "user", "content": "Hi"},
                                                    {"role": "assistant", "content": " 1,"}]
     finally:
         server.stop()
+
+
+# ---------------------------------------------------------------- replies drawn as Markdown
+#
+# A model cannot be made to answer with a table, so these tests serve the page over the real
+# engine and server with a scripted model that answers every message with a chosen reply: its
+# tokens are the reply's words, spaces and signs, and a draft model (the same, but wrong at every
+# seventh token) makes the stream carry both drafted and oracle tokens, as a real pair's does.
+
+PROMPT_END = b"assistant\n"  # how ChatML's prompt ends (the scripted model has no template of its own)
+FIRST = 3  # ids: BOS, EOS, PROMPT_END, then one per token of the reply
+MISS_EVERY = 7
+
+MARKDOWN_REPLY = """## Results
+
+Call `speculate(k=4)` and **check** the table:
+
+| Pair | Draft | Speedup |
+|:-----|:-----:|--------:|
+| SmolLM2 | 135M | 1.9x |
+| Gemma 3 | 270M | 2.4x |
+
+Steps:
+
+1. load both models
+2. verify in one batch
+
+- fast
+- exact
+
+```python
+def accept(p, q):
+    return min(1, p / q)
+```
+"""
+
+INJECTION_REPLY = """Here is <script>window.pwned=1</script> and <img src=x onerror="window.pwned=1"> too.
+
+A [link](javascript:window.pwned=1), a <b onmouseover="window.pwned=1">bold</b>,
+and an image: ![pixel](http://198.51.100.7/pixel.png)
+
+| cell |
+|---|
+| <img src=y onerror="window.pwned=1"> |
+"""
+
+
+def replying_engine(reply: str, step: float = 0.005):
+    """The real engine over a scripted oracle that answers any chat with `reply` (each pass `step`
+    seconds, so that it streams), drafted for 4 tokens a step by a scripted draft that misses every
+    MISS_EVERY-th token."""
+    from scripted import BOS_TEXT, EOS, EOS_TEXT, ScriptedContext, ScriptedModel
+    from serving import PacedContext
+
+    from localspec.runtime.engine import Engine
+    from localspec.speculative.policy import FixedLength
+    from localspec.speculative.proposers import DraftModelProposer
+
+    pieces = re.findall(r"\w+|\s|[^\w\s]", reply)
+    assert "".join(pieces) == reply and "assistant" not in pieces
+    model = ScriptedModel([BOS_TEXT, EOS_TEXT, PROMPT_END] + [p.encode() for p in pieces], name="replying")
+    last = model.n_vocab - 1
+
+    def logits(history, miss: bool = False):
+        row = np.full(model.n_vocab, -100.0, dtype=np.float32)
+        after = history[-1]
+        nxt = FIRST if after == FIRST - 1 else after + 1 if FIRST <= after < last else EOS
+        if miss and nxt != EOS and (nxt - FIRST) % MISS_EVERY == MISS_EVERY - 1:
+            nxt = nxt + 1 if nxt < last else EOS  # the draft's guess skips a token: the oracle rejects it
+        row[nxt] = 100.0
+        return row
+
+    oracle = PacedContext(model, logits, n_ctx=4096, step=step)
+    draft = ScriptedContext(model, lambda history: logits(history, miss=True), n_ctx=4096)
+    return Engine.from_parts(oracle=oracle, proposer=DraftModelProposer(draft), policy=FixedLength(4), draft=draft)
+
+
+@contextmanager
+def replying_server(reply: str) -> Iterator[str]:
+    from localspec.server import create_app
+
+    server = ThreadedServer(create_app(replying_engine(reply), model_name="replying"))
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+def ask(page: Page) -> dict:
+    """Send a message; the reply once finished."""
+    page.send("Hi")
+    return page.wait(lambda: finished(page), 20, "the reply did not finish")
+
+
+def served_pieces(url: str) -> list[tuple[str, str]]:
+    """The reply's [text, source] pieces as the server streams them to the page."""
+    chunks = stream(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                                   "speculative": {"sources": True}})
+    return [tuple(p) for c in chunks for choice in c["choices"] if choice.get("speculative")
+            for p in choice["speculative"]["sources"]]
+
+
+def drawn(page: Page, selector: str = "") -> list[list[str]]:
+    """The shaded spans [text, source] of the last reply (under `selector` in it, if given), in order."""
+    return page.js(f"""
+        const m = [...document.querySelectorAll('#messages .message.assistant')].pop();
+        return [...m.querySelectorAll('.text {selector} .tok')].map(t => [t.textContent, t.classList[1]]);""")
+
+
+def in_order(spans: list[list[str]], pieces: list[tuple[str, str]]) -> bool:
+    """Whether each span is part of a piece with the same source, the pieces taken in order."""
+    j = 0
+    for text, source in spans:
+        while j < len(pieces) and not (text in pieces[j][0] and pieces[j][1] == source):
+            j += 1
+        if j == len(pieces):
+            return False
+    return True
+
+
+def test_a_markdown_reply_is_drawn_with_its_code_table_and_lists_and_keeps_its_shading(browser):
+    with replying_server(MARKDOWN_REPLY) as url:
+        pieces = served_pieces(url)
+        assert {source for _, source in pieces} == {"draft", "oracle"}
+        page = Page(browser, url)
+        ask(page)
+        body = "[...document.querySelectorAll('#messages .message.assistant .text')].pop()"
+        shown = page.js(f"""const b = {body}; return {{
+            heading: b.querySelector('h2').textContent,
+            inline: [...b.querySelectorAll('p code')].map(c => c.textContent),
+            strong: b.querySelector('strong').textContent,
+            head: [...b.querySelectorAll('thead th')].map(c => [c.textContent, c.className]),
+            rows: [...b.querySelectorAll('tbody tr')].map(r => [...r.cells].map(c => c.textContent)),
+            ordered: [...b.querySelectorAll('ol li')].map(li => li.textContent),
+            bullets: [...b.querySelectorAll('ul li')].map(li => li.textContent),
+            code: b.querySelector('pre code').textContent,
+            language: b.querySelector('pre code').className}}""")
+        assert shown == {
+            "heading": "Results", "inline": ["speculate(k=4)"], "strong": "check",
+            "head": [["Pair", "align-left"], ["Draft", "align-center"], ["Speedup", "align-right"]],
+            "rows": [["SmolLM2", "135M", "1.9x"], ["Gemma 3", "270M", "2.4x"]],
+            "ordered": ["load both models", "verify in one batch"], "bullets": ["fast", "exact"],
+            "code": "def accept(p, q):\n    return min(1, p / q)\n", "language": "language-python"}
+        # the conversation keeps the reply's Markdown as it came
+        assert page.js("return chat.messages")[-1] == {"role": "assistant", "content": MARKDOWN_REPLY}
+
+        # every drawn character of the reply is shaded (Markdown's own syntax is not drawn), each
+        # by the token it came from, and the shading runs through the table and the code block
+        unshaded = page.js(f"""const b = {body}, out = [];
+            const w = document.createTreeWalker(b, NodeFilter.SHOW_TEXT);
+            while (w.nextNode()) {{ const n = w.currentNode;
+              if (!n.parentElement.closest('.tok, button') && (n.data.trim() || n.parentElement.closest('pre')))
+                out.push(n.data); }}
+            return out;""")
+        assert unshaded == []
+        spans = drawn(page)
+        assert in_order(spans, pieces)
+        for part in ("table", "pre"):
+            assert {source for _, source in drawn(page, part)} == {"draft", "oracle"}, part
+        assert "".join(text for text, _ in drawn(page, "pre")) == shown["code"]
+        assert page.js(f"return [...{body}.querySelectorAll('.tok')].every(t => t.title)")
+        # drawn block by block as it streamed, it is what drawing the whole reply at once gives
+        assert browser.execute_script(f"""const view = document.createElement('div');
+            view.append(Object.assign(document.createElement('div'), {{className: 'text'}}));
+            const whole = replyDrawing(view);
+            drawSoon(whole, arguments[0]);
+            drawNow(whole);
+            return whole.body.innerHTML === {body}.innerHTML;""", pieces)
+
+
+def test_a_code_block_has_a_copy_button_that_copies_its_code(browser):
+    with replying_server(MARKDOWN_REPLY) as url:
+        page = Page(browser, url)
+        browser.execute_cdp_cmd("Browser.grantPermissions", {
+            "origin": url, "permissions": ["clipboardReadWrite", "clipboardSanitizedWrite"]})
+        ask(page)
+        button = page.js("return [...document.querySelectorAll('#messages .code button.copy')]")
+        assert len(button) == 1 and button[0].text == "Copy"
+        button[0].click()
+        page.wait(lambda: button[0].text == "Copied", 5, "the button did not say it copied")
+        copied = browser.execute_async_script(
+            "const done = arguments[0]; navigator.clipboard.readText().then(done, e => done(String(e)))")
+        assert copied == "def accept(p, q):\n    return min(1, p / q)\n"
+
+
+def test_a_reply_cannot_put_html_or_script_into_the_page(browser):
+    """Raw HTML in a reply is text (markdown-it draws none), a javascript: link is no link, and an
+    image is a link, fetched from nowhere; were HTML ever to get through, DOMPurify's list of the
+    tags Markdown makes would drop it."""
+    with replying_server(INJECTION_REPLY) as url:
+        page = Page(browser, url)
+        ask(page)
+        time.sleep(0.3)  # time for anything that was to run
+        assert page.js("return typeof window.pwned") == "undefined"
+        found = page.js("""const b = [...document.querySelectorAll('#messages .message.assistant .text')].pop();
+            return {elements: [...b.querySelectorAll('*')].map(e => e.tagName.toLowerCase()),
+                    handlers: [...b.querySelectorAll('*')].flatMap(e => [...e.attributes].map(a => a.name))
+                                .filter(name => name.startsWith('on')),
+                    links: [...b.querySelectorAll('a')].map(a => [a.textContent, a.getAttribute('href'), a.rel]),
+                    text: b.textContent};""")
+        assert set(found["elements"]) <= {"p", "br", "a", "span", "div", "table", "thead", "tbody", "tr", "th", "td"}
+        assert found["handlers"] == []
+        assert found["links"] == [["pixel", "http://198.51.100.7/pixel.png", "noopener noreferrer"]]
+        for shown in ('<script>window.pwned=1</script>', '<img src=x onerror="window.pwned=1">',
+                      "[link](javascript:window.pwned=1)", '<img src=y onerror="window.pwned=1">'):
+            assert shown in found["text"], shown
+        # the second line of defence, on HTML markdown-it never makes
+        assert page.js("""const f = DOMPurify.sanitize('<p>ok<img src=x onerror="window.pwned=1">'
+                + '<script>window.pwned=1<\\/script><a href="javascript:window.pwned=1">a</a></p>', SANITIZE);
+            const box = document.createElement('div'); box.append(f); return box.innerHTML;""") \
+            == '<p>ok<a target="_blank" rel="noopener noreferrer">a</a></p>'
+
+
+def requested(driver) -> list[str]:
+    """The URLs the browser asked for since the last call, from its network log."""
+    messages = (json.loads(entry["message"])["message"] for entry in driver.get_log("performance"))
+    return [m["params"]["request"]["url"] for m in messages if m["method"] == "Network.requestWillBeSent"]
+
+
+def test_no_request_from_the_page_or_the_api_docs_leaves_the_machine(browser):
+    """From the browser's own network log: loading the page, a reply (one that names an image
+    elsewhere) and its copy button, then /docs, asked this server for everything, and nothing else."""
+    with replying_server(INJECTION_REPLY + "\n```\ncode\n```\n") as url:
+        requested(browser)  # what earlier tests asked for
+        page = Page(browser, url)
+        ask(page)
+        page.js("document.querySelector('#messages .code button.copy').click()")
+        browser.get(url + "/docs")
+        wait_for(browser, lambda: browser.execute_script("return document.querySelectorAll('.opblock').length"),
+                 30, "Swagger UI drew no endpoints")
+        urls = requested(browser)
+    elsewhere = [u for u in urls if not (u.startswith(url + "/") or u.startswith(("data:", "blob:")))]
+    assert elsewhere == []
+    paths = {u[len(url):] for u in urls if u.startswith(url)}
+    assert {"/", "/webui/app.js", "/webui/app.css", "/webui/vendor/markdown-it.js", "/webui/vendor/purify.js",
+            "/v1/models", "/v1/chat/completions", "/docs", "/docs/swagger-ui-bundle.js", "/openapi.json"} <= paths
+
+
+def page_overflow(page: Page) -> dict:
+    """How many pixels the page, the conversation's box, and the last reply's last code block and
+    table are wider than what shows of them; and the window's width."""
+    return page.js("""const d = document.documentElement;
+        const b = [...document.querySelectorAll('#messages .message.assistant .text')].pop();
+        const over = e => e.scrollWidth - e.clientWidth, last = s => [...b.querySelectorAll(s)].pop();
+        return {page: over(d), body: over(document.body), messages: over(document.getElementById('messages')),
+                code: over(last('pre')), table: over(last('.table')), width: window.innerWidth};""")
+
+
+WIDE_REPLY = MARKDOWN_REPLY + """
+| Model | Draft model | Acceptance | Tokens per second | Speedup over the oracle alone |
+|---|---|---|---|---|
+| SmolLM2-1.7B-Instruct | SmolLM2-135M-Instruct | 0.81 | 42.0 | 1.9x |
+
+```
+localspec serve --model SmolLM2-1.7B-Instruct --draft SmolLM2-135M-Instruct --parallel 4 --ctx 4096
+```
+"""
+
+
+def test_the_page_fits_a_phone_and_follows_the_dark_mode_of_the_system(browser):
+    """At a phone's width (390 px) the page never scrolls sideways: a wide table and a long code
+    line scroll inside their own boxes. In the system's dark mode the page, the reply and its code
+    are dark; in its light mode, light."""
+    def luminance(css: str) -> float:
+        r, g, b = (int(x) for x in re.findall(r"\d+", css)[:3])
+        return (0.2126 * r + 0.7152 * g + 0.0722 * b) / 255
+
+    def colours(page: Page) -> dict:
+        return page.js("""const c = e => getComputedStyle(document.querySelector(e));
+            return {page: c('body').backgroundColor, text: c('body').color,
+                    reply: c('#messages .message.assistant .text').backgroundColor,
+                    code: c('#messages .text pre').backgroundColor};""")
+
+    with replying_server(WIDE_REPLY) as url:
+        browser.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
+                                {"width": 390, "height": 844, "deviceScaleFactor": 2, "mobile": True})
+        try:
+            page = Page(browser, url)
+            ask(page)
+            fit = page_overflow(page)
+            assert fit["width"] == 390 and fit["page"] == fit["body"] == fit["messages"] == 0, fit
+            assert fit["code"] > 0 and fit["table"] > 0, fit  # the wide parts scroll on their own
+            light = colours(page)
+            browser.execute_cdp_cmd("Emulation.setEmulatedMedia",
+                                    {"features": [{"name": "prefers-color-scheme", "value": "dark"}]})
+            dark = colours(page)
+        finally:
+            browser.execute_cdp_cmd("Emulation.setEmulatedMedia", {"features": []})
+            browser.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+    assert all(luminance(light[part]) > 0.85 for part in ("page", "reply", "code")), light
+    assert luminance(light["text"]) < 0.2, light
+    assert all(luminance(dark[part]) < 0.2 for part in ("page", "reply", "code")), dark
+    assert luminance(dark["text"]) > 0.85, dark

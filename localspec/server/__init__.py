@@ -5,7 +5,7 @@
     metrics.py  Prometheus metrics (/metrics)
     app.py      the FastAPI app: create_app(engine_or_worker, model_name=..., ...)
     report.py   the extension "speculative": {"sources": true}: where each token came from
-    webui.py    the chat page at / (static/: its HTML, CSS and JavaScript)
+    webui.py    the chat page at / (static/: its HTML, CSS and JavaScript; static/vendor/: its Markdown libraries)
 """
 
 from localspec.server.app import create_app

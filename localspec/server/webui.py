@@ -1,5 +1,7 @@
 """The chat page at `/` (`localspec serve --no-webui` leaves it out): HTML, CSS and JavaScript
-shipped in the package (static/), nothing built and nothing fetched from anywhere else.
+shipped in the package (static/), nothing built and nothing fetched from anywhere else. Replies
+are drawn as Markdown by two libraries shipped beside it (static/vendor/: markdown-it and DOMPurify
+from the npm registry, pinned, their licences beside them; README.md there says which versions).
 
 The page is a client like any other: it calls the server's own /v1/chat/completions (asking for
 the speculative report, server/report.py) and reads /metrics, under the same Host and Origin
@@ -17,6 +19,8 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 
 FILES = {"/": "index.html", "/webui/app.js": "app.js", "/webui/app.css": "app.css"}
+VENDOR = {"markdown-it": {"/webui/vendor/markdown-it.js": "markdown-it.umd.min.js"},
+          "dompurify": {"/webui/vendor/purify.js": "purify.min.js"}}
 _TYPES = {"html": "text/html; charset=utf-8", "js": "text/javascript; charset=utf-8", "css": "text/css; charset=utf-8",
           "png": "image/png"}
 _HEADERS = {
@@ -50,3 +54,5 @@ def serve_files(router: APIRouter, folder: str, files_by_path: dict[str, str], h
 
 
 serve_files(router, "", FILES, _HEADERS)
+for _library, _files in VENDOR.items():
+    serve_files(router, f"vendor/{_library}", _files, _HEADERS)

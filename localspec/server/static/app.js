@@ -1,6 +1,7 @@
 // The chat page of `localspec serve`: a conversation streamed from the server's own
-// /v1/chat/completions, each reply's tokens shaded by where they came from, and a live panel read
-// from /metrics. Plain JavaScript, no dependencies, nothing fetched from anywhere but this server.
+// /v1/chat/completions, each reply drawn as Markdown with its tokens shaded by where they came
+// from, and a live panel read from /metrics. Plain JavaScript over two libraries shipped with the
+// page (vendor/: markdown-it and DOMPurify), nothing fetched from anywhere but this server.
 //
 // Every request asks for localspec's report ("speculative": {"sources": true}): each chunk then
 // carries its text cut at its tokens as [piece, source] pairs (source: "draft", "lookup" or
@@ -84,6 +85,222 @@ function replyRequest() {
   return request;
 }
 
+// ---------------------------------------------------------------- replies drawn as Markdown
+//
+// A reply is Markdown drawn by markdown-it with raw HTML off (a reply's "<script>" shows as text),
+// and the HTML it makes goes through DOMPurify, which keeps only the tags and attributes Markdown
+// makes. Each drawn character is then shaded by the token it came from: the drawn text nodes are
+// read in order against the reply's text, so what Markdown's syntax takes up (`**`, `|`, a fence)
+// simply carries no shading.
+//
+// While a reply streams it is drawn at most once a frame, block by block: markdown-it's top-level
+// blocks (a paragraph, a list, a table, a code block) each from its own lines, and a block whose
+// lines are the same as last time keeps what was drawn of it. Only the last block changes as text
+// comes, so a long reply costs a frame little more than its last block does.
+
+const markdown = window.markdownit({html: false, linkify: false, typographer: false, breaks: true});
+markdown.disable("image"); // an image would be fetched from wherever the reply says: it shows as a link
+// a link definition ("[1]: address") reaches back to links in blocks drawn before it: it shows as text
+markdown.disable("reference");
+markdown.core.ruler.push("align_classes", alignClasses);
+
+const SANITIZE = {
+  ALLOWED_TAGS: ["p", "br", "hr", "h1", "h2", "h3", "h4", "h5", "h6", "em", "strong", "s", "code", "pre",
+                 "blockquote", "ul", "ol", "li", "a", "table", "thead", "tbody", "tr", "th", "td"],
+  ALLOWED_ATTR: ["href", "title", "class", "start"],
+  RETURN_DOM_FRAGMENT: true,
+};
+// How far past the last character matched a drawn text node may begin: the syntax between two
+// (a link's address, a fence's language) is skipped, a repeat of the same text further on is not
+const NEAR = 256;
+const NEAR_CHAR = 8; // the same for one character, where a node is not there whole (an entity, an escape)
+
+// Links open in a new tab, and tell the other site nothing of this page
+DOMPurify.addHook("afterSanitizeAttributes", (node) => {
+  if (node.tagName === "A") {
+    node.setAttribute("target", "_blank");
+    node.setAttribute("rel", "noopener noreferrer");
+  }
+});
+
+// Table cells' alignment as a class (align-left, align-center, align-right): markdown-it writes a
+// style attribute, which the page's Content-Security-Policy refuses
+function alignClasses(state) {
+  for (const token of state.tokens) {
+    const style = token.attrGet("style");
+    if (style && style.startsWith("text-align:")) {
+      token.attrs = token.attrs.filter(([name]) => name !== "style");
+      token.attrJoin("class", `align-${style.slice("text-align:".length)}`);
+    }
+  }
+}
+
+function tokenSpan(text, source) {
+  const span = document.createElement("span");
+  span.className = `tok ${source}`;
+  span.title = SOURCE_NAMES[source];
+  span.textContent = text;
+  return span;
+}
+
+// Where each character of `drawn` (a text node's) is in `text`, from `from` on: all at once where
+// it is there unchanged, else one by one; -1 for one Markdown made (an entity's character)
+function locate(drawn, text, from) {
+  const found = text.slice(from, from + NEAR + drawn.length).indexOf(drawn);
+  if (found >= 0) return Array.from(drawn, (_, i) => from + found + i);
+  const where = [];
+  for (const c of drawn.split("")) { // UTF-16 units, as the indices count
+    const near = text.slice(from, from + NEAR_CHAR + 1).indexOf(c);
+    where.push(near < 0 ? -1 : from + near);
+    if (near >= 0) from += near + 1;
+  }
+  return where;
+}
+
+// Replace `node` by its runs of characters from one token, each a shaded span (unmatched ones: text)
+function splitByToken(node, where, drawing) {
+  const tokenAt = (i) => (where[i] < 0 ? -1 : drawing.owner[where[i]]);
+  const parts = [];
+  for (let start = 0, end = 1; end <= where.length; end++) {
+    if (end < where.length && tokenAt(end) === tokenAt(start)) continue;
+    const run = node.data.slice(start, end);
+    parts.push(tokenAt(start) < 0 ? run : tokenSpan(run, drawing.pieces[tokenAt(start)][1]));
+    start = end;
+  }
+  node.replaceWith(...parts);
+}
+
+// Shade what is drawn under `root` of the reply's text from `from` on
+function shade(root, drawing, from) {
+  const nodes = [];
+  const walker = document.createTreeWalker(root, NodeFilter.SHOW_TEXT);
+  while (walker.nextNode()) nodes.push(walker.currentNode);
+  let next = from; // the first character of the text not matched yet
+  for (const node of nodes) {
+    // the line breaks markdown-it puts between blocks: not the reply's, and no place for a span
+    if (!node.data.trim() && !(node.parentElement && node.parentElement.closest("pre"))) continue;
+    const where = locate(node.data, drawing.text, next);
+    const last = where.findLast((i) => i >= 0);
+    if (last !== undefined) next = last + 1;
+    splitByToken(node, where, drawing);
+  }
+}
+
+// Put `text` on the clipboard: the Clipboard API where the page may use it (a secure context:
+// localhost or HTTPS), else the older command on a hidden text area (plain HTTP on a LAN address)
+async function copy(text, button) {
+  let done;
+  try {
+    await navigator.clipboard.writeText(text);
+    done = true;
+  } catch (error) {
+    const area = document.createElement("textarea");
+    area.className = "offscreen";
+    area.value = text;
+    document.body.append(area);
+    area.select();
+    done = document.execCommand("copy");
+    area.remove();
+  }
+  button.textContent = done ? "Copied" : "Copy failed";
+  setTimeout(() => { button.textContent = "Copy"; }, 1500);
+}
+
+// A copy button on each code block; tables in a box that scrolls sideways on a narrow screen
+function decorate(root) {
+  for (const pre of root.querySelectorAll("pre")) {
+    const box = document.createElement("div");
+    box.className = "code";
+    pre.replaceWith(box);
+    const button = document.createElement("button");
+    button.type = "button";
+    button.className = "copy";
+    button.textContent = "Copy";
+    button.addEventListener("click", () => copy(pre.textContent, button));
+    box.append(button, pre);
+  }
+  for (const table of root.querySelectorAll("table")) {
+    const box = document.createElement("div");
+    box.className = "table";
+    table.replaceWith(box);
+    box.append(table);
+  }
+}
+
+// markdown-it's tokens cut into its top-level blocks (each from an opening token to its closing
+// one, or a single token: a fence, a rule)
+function topBlocks(tokens) {
+  const blocks = [];
+  let start = 0;
+  tokens.forEach((token, i) => {
+    if (token.level === 0 && token.nesting <= 0) {
+      blocks.push(tokens.slice(start, i + 1));
+      start = i + 1;
+    }
+  });
+  return blocks;
+}
+
+// Where each line of `text` begins (markdown-it counts lines as it does: \r\n, \r or \n ends one)
+function lineStarts(text) {
+  const starts = [0];
+  for (const match of text.matchAll(/\r\n|\r|\n/g)) starts.push(match.index + match[0].length);
+  return starts;
+}
+
+// The nodes of one block (its tokens) drawn: sanitized, shaded from `from`, code and tables boxed
+function drawBlock(tokens, drawing, from) {
+  const fragment = DOMPurify.sanitize(markdown.renderer.render(tokens, markdown.options, {}), SANITIZE);
+  shade(fragment, drawing, from);
+  decorate(fragment);
+  return [...fragment.childNodes];
+}
+
+// Draw the reply as it stands into its body: the blocks that are as they were stay, the rest is
+// drawn again
+function drawReply(drawing) {
+  const {text} = drawing;
+  const starts = lineStarts(text);
+  const blocks = topBlocks(markdown.parse(text, {})).map((tokens) => {
+    const [first, end] = tokens[0].map;
+    const from = starts[first];
+    return {tokens, from, key: `${from}:${text.slice(from, end < starts.length ? starts[end] : text.length)}`};
+  });
+  let same = 0; // the blocks drawn already, as they are
+  while (same < blocks.length && same < drawing.blocks.length && blocks[same].key === drawing.blocks[same].key) same++;
+  for (const block of drawing.blocks.slice(same)) for (const node of block.nodes) node.remove();
+  for (const block of blocks.slice(same)) {
+    block.nodes = drawBlock(block.tokens, drawing, block.from);
+    drawing.body.append(...block.nodes);
+  }
+  drawing.blocks = drawing.blocks.slice(0, same).concat(blocks.slice(same));
+}
+
+// A reply being streamed into `view`: its pieces ([text, source] pairs) so far, its text, the
+// piece each character of it came from, its blocks as drawn, and the frame it is to be drawn in
+function replyDrawing(view) {
+  return {body: view.querySelector(".text"), pieces: [], text: "", owner: [], blocks: [], frame: 0, stale: false};
+}
+
+function drawNow(drawing) {
+  cancelAnimationFrame(drawing.frame);
+  drawing.frame = 0;
+  if (!drawing.stale) return;
+  drawing.stale = false;
+  following(() => drawReply(drawing));
+}
+
+// Add `pieces` to the reply, drawn in the next frame (a hidden tab draws none: the end draws it)
+function drawSoon(drawing, pieces) {
+  for (const [piece, source] of pieces) {
+    for (let i = 0; i < piece.length; i++) drawing.owner.push(drawing.pieces.length);
+    drawing.pieces.push([piece, source]);
+    drawing.text += piece;
+  }
+  drawing.stale = true;
+  if (!drawing.frame) drawing.frame = requestAnimationFrame(() => drawNow(drawing));
+}
+
 // ---------------------------------------------------------------- the conversation on the page
 
 // Run `change` (which adds to the conversation) and keep following its end, if the reader was there
@@ -105,13 +322,6 @@ function addMessage(role, text) {
   return view;
 }
 
-function addPiece(view, piece, source) {
-  const span = document.createElement("span");
-  span.className = `tok ${source}`;
-  span.title = SOURCE_NAMES[source];
-  span.textContent = piece;
-  view.querySelector(".text").append(span);
-}
 
 function addLine(view, className, text) {
   const line = document.createElement("p");
@@ -156,6 +366,7 @@ async function reply() {
   const conversation = chat.messages; // New chat while this streams starts another: this one keeps the reply
   const request = replyRequest();
   const view = addMessage("assistant", "");
+  const drawing = replyDrawing(view);
   const controller = new AbortController();
   chat.running = controller;
   updateButtons();
@@ -182,13 +393,10 @@ async function reply() {
         for (const choice of data.choices) {
           const report = choice.speculative; // asked for: on every chunk with text or a finish
           if (!report) continue;
-          following(() => {
-            for (const [piece, source] of report.sources) {
-              addPiece(view, piece, source);
-              text += piece;
-            }
-          });
+          for (const [piece] of report.sources) text += piece;
+          drawSoon(drawing, report.sources);
           if (report.figures) {
+            drawNow(drawing);
             addLine(view, "figures", figuresText(report.figures, choice.finish_reason, request.speculative.enabled));
           }
         }
@@ -204,6 +412,7 @@ async function reply() {
     }
   } finally {
     chat.running = null;
+    drawNow(drawing); // what came, drawn before anything is added under it
   }
   if (text) {
     conversation.push({role: "assistant", content: text});
