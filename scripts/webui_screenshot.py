@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Take the README's screenshot of the chat page (docs/webui.png): start `localspec serve` (the
-default pair, or what the arguments after `--` say), open the page in headless Chromium, send the
-messages one after the other (each once the reply before it has ended), and save the window: the
-second reply repeats code from the first, which prompt lookup drafts.
+"""Take the screenshot of the chat page that docs/server.md shows (docs/webui.png): start
+`localspec serve` (the default pair, or what the arguments after `--` say), open the page in
+headless Chromium, send the messages one after the other (each once the reply before it has
+ended), and save the window: the second reply repeats code from the first, which prompt lookup drafts.
 
     python scripts/webui_screenshot.py                      # docs/webui.png
     python scripts/webui_screenshot.py --out /tmp/page.png -- --pair NAME

@@ -1,93 +1,16 @@
-"""Draft-length policies: how many tokens to draft in the next step (and, for a hybrid proposer,
-from which source: `HybridLength`, at the end).
+"""Draft-length policies: how many tokens the next step drafts (0: a plain oracle step) and, for a
+hybrid proposer (`HybridLength`), from which source.
 
-The engine asks `draft_length(limit, context)` before each step and reports the outcome with
-`update(step)` (the step's record: drafted, accepted, times, context length), so a policy can hide
-any schedule (fixed, cost-aware) behind two calls.
+Contract (`LengthPolicy`): the engine calls `start_request(regime)` as a request begins,
+`draft_length(limit, context)` before each step (an answer in 0..limit) and `update(step)` with the
+step's `StepRecord` after it; `explain()` says in numbers why drafting is idle. A policy decides how
+many tokens each verify pass carries, never which are emitted. `FixedLength(k)` drafts k every
+step. `AdaptiveLength`, the default, drafts the k that maximises expected tokens per second at this
+context, from pass costs fitted to every step (`costs.PassCost`) and acceptance estimates kept per
+sampling regime (`Regime`), drafts nothing unless that beats the oracle alone by `min_gain`, and
+probes within `probe_budget` while idle; what it learned persists between processes.
 
-`AdaptiveLength` (the default) picks the draft allowance k that maximises expected tokens per second
-at the current context length. The draft may stop before k (its confidence cut-off, p_min; a lookup
-match that runs out), so
-
-    P(draft token i+1 is proposed | token i was)    = c       (the continuation rate)
-    P(tokens 1..i are all proposed and accepted)     = a_1 * a_2 * ... * a_i * c_acc^(i-1)
-    expected tokens per step   E(k) = 1 + sum_{i=1..k} a_1 * ... * a_i * c_acc^(i-1)
-    time per step              T(k) = sum_l P(L = l | k) * (draft(l, ctx) + verify(l + 1, ctx)),  T(0) = verify(1, ctx)
-
-where L is the number of tokens drafted (P(L = l) = c^(l-1) * (1 - c) for l < k, c^(k-1) for l = k),
-a_i the running acceptance rate of the i-th draft token given the ones before it were accepted (each
-drafted token up to the first rejection is one trial, so short drafts also teach what long ones
-would do), kept apart by place (`AcceptanceByPlace`): for a draft model, a step's first token after
-a step whose draft was wholly accepted, after one that was not, and the later ones; for prompt
-lookup, by the length of the match the token extends (the tokens before the draft's source that
-agree with the text's last ones, plus the token's place in the step: a copy that has held for a
-while almost always goes on, while a 2-token match often fails within a few tokens, and a long
-draft on it costs a long verify pass for nothing; read as growing with the match, and corrected
-within a request by how the lookup's tokens fared in that text: `AcceptanceByPlace.monotone`,
-`AdaptiveLength.in_this_text`),
-c_acc the continuation rate after an accepted token (a confident draft is more often right), and
-draft(l, ctx) / verify(n, ctx) the draft's time to propose l tokens and the oracle's time for an
-n-token pass at a context of ctx tokens: `costs.PassCost` models, fitted from every step (nothing
-is timed on purpose) and persisted between processes by the engine. A draft model's time goes with
-the tokens it evaluates: it first catches up on the tokens accepted since its last proposal (one or
-two: `catch_up`, a running mean), then decodes one token per drafted token but the last, so
-draft(l) = D(l - 1 + catch_up) with D fitted to (tokens evaluated, time) of every step; a proposer
-without a model (prompt lookup) costs the same whatever it proposes. Before the draft's first step
-its cost is guessed as `draft_cost_ratio` of an oracle pass per token (the engine sets the ratio
-from the two models' sizes). A long allowance is cheap when the draft often stops early: the policy
-does not pay for tokens that are never drafted.
-
-k = 0 is plain oracle decoding, and it also wins unless the best k is predicted to beat it by
-`min_gain` (10%): a smaller predicted gain is within the error of the estimates and of a shared
-machine's timings (the acceptance estimate lags the text), and drafting on it risks a loss for next
-to nothing. Once drafting, the policy goes on while the best k is predicted to beat k = 0 by
-`keep_gain` (5%): on the default pair the estimates under-predict a draft that stops itself when
-unsure by 5-10% (a fixed K=16 measured 1.2-1.3x where the policy predicted 1.06-1.09x), so a
-single threshold idled the draft model for good in one of three simulated runs of the bench's
-prompts (idle, it no longer measures the draft), and those runs ended 0.97x on code where fixed K
-ran 1.3x. When k = 0 wins, the policy still probes with a short draft now and then, so a
-better-matched stretch of text is noticed. A probe drafts from the start of the text and a short
-window of recent text, not all of it (catching up would cost more than a probe is worth), so its
-tokens are accepted less often than a draft that saw everything (measured on the default pair:
-62-84% against 95-100%): a probe teaches the estimates nothing, but when all of its tokens are
-accepted the policy re-tries drafting at once, with the draft caught up on the whole text
-(`consume_catch_up`), for `min_trials` draft tokens that are judged as usual. Probes are held to a
-small share of the time spent (`probe_budget`), and what probes and re-tries cost beyond the
-oracle alone's time for the tokens they yielded counts against it, delaying the next probes: a
-badly matched draft costs next to nothing once the policy has stopped using it, and a probe or
-re-try whose drafts are accepted costs the budget nothing.
-That account is kept between processes with the estimates: a probe of a cross-tokenizer draft
-costs 3-4 oracle steps (~70 ms), and a fresh process probing at its 16th step made a 128-token
-one-shot `generate` 3% slower on a pair known idle; now, after a probe, the next waits until the
-time spent, in this process or later ones, has paid for it (and unused budget carries over from
-the last `probe_bank` seconds only).
-The policy stops only after judging `min_trials` draft tokens: an unlucky first
-step is not evidence enough.
-
-Everything learned of acceptance is kept per sampling regime (`Regime`: greedy, or sampled in a
-temperature band, with top-k/p/min-p filters and grammars apart; `Estimates`), and each request is
-priced with its own regime's, which its steps alone teach: a draft is accepted far less often when
-the oracle samples than when it takes its argmax, and one estimate for all had 40 short requests at
-temperature 1 switch drafting off for the greedy requests after them. Each regime has its own probe
-account. The costs of passes are shared: they do not depend on how the tokens are chosen.
-
-The acceptance and continuation estimates are running means over trials that settle into an
-exponential average (each trial weighs at least 1 - `decay`): quick to learn from a fresh start,
-steady afterwards; they too are kept between processes (`acceptance_state`). A slower estimate,
-`long_acceptance` (each trial weighs 1 - `long_decay`: the last few hundred count), says whether
-the regime pays in the long run: when the policy is idle but the long run says drafting pays by
-`min_gain`, a new request re-tries drafting with the draft on its whole prompt, for `min_trials`
-draft tokens that count as fresh evidence; their cost counts as probing. That judgement, and the
-re-try's draft lengths, take the draft's cost at the lower of its fitted value and the prior guess,
-and a re-try measures that cost afresh: an idle policy no longer measures the draft, so a cost
-fitted while another program slowed the machine (2-3x on a 2-core VM) would otherwise keep drafting
-off for good, in later processes too (the costs are kept). Such a re-try runs when the probe budget
-allows, and otherwise at the next request after a wait that doubles with each re-try that found
-drafting not paying (`retry_wait`, up to MAX_RETRY_WAIT requests; reset by one that found it
-paying): the probes of one stalled request spent a paying regime's budget for minutes to come. One
-hard prompt (or a stall) does not end drafting on a regime that usually pays, and one that does
-not pay in the long run is not re-tried (each re-try costs the draft a pass over the prompt: on a
-one-shot run of a badly matched pair that alone would cost a few percent).
+The reasoning and the measured figures behind these rules: docs/policy.md, "How the policy decides".
 """
 
 from __future__ import annotations
