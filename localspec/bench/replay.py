@@ -24,9 +24,10 @@ from typing import Sequence
 import numpy as np
 
 from localspec.outputs import DraftSource, StepRecord
-from localspec.speculative.plan import NO_DRAFT, NO_OFFER, DraftPlan, Offer, unused_offer
+from localspec.speculative.plan import NO_DRAFT, NO_OFFER, DraftPlan, Offer, unused_offers
 from localspec.speculative.policy import GREEDY, LengthPolicy
 from localspec.speculative.proposers import EMPTY_DRAFT, MODEL_OFFER, Draft, HybridProposer, PromptLookupProposer
+from localspec.speculative.sampling import SamplingParams
 
 MAX_CATCH_UP = 16  # as DraftModelProposer's: after a pause the draft catches up on a window this long
 
@@ -181,6 +182,9 @@ class ReplayResult:
         self.accepted += accepted
 
 
+GREEDY_SAMPLING = SamplingParams()  # the traces are greedy
+
+
 def replay(trace: Trace, policy: LengthPolicy, costs: Costs, *, lookup: bool = True, model: bool = True,
            p_min: float = 0.3, noise: float = 0.0, stalls: float = 0.0,
            rng: np.random.Generator | None = None) -> ReplayResult:
@@ -221,7 +225,7 @@ def replay(trace: Trace, policy: LengthPolicy, costs: Costs, *, lookup: bool = T
         draft, evaluated, draft_time = EMPTY_DRAFT, 0, costs.host_step / 2
         if plan.drafts or plan.resync:
             drafter.last = (0, 0)
-            steps = proposer.propose_steps(history, plan, offer)
+            steps = proposer.propose_steps(history, plan, offer, GREEDY_SAMPLING, None)
             try:
                 next(steps)
             except StopIteration as done:
@@ -237,10 +241,9 @@ def replay(trace: Trace, policy: LengthPolicy, costs: Costs, *, lookup: bool = T
         verify_time = charge(costs.oracle.seconds(n + 1, context)) + costs.host_step / 2
         gained = min(accepted + 1, len(answer) - emitted)
         done = len(history) - len(prompt) + gained >= len(answer)
-        compared, matched = unused_offer(offer, draft.source, answer[emitted:emitted + gained]) if not done else (0, 0)
         step = StepRecord(k=plan.length, drafted=n, accepted=accepted, draft_time=draft_time, verify_time=verify_time,
                           context=context, draft_evaluated=draft.evaluated, source=draft.source,
-                          offer_compared=compared, offer_matched=matched, offer_run=offer.match_length)
+                          unused=unused_offers(offer, draft.source, answer[emitted:emitted + gained]) if not done else ())
         policy.observe(step)
         history += answer[emitted:emitted + gained]
         out.add(gained=gained, drafted=n, accepted=accepted, seconds=draft_time + verify_time)
