@@ -29,6 +29,8 @@ NONE_WORDS = ("none", "off", "default", "random")  # what /set takes for "no val
 
 
 DEFAULT_CTX = 4096  # tokens one sequence may hold unless --ctx / n_ctx says otherwise (an engine setting)
+# tokens of earlier requests' text the suffix cache keeps per pool (~20 MB a million: speculative/suffix.py)
+DEFAULT_SUFFIX_CACHE = 1_000_000
 
 
 class OptionError(ValueError):

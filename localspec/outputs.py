@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import asdict, dataclass, field, fields
+from typing import NamedTuple
 
 
 class DraftSource(enum.StrEnum):
@@ -12,6 +13,18 @@ class DraftSource(enum.StrEnum):
     NONE = ""  # nothing drafted
     MODEL = "model"  # a draft model
     LOOKUP = "lookup"  # prompt lookup: the text itself
+    SUFFIX = "suffix"  # the suffix cache: earlier requests' text
+
+
+class OfferScore(NamedTuple):
+    """A model-free source's offer that a step did not draft, scored against what the step emitted:
+    its first `compared` tokens compared, the first `matched` of them agreeing in a row, on a match
+    `run` tokens long (how it would have fared as a draft)."""
+
+    source: DraftSource
+    compared: int
+    matched: int
+    run: int
 
 
 @dataclass(frozen=True)
@@ -31,12 +44,7 @@ class StepRecord:
     batch_tokens: int = 0  # tokens the verify pass carried (0: this step's own, drafted + 1)
     draft_host_time: float = 0.0  # of draft_time, outside llama.cpp (the policy, the proposers' Python)
     verify_host_time: float = 0.0  # of verify_time, outside llama.cpp (batch building, acceptance, rollback)
-    # prompt lookup's offer when another source drafted (or none did): its first `offer_compared`
-    # tokens compared with the ones the step emitted, the first `offer_matched` of them agreeing,
-    # on a match `offer_run` tokens long (0 compared: no unused offer)
-    offer_compared: int = 0
-    offer_matched: int = 0
-    offer_run: int = 0
+    unused: tuple[OfferScore, ...] = ()  # the model-free sources' offers the step did not draft
 
     @property
     def emitted(self) -> int:
@@ -57,6 +65,8 @@ class Stats:
     accepted: int = 0  # draft tokens the oracle accepted
     lookup_drafted: int = 0  # of the drafted tokens, those prompt lookup proposed (the rest: the draft model)
     lookup_accepted: int = 0  # ... and of those, accepted
+    suffix_drafted: int = 0  # of the drafted tokens, those the suffix cache proposed (earlier requests' text)
+    suffix_accepted: int = 0  # ... and of those, accepted
     prompt_time: float = 0.0  # the oracle evaluating the prompt (before the first token)
     draft_prompt_time: float = 0.0  # the draft evaluating it (in its first proposal, after the first token)
     draft_time: float = 0.0  # proposing, draft_prompt_time included
@@ -85,6 +95,9 @@ class Stats:
         if step.source == DraftSource.LOOKUP:
             self.lookup_drafted += step.drafted
             self.lookup_accepted += step.accepted
+        elif step.source == DraftSource.SUFFIX:
+            self.suffix_drafted += step.drafted
+            self.suffix_accepted += step.accepted
         self.draft_time += step.draft_time
         self.draft_prompt_time += step.draft_prompt_time
         self.verify_time += step.verify_time

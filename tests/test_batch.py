@@ -72,7 +72,7 @@ def test_read_done_cuts_a_truncated_last_line_and_ignores_unreadable_ones(tmp_pa
     out.write_text(good + '{"id": "c", "te')
     warnings = []
     done = read_done(str(out), warnings.append)
-    assert done == {'"a"': False, "2": True}  # each id, and whether its record is an error
+    assert done == {'"a"': "x", "2": None}  # each id, and its text (None: an error record)
     assert out.read_text() == good  # repaired: appending starts on a fresh line
     assert any("truncated last line" in w for w in warnings) and any("1 unreadable line" in w for w in warnings)
     assert read_done(str(tmp_path / "missing.jsonl"), warnings.append) == {}

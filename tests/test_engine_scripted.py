@@ -257,13 +257,13 @@ class Alternating(FixedLength):
         if k <= 0:
             return NO_DRAFT
         self.calls += 1
-        found = len(offer.found)
+        found = len(offer.lookup.tokens)
         source, k = (DraftSource.LOOKUP, min(found, k)) if found and self.calls % 2 else (DraftSource.MODEL, k)
         self.sources.append(source)
         return DraftPlan(source, k)
 
     def observe(self, step: StepRecord) -> None:
-        assert 0 <= step.offer_matched <= step.offer_compared
+        assert all(0 <= score.matched <= score.compared for score in step.unused)
 
 
 KINDS = ["draft40", "draft36", "draft44", "lookup", "cross-tokenizer", "hybrid"]
@@ -311,7 +311,7 @@ def test_a_hybrid_drafts_from_both_sources_as_its_chooser_says_and_keeps_the_ora
     chosen = engine.policy.sources
     drafted = [x.source for x in r.stats.records if x.drafted]
     assert {"lookup", "model"} <= set(drafted) and drafted == [c for c in chosen if c][:len(drafted)]
-    assert any(x.offer_compared for x in r.stats.records)  # the lookup's offers the model was planned over, scored
+    assert any(x.unused for x in r.stats.records)  # the lookup's offers the model was planned over, scored
     assert all(x.source == "" for x in r.stats.records if not x.drafted)
     lookups = [x for x in r.stats.records if x.source == "lookup"]
     assert r.stats.lookup_drafted == sum(x.drafted for x in lookups) > 0

@@ -6,8 +6,8 @@ import re
 import numpy as np
 import pytest
 
-from localspec.outputs import StepRecord
-from localspec.speculative.plan import Offer
+from localspec.outputs import DraftSource, OfferScore, StepRecord
+from localspec.speculative.plan import Found, Offer
 from localspec.speculative.policy import (ACCEPTANCE_LAYOUT, GREEDY, LOOKUP_PRIORS, LOOKUP_RUNS, AdaptiveLength, Estimates, FixedLength,
                               HybridLength, Regime)
 
@@ -40,7 +40,7 @@ def test_fixed_length_caps_at_limit_and_takes_the_lookups_tokens_where_it_found_
     model = Offer(model=True)
     assert [p.plan(model, limit).length for limit in (20, 3, 0)] == [8, 3, 0]
     assert p.plan(model, 20).source == "model" and p.plan(model, 0).source == ""
-    found = Offer(np.arange(5, dtype=np.int32), 3, model=True)
+    found = Offer(lookup=Found(np.arange(5, dtype=np.int32), 3), model=True)
     assert (p.plan(found, 20).source, p.plan(found, 20).length, p.plan(found, 4).length) == ("lookup", 5, 4)
     assert not p.plan(Offer(), 20).drafts  # nothing to draft with
     with pytest.raises(ValueError):
@@ -557,13 +557,13 @@ def hybrid(verify, draft_cost, *, model_acceptance, lookup_acceptance):
 def planned(p, found=0, limit=64, match_length=0):
     """(source, length) of the plan `p` makes for a step whose lookup found `found` tokens on a match
     `match_length` tokens long, the draft model beside it, `limit` tokens left."""
-    plan = p.plan(Offer(np.arange(1, found + 1, dtype=np.int32), match_length, model=True), limit, CONTEXT)
+    plan = p.plan(Offer(lookup=Found(np.arange(1, found + 1, dtype=np.int32), match_length), model=True), limit, CONTEXT)
     return plan.source, plan.length
 
 
 def offer_scored(record, compared, matched, run):
     """`record` of a step that left the lookup's offer unused, the offer scored as it went."""
-    return dataclasses.replace(record, offer_compared=compared, offer_matched=matched, offer_run=run)
+    return dataclasses.replace(record, unused=(OfferScore(DraftSource.LOOKUP, compared, matched, run),))
 
 
 def lookup_step(drafted, accepted, verify_time, context=CONTEXT):
@@ -580,7 +580,7 @@ def test_the_hybrid_drafts_from_the_lookup_when_it_promises_more_than_the_model_
     assert source == "lookup" and 1 <= k <= 20  # free tokens, right 95% of the time
     assert planned(p, found=0) == ("model", model_k)  # nothing found: the model's length
     assert planned(p, found=20, limit=6)[1] <= 6  # never past the limit
-    assert p.plan(Offer(np.arange(20, dtype=np.int32)), 64, CONTEXT).source == "lookup"  # no model: the lookup
+    assert p.plan(Offer(lookup=Found(np.arange(20, dtype=np.int32))), 64, CONTEXT).source == "lookup"  # no model
 
     poor = hybrid(verify, 0.003, model_acceptance=0.8, lookup_acceptance=0.2)  # matches that rarely hold
     assert planned(poor, found=20) == ("model", poor.model.best_length(64, CONTEXT))

@@ -5,7 +5,7 @@ import pytest
 
 from localspec.runtime.factory import lookup_policy
 from localspec.outputs import DraftSource
-from localspec.speculative.plan import DraftPlan, unused_offer
+from localspec.speculative.plan import DraftPlan, Found, Offer, unused_offers
 from localspec.speculative.proposers import (EMPTY_DRAFT, MATCH_CAP, MODEL_OFFER, Draft, DraftModelProposer, HybridProposer,
                                   PromptLookupProposer, drive)
 from localspec.speculative.sampling import SamplingParams, logits_to_probs
@@ -138,10 +138,10 @@ def test_prompt_lookup_alone_sizes_each_draft_by_its_match():
     copying = source + [7] + source[:40]
     fresh_offer, held_offer = proposer.offer(coincidence, 64), proposer.offer(copying, 64)
     fresh, held = policy.plan(fresh_offer, 64, 100), policy.plan(held_offer, 64, 100)
-    assert fresh_offer.match_length == 2 and 1 <= fresh.length <= 8
-    assert held_offer.match_length == 40 and held.length >= 32
+    assert fresh_offer.lookup.match_length == 2 and 1 <= fresh.length <= 8
+    assert held_offer.lookup.match_length == 40 and held.length >= 32
     draft = drive(proposer.propose_steps(copying, held, held_offer, GREEDY, rng), None)
-    assert draft.tokens.tolist() == held_offer.found[:held.length].tolist() and draft.source == "lookup"
+    assert draft.tokens.tolist() == held_offer.lookup.tokens[:held.length].tolist() and draft.source == "lookup"
     assert len(proposer.propose(coincidence, 64, GREEDY, rng)) == 51  # the plain plan: all it found
 
 
@@ -191,7 +191,7 @@ def test_a_hybrid_carries_out_the_plan_it_is_given():
     rng = np.random.default_rng(0)
     text = [1, 2, 3, 1, 2]
     offer = hybrid.offer(text, 4)
-    assert offer.found.tolist() == [3, 1, 2] and offer.model and offer.match_length == 2
+    assert offer.lookup.tokens.tolist() == [3, 1, 2] and offer.model and offer.lookup.match_length == 2
 
     def run(plan):
         return drive(hybrid.propose_steps(text, plan, offer, GREEDY, rng), None)
@@ -204,11 +204,15 @@ def test_a_hybrid_carries_out_the_plan_it_is_given():
 
 def test_an_unused_lookup_offer_is_scored_against_what_the_step_emitted():
     offer = PromptLookupProposer().offer([1, 2, 3, 4, 5, 1, 2], 5)  # offers [3, 4, 5, 1, 2]
-    assert offer.found.tolist() == [3, 4, 5, 1, 2]
-    assert unused_offer(offer, DraftSource.MODEL, [3, 4, 7]) == (3, 2)  # two agreed, the third did not
-    assert unused_offer(offer, DraftSource.NONE, [3, 4, 5, 1, 2, 6]) == (5, 5)  # a plain step
-    assert unused_offer(offer, DraftSource.LOOKUP, [3, 4, 7]) == (0, 0)  # drafted: judged as a draft
-    assert unused_offer(MODEL_OFFER, DraftSource.MODEL, [3]) == (0, 0)  # nothing offered
+    assert offer.lookup.tokens.tolist() == [3, 4, 5, 1, 2]
+    lookup = DraftSource.LOOKUP
+    assert unused_offers(offer, DraftSource.MODEL, [3, 4, 7]) == ((lookup, 3, 2, 2),)  # two agreed, not the third
+    assert unused_offers(offer, DraftSource.NONE, [3, 4, 5, 1, 2, 6]) == ((lookup, 5, 5, 2),)  # a plain step
+    assert unused_offers(offer, lookup, [3, 4, 7]) == ()  # drafted: judged as a draft
+    assert unused_offers(MODEL_OFFER, DraftSource.MODEL, [3]) == ()  # nothing offered
+    both = Offer(lookup=offer.lookup, suffix=Found(np.array([3, 9], dtype=np.int32), 7))
+    assert unused_offers(both, DraftSource.SUFFIX, [3, 4]) == ((lookup, 2, 2, 2),)  # the suffix's is a draft's
+    assert unused_offers(both, lookup, [3, 4]) == ((DraftSource.SUFFIX, 2, 1, 7),)
 
 
 def test_a_lookup_offer_leaves_a_grammar_walk_as_it_was():
@@ -225,7 +229,7 @@ def test_a_lookup_offer_leaves_a_grammar_walk_as_it_was():
 
     walk = Walk()
     offer = PromptLookupProposer().offer([1, 2, 3, 4, 5, 1, 2], 5, walk)
-    assert offer.found.tolist() == [3, 4] and walk.depth == 0  # cut where the grammar refuses, nothing pushed
+    assert offer.lookup.tokens.tolist() == [3, 4] and walk.depth == 0  # cut where the grammar refuses, nothing pushed
     draft = drive(PromptLookupProposer().propose_steps([1, 2, 3, 4, 5, 1, 2], DraftPlan(DraftSource.LOOKUP, 2), offer,
                                                        GREEDY, None, walk), None)
     assert draft.tokens.tolist() == [3, 4] and walk.depth == 2  # the draft's tokens pushed, as a model's are

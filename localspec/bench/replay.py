@@ -24,7 +24,7 @@ from typing import Sequence
 import numpy as np
 
 from localspec.outputs import DraftSource, StepRecord
-from localspec.speculative.plan import NO_DRAFT, NO_OFFER, DraftPlan, Offer, unused_offer
+from localspec.speculative.plan import NO_DRAFT, NO_OFFER, DraftPlan, Offer, unused_offers
 from localspec.speculative.policy import GREEDY, LengthPolicy
 from localspec.speculative.proposers import EMPTY_DRAFT, MODEL_OFFER, Draft, HybridProposer, PromptLookupProposer
 from localspec.speculative.sampling import SamplingParams
@@ -241,10 +241,9 @@ def replay(trace: Trace, policy: LengthPolicy, costs: Costs, *, lookup: bool = T
         verify_time = charge(costs.oracle.seconds(n + 1, context)) + costs.host_step / 2
         gained = min(accepted + 1, len(answer) - emitted)
         done = len(history) - len(prompt) + gained >= len(answer)
-        compared, matched = unused_offer(offer, draft.source, answer[emitted:emitted + gained]) if not done else (0, 0)
         step = StepRecord(k=plan.length, drafted=n, accepted=accepted, draft_time=draft_time, verify_time=verify_time,
                           context=context, draft_evaluated=draft.evaluated, source=draft.source,
-                          offer_compared=compared, offer_matched=matched, offer_run=offer.match_length)
+                          unused=unused_offers(offer, draft.source, answer[emitted:emitted + gained]) if not done else ())
         policy.observe(step)
         history += answer[emitted:emitted + gained]
         out.add(gained=gained, drafted=n, accepted=accepted, seconds=draft_time + verify_time)

@@ -57,6 +57,8 @@ class LocalspecRunner:
                 kwargs["cross_tokenizer"] = True
         if params.get("flash_attn"):
             kwargs["flash_attn"] = params["flash_attn"]
+        if params.get("suffix_cache"):  # off unless the system asks: repetitions would draft from earlier ones
+            kwargs["suffix_cache"] = params["suffix_cache"]
         self.kwargs = dict(kwargs)
         t0 = time.perf_counter()
         self.engine = Engine(models["oracle"], draft_arg, **kwargs)

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import click
 
 from localspec import __version__
-from localspec.options import DEFAULT_CTX, OPTIONS, GenerationOptions, OptionError
+from localspec.options import DEFAULT_CTX, DEFAULT_SUFFIX_CACHE, OPTIONS, GenerationOptions, OptionError
 
 EXIT_USAGE = 2
 EXIT_RECORDS_FAILED = 1  # a batch run ended with error records in its output
@@ -165,6 +165,12 @@ def model_options(fn: Callable) -> Callable:
         click.option("--lookup/--no-lookup", default=True, show_default=True,
                      help="Prompt lookup beside the draft model: each step drafts from the text's own "
                           "repeats (free) or the model, whichever promises more; --no-lookup: the model alone."),
+        click.option("--suffix-cache-tokens", "suffix_cache", type=click.IntRange(0, 1 << 31),
+                     default=DEFAULT_SUFFIX_CACHE, show_default=True,
+                     help="Tokens of earlier requests' text (prompts and answers) kept to draft from: a "
+                          "request that repeats what earlier ones said is drafted for free. One cache per API "
+                          "key (drafts change timing, never text, but timing could tell one client about "
+                          "another's); about 20 MB a million tokens; 0: off."),
         click.option("--cross-tokenizer", is_flag=True,
                      help="Allow a draft with a different vocabulary (text is re-tokenized between them)."),
         click.option("--gpu-layers", type=int, default=-1, show_default=True,
@@ -219,7 +225,7 @@ def request_options(kw: dict[str, Any], json_schema: str | None = None,
 
 def open_engine(*, pair, oracle, draft, no_draft, draft_max, draft_length, p_min, lookup, cross_tokenizer,
                 gpu_layers, draft_gpu_layers, n_ctx, threads, flash_attn="auto",
-                rpc=(), draft_rpc=(), parallel: int = 1, **_):
+                rpc=(), draft_rpc=(), parallel: int = 1, suffix_cache: int = DEFAULT_SUFFIX_CACHE, **_):
     """Resolve the models (fetching them on first use) and load them, with `parallel` slots."""
     from localspec.runtime.engine import DEFAULT_P_MIN, Engine
     from localspec.models import Registry
@@ -233,7 +239,7 @@ def open_engine(*, pair, oracle, draft, no_draft, draft_max, draft_length, p_min
                   draft_max=draft_max,
                   p_min=DEFAULT_P_MIN if p_min is None else p_min, lookup=lookup,
                   cross_tokenizer=cross_tokenizer or choice.cross_tokenizer, progress=progress, rpc=rpc,
-                  draft_rpc=draft_rpc, parallel=parallel)
+                  draft_rpc=draft_rpc, parallel=parallel, suffix_cache=suffix_cache)
 
 
 # ---------------------------------------------------------------- commands
@@ -362,8 +368,10 @@ def check(prompts_file: str | None, max_prompts: int, max_tokens: int, as_json: 
     prompts = load_prompts(prompts_file, max_prompts, max_tokens)
     choice = Registry.load().choose(kw["pair"], kw["oracle"], kw["draft"])
     oracle, draft = choice.oracle, choice.draft or choice.pair.draft  # another oracle: still the pair's draft
-    # the pair's own figures: its draft model alone (prompt lookup would mix in the text's repeats)
-    with open_engine(**{**kw, "oracle": oracle, "draft": draft, "cross_tokenizer": True, "lookup": False}) as engine:
+    # the pair's own figures: its draft model alone (prompt lookup would mix in the text's repeats, the
+    # suffix cache what earlier prompts said)
+    with open_engine(**{**kw, "oracle": oracle, "draft": draft, "cross_tokenizer": True, "lookup": False,
+                        "suffix_cache": 0}) as engine:
         report = run_check(engine, prompts, oracle=oracle, draft=draft, progress=progress)
     click.echo(json.dumps(report.to_dict(), indent=2) if as_json else format_report(report))
 

@@ -143,8 +143,8 @@ def _request(obj: dict[str, Any], *, defaults: dict[str, Any], system: str | Non
 # ---------------------------------------------------------------- output
 
 
-def read_done(path: str, warn: Callable[[str], None]) -> dict[str, bool]:
-    """The ids already in the output file, each with whether its record is an error. A truncated
+def read_done(path: str, warn: Callable[[str], None]) -> dict[str, str | None]:
+    """The ids already in the output file, each with its record's text (None: an error record). A truncated
     last line (no newline: a crash mid-write) is cut off so appending starts on a fresh line;
     unreadable complete lines are ignored."""
     try:
@@ -160,14 +160,14 @@ def read_done(path: str, warn: Callable[[str], None]) -> dict[str, bool]:
             os.fsync(f.fileno())
         warn(f"{path}: dropped a truncated last line ({len(data) - keep} bytes) from an interrupted run")
         data = data[:keep]
-    done: dict[str, bool] = {}
+    done: dict[str, str | None] = {}
     bad = 0
     for line in data.splitlines():
         if not line.strip():
             continue
         try:
             record = json.loads(line)
-            done[id_key(record["id"])] = "error" in record
+            done[id_key(record["id"])] = None if "error" in record else str(record.get("text", ""))
         except (ValueError, KeyError, TypeError):
             bad += 1
     if bad:
@@ -277,7 +277,7 @@ def run_batch(input_path: str, output_path: str | None, *, open_engine: Callable
     for item in items:
         if item.key in done:
             summary.skipped += 1
-            summary.skipped_errors += done[item.key]
+            summary.skipped_errors += done[item.key] is None
         elif item.key in queued:
             summary.duplicates += 1
         else:
@@ -294,6 +294,9 @@ def run_batch(input_path: str, output_path: str | None, *, open_engine: Callable
 
     needs_engine = any(item.error is None for item in pending)
     with (open_engine() if needs_engine else nullcontext()) as engine:  # load failures leave no output file
+        warmed = _warm_suffix_cache(engine, items, done)
+        if warmed:
+            progress(f"the suffix cache starts from the {warmed} answers already in {output_path}")
         writer = RecordWriter(output_path)
         t_start = time.perf_counter()
         try:
@@ -309,6 +312,17 @@ def run_batch(input_path: str, output_path: str | None, *, open_engine: Callable
         summary.seconds = time.perf_counter() - t_start
     progress(summary.line())
     return summary
+
+
+def _warm_suffix_cache(engine, items: list[Item], done: dict[str, str | None]) -> int:
+    """Hand the engine's suffix cache the prompts and answers a resumed run already wrote, as if
+    this process had generated them; the number handed."""
+    if engine is None or engine.suffix is None:
+        return 0
+    answered = [(item, done[item.key]) for item in items if item.error is None and done.get(item.key) is not None]
+    for item, text in answered:
+        engine.remember(item.prompt, text)
+    return len(answered)
 
 
 def _records(engine, items: list[Item], summary: Summary) -> Iterator[dict[str, Any]]:

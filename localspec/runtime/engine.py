@@ -50,9 +50,10 @@ from localspec.runtime.factory import (DEFAULT_DRAFT_MAX, DEFAULT_P_MIN, LOOKUP_
 from localspec.llama.context import Detokenizer, LlamaContext, LlamaModel, Rows, on_local_gpu
 from localspec.options import GenerationOptions
 from localspec.outputs import Chunk, DraftSource, Result, Stats, StepRecord, TokenLogprob, TopLogprob
-from localspec.speculative.plan import NO_DRAFT, NO_OFFER, DraftPlan, SharedPass, unused_offer
+from localspec.speculative.plan import NO_DRAFT, NO_OFFER, DraftPlan, SharedPass, unused_offers
 from localspec.speculative.policy import Learning, LengthPolicy, Regime
 from localspec.speculative.proposers import EMPTY_DRAFT, Draft, Proposer, drive_all, set_draft_p_min
+from localspec.speculative.suffix import SuffixPools
 from localspec.speculative.sampling import (SamplingParams, bias_logits, coupled_choice, greedy_argmax, log_softmax, logits_to_probs,
                        mask_logits, seed_key, top_ids)
 from localspec.runtime.scheduler import Scheduler
@@ -89,14 +90,16 @@ class Engine:
     @classmethod
     def from_parts(cls, *, oracle: LlamaContext, proposer: Proposer | None = None,
                    policy: LengthPolicy | None = None, draft: LlamaContext | None = None,
-                   costs: CostBook | None = None) -> "Engine":
+                   costs: CostBook | None = None, suffix: SuffixPools | None = None) -> "Engine":
         """An engine over parts built elsewhere: the oracle's context (its `model` is the oracle
         model), an optional proposer (and the draft context it drafts on, if any), a length
         policy (default: none drafted without a proposer, else adaptive) and where the policy's
-        learned state is kept (default: nowhere). The caller owns the parts: `close()` leaves them
-        open. Tests plug scripted contexts in here."""
+        learned state is kept (default: nowhere); `suffix`: the suffix cache's pools a
+        `SuffixProposer` reads, which finished requests add to. The caller owns the parts: `close()`
+        leaves them open. Tests plug scripted contexts in here."""
         engine = cls.__new__(cls)
-        engine._adopt(Parts(oracle=oracle, proposer=proposer, policy=policy, draft=draft, costs=costs), owned=False)
+        engine._adopt(Parts(oracle=oracle, proposer=proposer, policy=policy, draft=draft, costs=costs, suffix=suffix),
+                      owned=False)
         return engine
 
     def _adopt(self, parts: Parts, *, owned: bool) -> None:
@@ -107,6 +110,7 @@ class Engine:
         self.draft_ctx = parts.draft
         self.draft_model: LlamaModel | None = parts.draft.model if parts.draft is not None else None
         self.proposer = parts.proposer
+        self.suffix = parts.suffix  # the suffix cache's pools (None: off)
         self.policy: LengthPolicy = parts.policy if parts.policy is not None else default_policy(parts.proposer)
         self.costs = parts.costs
         self.cost_store = parts.cost_store if parts.cost_store is not None else (
@@ -206,12 +210,12 @@ class Engine:
     # -- generation
 
     def generate(self, prompt: Prompt, options: GenerationOptions | None = None, *, tools: list | None = None,
-                 **changes) -> Result:
+                 pool: str = "", **changes) -> Result:
         """Generate a completion; arguments as for `stream`."""
         options = GenerationOptions.build(options, **changes)
         text, tokens, logprobs = [], [], []
         final = None
-        for final in self.stream(prompt, options, tools=tools):
+        for final in self.stream(prompt, options, tools=tools, pool=pool):
             text.append(final.text)
             tokens.extend(final.tokens)
             if final.logprobs is not None:
@@ -222,14 +226,16 @@ class Engine:
                       structure=final.structure)
 
     def prepare(self, prompt: Prompt, options: GenerationOptions | None = None, *, tools: list | None = None,
-                **changes) -> Seq:
+                pool: str = "", **changes) -> Seq:
         """A sequence for `prompt` (arguments as for `stream`), checked and ready for the scheduler
-        (`scheduler.add`): how the server's worker and a batch file's runner start requests."""
+        (`scheduler.add`): how the server's worker and a batch file's runner start requests.
+        `pool`: whose earlier requests the suffix cache drafts from, and keeps this one's text for
+        (e.g. an API key's)."""
         request = Request.of(GenerationOptions.build(options, **changes))
-        return self.new_seq(self.tokenize_prompt(prompt, tools), request)
+        return self.new_seq(self.tokenize_prompt(prompt, tools), request, pool=pool)
 
     def stream(self, prompt: Prompt, options: GenerationOptions | None = None, *, tools: list | None = None,
-               **changes) -> Iterator[Chunk]:
+               pool: str = "", **changes) -> Iterator[Chunk]:
         """Yield text chunks as speculative steps are accepted; the last chunk carries
         finish_reason ("stop" or "length") and the stats.
 
@@ -240,13 +246,21 @@ class Engine:
         `grammar`: a Lark or GBNF grammar (text) it must follow; or a `constraints.Constraint`.
         Invalid options raise a ValueError (an invalid schema or grammar a `constraints.ConstraintError`)
         before anything is generated.
-        `tools`: OpenAI function specs handed to a chat template that takes them (the server's tool calls)."""
-        return self.scheduler.run(self.prepare(prompt, options, tools=tools, **changes))
+        `tools`: OpenAI function specs handed to a chat template that takes them (the server's tool calls).
+        `pool`: whose earlier requests the suffix cache drafts from, and keeps this one's text for."""
+        return self.scheduler.run(self.prepare(prompt, options, tools=tools, pool=pool, **changes))
 
     def stream_tokens(self, prompt_tokens: list[int], request: Request) -> Iterator[Chunk]:
         """`stream` of a tokenized prompt. The request is checked (and its grammar compiled) at
         once; the generation runs as the returned iterator is read (closing it aborts it)."""
         return self.scheduler.run(self.new_seq(prompt_tokens, request))
+
+    def remember(self, prompt: Prompt, text: str, *, pool: str = "") -> None:
+        """Keep `prompt` and its answer `text` in the suffix cache of `pool` (if it is on), as a
+        request that produced them would: a resumed batch's earlier answers."""
+        if self.suffix is not None:
+            answer = self.oracle_model.tokenize(text, add_special=False, parse_special=False)
+            self.suffix.add(pool, [self.tokenize_prompt(prompt) + answer])
 
     def constraint_walk(self, constraint: Constraint) -> ConstraintWalk:
         """A matcher for one generation under `constraint` over the oracle's vocabulary. Raises
@@ -255,7 +269,7 @@ class Engine:
 
     # -- sequences
 
-    def new_seq(self, prompt_tokens: Sequence[int], request: Request) -> Seq:
+    def new_seq(self, prompt_tokens: Sequence[int], request: Request, *, pool: str = "") -> Seq:
         """A sequence for `request` on a tokenized prompt, ready for the scheduler. It runs with
         the policy the engine has now (`using_policy`), to its end. Raises ValueError (a prompt
         that is empty or too long, a grammar llguidance cannot compile) before anything runs."""
@@ -278,7 +292,8 @@ class Engine:
         regime = Regime.of(request.sampling, constrained=request.constraint is not None) if speculative else None
         stats.regime = regime.describe() if regime is not None else ""
         return Seq(list(prompt_tokens), request, rng=np.random.default_rng(None if seed is None else seed_key(seed)),
-                   text=text, stats=stats, policy=self.policy.fork(regime), speculative=speculative, walk=walk)
+                   text=text, stats=stats, policy=self.policy.fork(regime), speculative=speculative, walk=walk,
+                   pool=pool)
 
     def admit(self, seq: Seq, free: Sequence[int] = (), busy: Sequence[int] = ()) -> None:
         """Ready the caches of `seq.slot` (the scheduler's choice) for `seq`: the oracle's cache
@@ -315,7 +330,7 @@ class Engine:
             # the draft is not run here: its first proposal catches up on what it has not seen (all of
             # the prompt while drafting pays, copied from the oracle's cache where their layouts match;
             # else a probe's window of it while the policy is idle)
-            seq.proposer.start(catch_up=not seq.policy.idle)
+            seq.proposer.start(catch_up=not seq.policy.idle, pool=seq.pool)
 
     def step(self, running: Sequence[Seq], prefill: Mapping[Seq, int] | None = None, *,
              queued: bool = False) -> list[StepOutcome]:
@@ -480,13 +495,12 @@ class Engine:
         context = len(seq.history) - 1
         could_draft = stats.steps > 0 and self._draft_limit(seq) > 0
         emitted, finish = self._emit(out, seq, _sources(draft, n_accepted, len(out)) if seq.request.sources else None)
-        compared, matched = unused_offer(seq.offer, draft.source, emitted) if not finish else (0, 0)
         step = StepRecord(k=plan.length, drafted=len(draft), accepted=n_accepted, draft_time=draft_time,
                           verify_time=verify_time, context=context, draft_evaluated=draft.evaluated,
                           draft_prompt_time=draft.prompt_time, source=draft.source, batch_seqs=batch_seqs,
                           batch_tokens=batch_tokens if batch_seqs > 1 else 0, draft_host_time=draft_host_time,
-                          verify_host_time=verify_host_time, offer_compared=compared, offer_matched=matched,
-                          offer_run=seq.offer.match_length)
+                          verify_host_time=verify_host_time,
+                          unused=unused_offers(seq.offer, draft.source, emitted) if not finish else ())
         if seq.request.speculative:  # a request that does not draft teaches the policy nothing
             seq.policy.observe(step)
             stats.idle_steps += could_draft and not step.drafted
@@ -511,6 +525,8 @@ class Engine:
             if stats.idle_steps:
                 stats.idle_reason = seq.policy.explain()
             self.save_costs(seq.policy)
+            if self.suffix is not None:  # later requests of its pool may draft from its text
+                self.suffix.add(seq.pool, [seq.history])
         seq.emit(piece, emitted, logprobs, finish_reason=finish, structure=structure)
         return StepOutcome(seq, finish_reason=finish, structure=structure)
 
@@ -620,7 +636,7 @@ def _picks_suffice(seq: Seq) -> bool:
             and request.logprobs is None and request.prompt_logprobs is None)
 
 
-_DRAFT_SOURCES = {DraftSource.MODEL: "draft", DraftSource.LOOKUP: "lookup"}  # a Draft's source -> a token's (Chunk.sources)
+_DRAFT_SOURCES = {DraftSource.MODEL: "draft", DraftSource.LOOKUP: "lookup", DraftSource.SUFFIX: "suffix"}  # a Draft's source -> a token's (Chunk.sources)
 
 
 def _sources(draft: Draft, n_accepted: int, n: int) -> list[str]:

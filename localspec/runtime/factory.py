@@ -21,6 +21,7 @@ from localspec.llama.context import LlamaContext, LlamaModel, on_local_gpu, reso
 from localspec.speculative.policy import (LOOKUP_PRIORS, LOOKUP_RUNS, AdaptiveLength, FixedLength, HybridLength, Learning,
                                          LengthPolicy, LookupLength)
 from localspec.speculative.proposers import CrossTokenizerProposer, DraftModelProposer, HybridProposer, PromptLookupProposer, Proposer
+from localspec.speculative.suffix import SuffixPools, SuffixProposer
 
 log = logging.getLogger("localspec.runtime.engine")
 
@@ -44,6 +45,7 @@ class Parts:
     draft: LlamaContext | None = None
     costs: CostBook | None = None
     cost_store: CostStore | None = None
+    suffix: SuffixPools | None = None  # the suffix cache's pools, which every finished request adds to
     closers: list[Callable[[], None]] = field(default_factory=list)
     n_threads: int = 0
     gpu_layers: int = 0
@@ -59,28 +61,36 @@ def default_policy(proposer: Proposer | None, draft_max: int = DEFAULT_DRAFT_MAX
     (whether proposing runs a draft model; its first guess at a draft token's cost)."""
     if proposer is None:
         return FixedLength(0)
-    if isinstance(proposer, PromptLookupProposer):
-        return lookup_policy(k_max=draft_max)
+    suffix = isinstance(proposer, SuffixProposer)
+    base = proposer.inner if suffix else proposer
+    if base is None or isinstance(base, PromptLookupProposer):
+        return lookup_policy(k_max=draft_max, lookup=base is not None, suffix=suffix)
     policy = AdaptiveLength(k_max=draft_max, model_draft=model_draft, draft_cost_ratio=cost_ratio)
-    if isinstance(proposer, HybridProposer):
-        return hybrid_policy(policy, lookup_max=lookup_max)
+    if isinstance(base, HybridProposer) or suffix:
+        return hybrid_policy(policy, lookup_max=lookup_max, lookup=isinstance(base, HybridProposer), suffix=suffix)
     return policy
 
 
-def lookup_adaptive(k_max: int) -> AdaptiveLength:
-    """Prompt lookup's adaptive length: drafts that cost nothing to make, sized by their match."""
+def lookup_adaptive(k_max: int, name: str = "prompt lookup") -> AdaptiveLength:
+    """A model-free source's adaptive length (prompt lookup's, the suffix cache's): drafts that
+    cost nothing to make, sized by their match."""
     return AdaptiveLength(k_max=k_max, model_draft=False, runs=LOOKUP_RUNS, place_priors=LOOKUP_PRIORS,
-                          draft_cost_ratio=draft_cost_ratio(None, None), text_weight=LOOKUP_TEXT_WEIGHT)
+                          draft_cost_ratio=draft_cost_ratio(None, None), text_weight=LOOKUP_TEXT_WEIGHT, name=name)
 
 
-def lookup_policy(*, k_max: int = LOOKUP_DRAFT_MAX) -> LookupLength:
-    """The adaptive policy of prompt lookup alone (it sizes each draft once the match is known)."""
-    return LookupLength(lookup_adaptive(k_max))
+def lookup_policy(*, k_max: int = LOOKUP_DRAFT_MAX, lookup: bool = True, suffix: bool = False) -> LookupLength:
+    """The adaptive policy of model-free drafting alone: prompt lookup's and/or the suffix cache's
+    (it sizes each draft once the match is known)."""
+    return LookupLength(lookup_adaptive(k_max, "prompt lookup" if lookup else "suffix cache"),
+                        lookup_adaptive(k_max, "suffix cache") if suffix and lookup else None)
 
 
-def hybrid_policy(model: AdaptiveLength, *, lookup_max: int = LOOKUP_DRAFT_MAX) -> HybridLength:
-    """The adaptive policy of a hybrid proposer (it chooses each step's source and length)."""
-    return HybridLength(model, lookup_adaptive(lookup_max))
+def hybrid_policy(model: AdaptiveLength, *, lookup_max: int = LOOKUP_DRAFT_MAX, lookup: bool = True,
+                  suffix: bool = False) -> HybridLength:
+    """The adaptive policy of a draft model beside model-free sources (it chooses each step's
+    source and length)."""
+    return HybridLength(model, lookup_adaptive(lookup_max) if lookup else None,
+                        lookup_adaptive(lookup_max, "suffix cache") if suffix else None)
 
 
 def rpc_servers(value: str | Sequence[str] | None) -> tuple[str, ...]:
@@ -112,7 +122,8 @@ def build(oracle: str | os.PathLike, draft: str | os.PathLike | None = None, *,
           p_min: float = DEFAULT_P_MIN, lookup: bool = True, cross_tokenizer: bool = False,
           policy: LengthPolicy | None = None, cost_cache: bool = True,
           progress: Callable[[str], None] | None = None,
-          rpc: str | Sequence[str] | None = None, draft_rpc: str | Sequence[str] | None = None) -> Parts:
+          rpc: str | Sequence[str] | None = None, draft_rpc: str | Sequence[str] | None = None,
+          suffix_cache: int = 0) -> Parts:
     """`oracle` / `draft`: a GGUF path or a model name from models.toml (fetched on first use);
     `draft` may also be "ngram" (prompt lookup, no model) or None (the oracle alone).
     `n_ctx`: the tokens each sequence may hold; `parallel`: sequences the contexts hold at once
@@ -129,7 +140,10 @@ def build(oracle: str | os.PathLike, draft: str | os.PathLike | None = None, *,
     adaptive policy's fitted costs and acceptance in the cache, so the next process starts from them.
     `rpc`: llama.cpp rpc-servers ("HOST:PORT,..." or a list) the oracle's layers are split over,
     with this machine (see `localspec.llama.rpc`); `draft_rpc`: the same for the draft (default: local).
-    Each server is checked before anything loads."""
+    Each server is checked before anything loads.
+    `suffix_cache`: tokens of earlier requests' text kept per pool to draft from (see
+    `localspec.speculative.suffix`; the command line's default is DEFAULT_SUFFIX_CACHE); 0, the
+    default here: none, so an engine's drafts depend on the request alone."""
     loader = _Loader(n_threads or default_threads(), rpc_servers(rpc), rpc_servers(draft_rpc), progress,
                      CostStore() if cost_cache else None)
     try:
@@ -139,6 +153,9 @@ def build(oracle: str | os.PathLike, draft: str | os.PathLike | None = None, *,
     except BaseException:
         loader.close()
         raise
+    if parts.proposer is not None and suffix_cache > 0:
+        parts.suffix = SuffixPools(suffix_cache)
+        parts.proposer = SuffixProposer(parts.proposer, parts.suffix, is_end=parts.oracle.model.is_eog)
     lookup_max = LOOKUP_DRAFT_MAX if draft_max is None else draft_max
     if draft_max is None:
         draft_max = LOOKUP_DRAFT_MAX if draft == NGRAM else DEFAULT_DRAFT_MAX
@@ -274,10 +291,12 @@ class _Loader:
         machine = machine_identity()
         oracle = file_fingerprint(parts.oracle.model.path)
         draft = file_fingerprint(parts.draft.model.path) if parts.draft is not None else None
-        kind = parts.proposer.describe() if parts.proposer is not None else "model"
+        suffix = isinstance(parts.proposer, SuffixProposer)
+        base = parts.proposer.inner if suffix else parts.proposer
+        kind = base.describe() if base is not None else "model"
         hybrid = kind == "hybrid"
         if hybrid:  # its draft model costs and is judged as it would be alone; its lookup apart
-            kind = parts.proposer.model.describe()
+            kind = base.model.describe()
         draft_identity = {"proposer": kind, "model": draft, "oracle": oracle if kind != "model" else None,
                           "threads": self.n_threads, "gpu_layers": draft_gpu_layers, "p_min": p_min,
                           "flash_attn": parts.draft.flash_attn if parts.draft is not None else None, **machine,
@@ -290,4 +309,5 @@ class _Loader:
             "draft_round": draft_identity,
             "acceptance": {"proposer": kind, "oracle": oracle, "draft": draft, "p_min": p_min},
             **({"lookup_acceptance": {"proposer": "hybrid-lookup", "oracle": oracle}} if hybrid else {}),
+            **({"suffix_acceptance": {"proposer": "suffix", "oracle": oracle}} if suffix else {}),
         }

@@ -92,6 +92,7 @@ class Seq:
     speculative: bool  # it drafts (a proposer exists and the request did not turn drafting off)
     walk: "ConstraintWalk | None" = None
     proposer: "Proposer | None" = None  # this request's fork, on its slot (set when it takes one)
+    pool: str = ""  # whose earlier requests the suffix cache drafts from (e.g. an API key's)
     id: int = field(default_factory=lambda: next(_ids))
     status: Status = Status.WAITING
     slot: int | None = None

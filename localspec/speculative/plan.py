@@ -1,5 +1,5 @@
 """One speculative step's decision, made before anything runs: a proposer's `Offer` (what it could
-draft now, found without decoding), a length policy's `DraftPlan` (which source drafts how many
+draft now, found without decoding: prompt lookup's and the suffix cache's tokens, a draft model), a length policy's `DraftPlan` (which source drafts how many
 tokens), which the proposer then carries out. The policy decides, the proposer runs, the engine
 verifies; neither of the first two calls the other (vLLM's scheduler output, HF's candidate
 generator)."""
@@ -11,17 +11,35 @@ from typing import Sequence
 
 import numpy as np
 
-from localspec.outputs import DraftSource
+from localspec.outputs import DraftSource, OfferScore
+
+
+@dataclass(frozen=True)
+class Found:
+    """Tokens a model-free source found after the text (grammar-checked), and the match they follow:
+    the text's last tokens that agree with the ones before the found tokens' source."""
+
+    tokens: np.ndarray  # [n] int32
+    match_length: int = 0
+
+
+NOTHING = Found(np.zeros(0, dtype=np.int32))
 
 
 @dataclass(frozen=True)
 class Offer:
-    """What a proposer can draft this step, known before any decode: the tokens prompt lookup found
-    after the text (grammar-checked; empty: none, or no lookup), and whether a draft model can draft."""
+    """What a proposer can draft this step, known before any decode: what prompt lookup found in
+    the request's own text, what the suffix cache found in earlier requests', and whether a draft
+    model can draft (it is not run to say so)."""
 
-    found: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))  # [n] int32
-    match_length: int = 0  # the text's last tokens that agree with the ones before the found tokens' source
-    model: bool = False  # a draft model can draft (it is not run to say so)
+    lookup: Found = NOTHING
+    suffix: Found = NOTHING
+    model: bool = False
+
+    def found(self) -> list[tuple[DraftSource, Found]]:
+        """The model-free sources that found tokens, prompt lookup first."""
+        return [(source, found) for source, found in ((DraftSource.LOOKUP, self.lookup),
+                                                      (DraftSource.SUFFIX, self.suffix)) if len(found.tokens)]
 
 
 @dataclass(frozen=True)
@@ -51,21 +69,23 @@ NO_DRAFT = DraftPlan()
 
 
 def plain_plan(offer: Offer, length: int) -> DraftPlan:
-    """The rule without a learning policy: prompt lookup's tokens where it found some (up to
-    `length`), else the draft model's `length`."""
+    """The rule without a learning policy: the tokens a model-free source found (prompt lookup's
+    first), up to `length`, else the draft model's `length`."""
     if length <= 0:
         return NO_DRAFT
-    if len(offer.found):
-        return DraftPlan(DraftSource.LOOKUP, min(length, len(offer.found)))
+    for source, found in offer.found():
+        return DraftPlan(source, min(length, len(found.tokens)))
     return DraftPlan(DraftSource.MODEL, length) if offer.model else NO_DRAFT
 
 
-def unused_offer(offer: Offer, source: DraftSource, emitted: Sequence[int]) -> tuple[int, int]:
-    """(compared, matched): prompt lookup's offer for a step that another source drafted (or none
-    did), its first tokens compared with the `emitted` ones and how many agreed in a row; (0, 0)
-    when the lookup drafted or offered nothing (see `StepRecord.offer_compared`)."""
-    if source == DraftSource.LOOKUP:
-        return 0, 0
-    compared = min(len(offer.found), len(emitted))
-    differs = np.flatnonzero(offer.found[:compared] != np.asarray(emitted[:compared]))  # [<= compared]
-    return compared, int(differs[0]) if differs.size else compared
+def unused_offers(offer: Offer, source: DraftSource, emitted: Sequence[int]) -> tuple[OfferScore, ...]:
+    """Each model-free source's offer that the step did not draft (another source did, or none),
+    its first tokens compared with the `emitted` ones (see `StepRecord.unused`)."""
+    scores = []
+    for offered, found in offer.found():
+        if offered != source:
+            compared = min(len(found.tokens), len(emitted))
+            differs = np.flatnonzero(found.tokens[:compared] != np.asarray(emitted[:compared]))  # [<= compared]
+            matched = int(differs[0]) if differs.size else compared
+            scores.append(OfferScore(offered, compared, matched, found.match_length))
+    return tuple(scores)

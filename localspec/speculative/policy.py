@@ -392,8 +392,10 @@ class AdaptiveLength:
                  decay: float = 0.97, probe_every: int = 16, probe_budget: float = 0.01, probe_length: int = 2,
                  min_trials: int = 8, min_gain: float = 0.10, keep_gain: float = 0.05,
                  long_decay: float = 0.995, probe_bank: float = 30.0, runs: Sequence[int] | None = None,
-                 place_priors: Sequence[float] | None = None, text_weight: float | None = None) -> None:
+                 place_priors: Sequence[float] | None = None, text_weight: float | None = None,
+                 name: str | None = None) -> None:
         self.k_max = k_max
+        self.name = name or ("draft model" if model_draft else "prompt lookup")  # the source, for people
         # what is learned of each sampling regime's drafts (`Estimates`), each from these priors
         # (`runs`, `place_priors`: a lookup's layout, see `AcceptanceByPlace`)
         self.prior_acceptance, self.prior_continuation = prior_acceptance, prior_continuation
@@ -598,7 +600,7 @@ class AdaptiveLength:
             for regime, est in self.estimates.items():
                 self.regime, self.est = regime, est
                 idle = self.idle
-                out.append({"source": "draft model" if self.model_draft else "prompt lookup",
+                out.append({"source": self.name,
                             "regime": regime.describe(), "acceptance": round(est.acceptance, 3),
                             "trials": est.trials, "drafting": not idle, "why_idle": self.explain() if idle else None})
         finally:
@@ -871,28 +873,86 @@ class AdaptiveLength:
         self.est = self.estimates_of(self.regime)
 
 
-class HybridLength:
-    """The length policy of a hybrid proposer (`proposers.HybridProposer`): prompt lookup, free and
-    right or wrong from its first token, and a draft model, each with its own `AdaptiveLength`
-    (acceptance, continuation, the draft model's cost) over one fit of the oracle's pass costs.
+class _FreeSources:
+    """What the policies that choose among sources share: an `AdaptiveLength` for each model-free
+    source (prompt lookup, the suffix cache; drafts that cost nothing to make, sized by the match
+    they follow), each learning its own acceptance from its drafts and from its unused offers."""
 
-    Each step the model's policy chooses its length (its probes and re-tries included); when the
-    lookup found tokens and its own policy would draft some of them, the lookup drafts if its best
-    length promises at least the tokens per second of the model's choice (k = 0 included), else
-    the model drafts what its policy chose. A model's draft made for evidence (a probe, a re-try)
-    goes first: neither source settles a request for good, since the lookup's unused offers are
-    scored too (`StepRecord.offer_*`). A step's record goes to the policy of the source that
-    drafted it (an empty draft to the model's: a plain oracle step, one of its idle steps)."""
+    free: dict[DraftSource, AdaptiveLength]
 
-    def __init__(self, model: AdaptiveLength, lookup: AdaptiveLength) -> None:
-        self.model, self.lookup = model, lookup
-        lookup.verify_cost = model.verify_cost  # one oracle: both learn its passes
+    def _sized(self, offer: Offer, allowance: int, context: int) -> list[tuple[DraftSource, int, AdaptiveLength]]:
+        """(source, length, its policy) of each model-free source whose found tokens its policy
+        would draft some of, prompt lookup first."""
+        out = []
+        for source, found in offer.found():
+            policy = self.free.get(source)
+            n = min(len(found.tokens), allowance)
+            k = policy.draft_length(allowance, context, offered=n, run=found.match_length) if policy and n > 0 else 0
+            if k > 0:
+                out.append((source, k, policy))
+        return out
+
+    @staticmethod
+    def _fastest(candidates: Sequence[tuple[DraftSource, int, AdaptiveLength]], context: int) -> tuple[DraftSource, int]:
+        """The candidate whose length promises the most tokens per second (the first on a tie)."""
+        source, k, _ = max(candidates, key=lambda c: c[2].rates(c[1], context)[c[1]])
+        return source, k
+
+    def _observe_free(self, step: StepRecord, used: AdaptiveLength, others: Sequence[AdaptiveLength]) -> None:
+        """The step's record to the policy of the source that drafted it; the others' next first
+        token is a fresh one; the unused offers scored."""
+        used.observe(step)
+        if step.drafted:
+            for policy in others:
+                if policy is not used:
+                    policy.forget_alignment()
+        for score in step.unused:
+            policy = self.free.get(score.source)
+            if policy is not None:
+                policy.score_unverified(score.matched, score.compared, run=score.run)
+
+    def _free_state(self) -> dict[str, dict[str, Any]]:
+        return {f"{source}_acceptance": policy.acceptance_state() for source, policy in self.free.items()
+                if policy.judged}
+
+    def _load_free_state(self, kind: str, state: Mapping[str, Any]) -> bool:
+        source = kind.removesuffix("_acceptance")
+        if kind.endswith("_acceptance") and source in self.free:
+            self.free[DraftSource(source)].load_acceptance_state(state)
+            return True
+        return False
+
+
+def _free_of(lookup: AdaptiveLength | None, suffix: AdaptiveLength | None) -> dict[DraftSource, AdaptiveLength]:
+    return {source: policy for source, policy in ((DraftSource.LOOKUP, lookup), (DraftSource.SUFFIX, suffix))
+            if policy is not None}
+
+
+class HybridLength(_FreeSources):
+    """The length policy of a draft model with model-free sources beside it (prompt lookup, the
+    suffix cache): each with its own `AdaptiveLength` (acceptance, continuation, the draft model's
+    cost) over one fit of the oracle's pass costs.
+
+    Each step the model's policy chooses its length (its probes and re-tries included); each
+    model-free source that found tokens is sized by its own policy, and the source whose length
+    promises the most tokens per second drafts (a model-free one on a tie; k = 0 included). A
+    model's draft made for evidence (a probe, a re-try) goes first: no source settles a request
+    for good, since the unused offers are scored too (`StepRecord.unused`). A step's record goes to
+    the policy of the source that drafted it (an empty draft to the model's: a plain oracle step,
+    one of its idle steps)."""
+
+    def __init__(self, model: AdaptiveLength, lookup: AdaptiveLength | None = None,
+                 suffix: AdaptiveLength | None = None) -> None:
+        self.model, self.lookup, self.suffix = model, lookup, suffix
+        self.free = _free_of(lookup, suffix)
+        for policy in self.free.values():
+            policy.verify_cost = model.verify_cost  # one oracle: all learn its passes
 
     def fork(self, regime: "Regime | None" = None) -> "HybridLength":
-        return HybridLength(self.model.fork(regime), self.lookup.fork(regime))
+        return HybridLength(self.model.fork(regime), *(p.fork(regime) if p else None for p in (self.lookup, self.suffix)))
 
     def observe_pass(self, passes, seconds: float) -> None:
-        self.model.observe_pass(passes, seconds)  # the lookup's verify cost is the same one
+        self.model.observe_pass(passes, seconds)  # the other sources' verify cost is the same one
 
     def observe_draft_round(self, passes, seconds: float) -> None:
         self.model.observe_draft_round(passes, seconds)
@@ -903,78 +963,71 @@ class HybridLength:
 
     def plan(self, offer: Offer, limit: int, context: int = 0, shared: SharedPass | None = None) -> DraftPlan:
         price = self.model.batch_price(shared.contexts, context, shared.drafting) if shared is not None else None
-        self.model.set_price(price)
-        self.lookup.set_price(price)
+        for policy in (self.model, *self.free.values()):
+            policy.set_price(price)
         k_model = self.model.draft_length(limit, context) if limit > 0 else 0
         resync = limit > 0 and self.model.consume_catch_up()
-        source, k = self._choose(offer, min(limit, max(k_model, self.lookup.k_max)), k_model, context)
+        allowance = min(limit, max(k_model, *(p.k_max for p in self.free.values())))
+        source, k = self._choose(offer, allowance, k_model, context)
         if k <= 0 or source == DraftSource.MODEL and not offer.model:
             return DraftPlan(resync=resync)
         return DraftPlan(source, k, resync=resync, probe=source == DraftSource.MODEL and self.model._probing)
 
     def _choose(self, offer: Offer, allowance: int, k_model: int, context: int) -> tuple[DraftSource, int]:
-        """(source, length) for a step whose lookup found `offer.found` tokens, within `allowance`."""
-        found = min(len(offer.found), allowance)
-        if found <= 0:
-            return DraftSource.MODEL, k_model
-        k_lookup = self.lookup.draft_length(allowance, context, offered=found, run=offer.match_length)
-        if k_lookup <= 0:
+        """(source, length) for a step, within `allowance`."""
+        sized = self._sized(offer, allowance, context)
+        if not sized:
             return DraftSource.MODEL, k_model
         if not self.model.verify_cost.ready:
-            return DraftSource.LOOKUP, k_lookup  # nothing measured yet: the free draft first
+            return sized[0][:2]  # nothing measured yet: the free draft first
         if k_model > 0 and self.model.seeking_evidence:
-            # NOTE: the model's probe or re-try runs even where the lookup has an offer (which is
-            # scored all the same): else a request whose text repeats itself keeps to the lookup for
-            # its whole answer and the model never tries again (a held-out 400-token story: 1.05x
-            # the oracle alone that way, 1.41x with the model's probes let through)
+            # NOTE: the model's probe or re-try runs even where another source has an offer (which
+            # is scored all the same): else a request whose text repeats itself keeps to the lookup
+            # for its whole answer and the model never tries again (a held-out 400-token story:
+            # 1.05x the oracle alone that way, 1.41x with the model's probes let through)
             return DraftSource.MODEL, k_model
-        model_rate = self.model.rates(k_model, context)[k_model]
-        lookup_rate = self.lookup.rates(k_lookup, context)[k_lookup]
-        return (DraftSource.LOOKUP, k_lookup) if lookup_rate >= model_rate else (DraftSource.MODEL, k_model)
+        return self._fastest(sized + [(DraftSource.MODEL, k_model, self.model)], context)
 
     def observe(self, step: StepRecord) -> None:
-        used, other = (self.lookup, self.model) if step.source == DraftSource.LOOKUP else (self.model, self.lookup)
-        used.observe(step)
-        if step.drafted:
-            other.forget_alignment()
-        if step.offer_compared:  # the lookup's offer that the step did not draft, scored as it went
-            self.lookup.score_unverified(step.offer_matched, step.offer_compared, run=step.offer_run)
+        self._observe_free(step, self.free.get(step.source, self.model), [self.model, *self.free.values()])
 
     def explain(self) -> str | None:
         return self.model.explain("the draft model")
 
     def known_regimes(self) -> list[dict[str, Any]]:
-        return self.model.known_regimes() + self.lookup.known_regimes()
+        return [r for policy in (self.model, *self.free.values()) for r in policy.known_regimes()]
 
     def describe(self) -> str:
-        return (f"HybridLength (prompt lookup up to {self.lookup.k_max} or the draft model up to "
-                f"{self.model.k_max}, chosen per step)")
+        free = " or ".join(f"{_NAMES[s]} up to {p.k_max}" for s, p in self.free.items())
+        return f"HybridLength ({free} or the draft model up to {self.model.k_max}, chosen per step)"
 
-    # -- persistence: the model's state as a plain draft model's, the lookup's acceptance beside it
+    # -- persistence: the model's state as a plain draft model's, the other sources' acceptance beside it
 
     def cost_state(self) -> dict[str, dict[str, Any]]:
-        state = self.model.cost_state()
-        if self.lookup.judged:
-            state["lookup_acceptance"] = self.lookup.acceptance_state()
-        return state
+        return {**self.model.cost_state(), **self._free_state()}
 
     def load_cost_state(self, kind: str, state: Mapping[str, Any]) -> None:
-        if kind == "lookup_acceptance":
-            self.lookup.load_acceptance_state(state)
-        else:
+        if not self._load_free_state(kind, state):
             self.model.load_cost_state(kind, state)
 
 
-class LookupLength:
-    """The length policy of prompt lookup alone (`--draft ngram`): an `AdaptiveLength` in the
-    lookup's layout (`LOOKUP_RUNS`), which sizes each draft by the match the proposer found and
-    how long it is, as `HybridLength` does for the hybrid's lookup."""
+_NAMES = {DraftSource.LOOKUP: "prompt lookup", DraftSource.SUFFIX: "the suffix cache"}
 
-    def __init__(self, lookup: AdaptiveLength) -> None:
-        self.lookup = lookup
+
+class LookupLength(_FreeSources):
+    """The length policy of model-free drafting alone (`--draft ngram`: prompt lookup, and the
+    suffix cache when it is on): an `AdaptiveLength` in the lookup's layout (`LOOKUP_RUNS`) for each
+    source, which sizes each draft by the match it found and how long it is; where both found
+    tokens, the one that promises more tokens per second drafts."""
+
+    def __init__(self, lookup: AdaptiveLength, suffix: AdaptiveLength | None = None) -> None:
+        self.lookup, self.suffix = lookup, suffix
+        self.free = _free_of(lookup, suffix)
+        if suffix is not None:
+            suffix.verify_cost = lookup.verify_cost
 
     def fork(self, regime: "Regime | None" = None) -> "LookupLength":
-        return LookupLength(self.lookup.fork(regime))
+        return LookupLength(self.lookup.fork(regime), self.suffix.fork(regime) if self.suffix else None)
 
     def observe_pass(self, passes, seconds: float) -> None:
         self.lookup.observe_pass(passes, seconds)
@@ -984,32 +1037,42 @@ class LookupLength:
 
     @property
     def idle(self) -> bool:
-        return self.lookup.idle
+        return all(policy.idle for policy in self.free.values())
 
     def plan(self, offer: Offer, limit: int, context: int = 0, shared: SharedPass | None = None) -> DraftPlan:
-        allowance = min(limit, self.lookup.k_max)
-        found = min(len(offer.found), allowance)
-        if found <= 0:
+        allowance = min(limit, max(p.k_max for p in self.free.values()))
+        if not offer.found() or allowance <= 0:
             return NO_DRAFT
-        self.lookup.set_price(self.lookup.batch_price(shared.contexts, context, shared.drafting)
-                              if shared is not None else None)
-        k = self.lookup.draft_length(allowance, context, offered=found, run=offer.match_length)
-        return DraftPlan(DraftSource.LOOKUP, k) if k > 0 else NO_DRAFT
+        price = self.lookup.batch_price(shared.contexts, context, shared.drafting) if shared is not None else None
+        for policy in self.free.values():
+            policy.set_price(price)
+        sized = self._sized(offer, allowance, context)
+        if not sized:
+            return NO_DRAFT
+        source, k = self._fastest(sized, context) if len(sized) > 1 and self.lookup.verify_cost.ready else sized[0][:2]
+        return DraftPlan(source, k)
 
     def observe(self, step: StepRecord) -> None:
-        self.lookup.observe(step)
+        self._observe_free(step, self.free.get(step.source, self.lookup), list(self.free.values()))
 
     def explain(self) -> str | None:
         return "prompt lookup found no earlier text to copy that was worth drafting"
 
     def known_regimes(self) -> list[dict[str, Any]]:
-        return self.lookup.known_regimes()
+        return [r for policy in self.free.values() for r in policy.known_regimes()]
 
     def describe(self) -> str:
-        return f"LookupLength (prompt lookup up to {self.lookup.k_max}, chosen per step from the match)"
+        free = " or ".join(f"{_NAMES[s]} up to {p.k_max}" for s, p in self.free.items())
+        return f"LookupLength ({free}, chosen per step from the match)"
 
     def cost_state(self) -> dict[str, dict[str, Any]]:
-        return self.lookup.cost_state()
+        state = self.lookup.cost_state()
+        if self.suffix is not None and self.suffix.judged:
+            state["suffix_acceptance"] = self.suffix.acceptance_state()
+        return state
 
     def load_cost_state(self, kind: str, state: Mapping[str, Any]) -> None:
-        self.lookup.load_cost_state(kind, state)
+        if kind == "suffix_acceptance" and self.suffix is not None:
+            self.suffix.load_acceptance_state(state)
+        else:
+            self.lookup.load_cost_state(kind, state)

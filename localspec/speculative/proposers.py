@@ -29,7 +29,7 @@ import numpy as np
 
 from localspec.llama.context import LlamaContext, Rows
 from localspec.outputs import DraftSource
-from localspec.speculative.plan import NO_OFFER, DraftPlan, Offer, plain_plan
+from localspec.speculative.plan import NO_OFFER, DraftPlan, Found, Offer, plain_plan
 from localspec.speculative.sampling import (SamplingParams, bias_logits, coupled_choice, greedy_argmax, logits_to_probs, mask_logits,
                        sample, top_probability_at_least)
 
@@ -72,9 +72,10 @@ class Proposer(Protocol):
                       rng: np.random.Generator, constraint=None) -> ProposeSteps:
         """Carry out `plan` (made from `offer`, this step's): the Draft, its decodes yielded."""
 
-    def start(self, *, catch_up: bool) -> None:
+    def start(self, *, catch_up: bool, pool: str = "") -> None:
         """A new request begins. `catch_up`: the first proposal conditions on the whole prompt
-        (drafting is expected to pay); otherwise a later probe may condition on part of it."""
+        (drafting is expected to pay); otherwise a later probe may condition on part of it.
+        `pool`: whose earlier requests it may draft from (the suffix cache's pool, e.g. an API key)."""
 
     def describe(self) -> str:
         """What kind of proposer this is ("model", "lookup", "hybrid", "cross-tokenizer"): the key
@@ -195,7 +196,7 @@ class DraftModelProposer(_Drives):
         twin._shared = self  # a copy that failed for this pair fails for every sequence: see _adopt
         return twin
 
-    def start(self, *, catch_up: bool) -> None:
+    def start(self, *, catch_up: bool, pool: str = "") -> None:
         self.keep = self.gap_start = 0
         self.catch_up = self.prompt_pending = catch_up
 
@@ -404,20 +405,17 @@ class PromptLookupProposer(_Drives):
                     allowed = constraint.extend(guess.tolist())
                     constraint.pop(allowed)
                     guess = guess[:allowed]
-                return Offer(guess, held) if len(guess) else NO_OFFER
+                return Offer(lookup=Found(guess, held)) if len(guess) else NO_OFFER
         return NO_OFFER
 
     def propose_steps(self, history: Sequence[int], plan: DraftPlan, offer: Offer, sampling: SamplingParams,
                       rng: np.random.Generator, constraint=None) -> ProposeSteps:
-        if plan.source != DraftSource.LOOKUP or plan.length <= 0 or not len(offer.found):
+        if plan.source != DraftSource.LOOKUP:
             return EMPTY_DRAFT
-        tokens = offer.found[:plan.length]  # [k]
-        if constraint is not None:
-            constraint.extend(tokens.tolist())  # allowed: the offer was checked
-        return Draft(tokens, None, source=DraftSource.LOOKUP, match_length=offer.match_length)
+        return found_draft(offer.lookup, plan, constraint)
         yield  # a proposal that decodes nothing
 
-    def start(self, *, catch_up: bool) -> None:
+    def start(self, *, catch_up: bool, pool: str = "") -> None:
         pass  # nothing to evaluate
 
     def describe(self) -> str:
@@ -425,6 +423,17 @@ class PromptLookupProposer(_Drives):
 
     def fork(self, seq: int) -> "PromptLookupProposer":
         return self  # no state of its own
+
+
+def found_draft(found: Found, plan: DraftPlan, constraint=None) -> Draft:
+    """The draft of a model-free source: the first `plan.length` tokens it found (pushed onto the
+    grammar walk, which allowed them when they were found)."""
+    tokens = found.tokens[:max(0, plan.length)]  # [k]
+    if not len(tokens):
+        return EMPTY_DRAFT
+    if constraint is not None:
+        constraint.extend(tokens.tolist())
+    return Draft(tokens, None, source=plan.source, match_length=found.match_length)
 
 
 def best_source(tokens: np.ndarray, follows: np.ndarray) -> tuple[int, int]:
@@ -463,8 +472,8 @@ class _Wrapper(_Drives):
     def draft_context(self) -> LlamaContext | None:
         return self.drafter.draft_context
 
-    def start(self, *, catch_up: bool) -> None:
-        self.drafter.start(catch_up=catch_up)
+    def start(self, *, catch_up: bool, pool: str = "") -> None:
+        self.drafter.start(catch_up=catch_up, pool=pool)
 
     def resync(self) -> None:
         """The next draft conditions on all of the text again."""
@@ -489,8 +498,7 @@ class HybridProposer(_Wrapper):
         return HybridProposer(self.lookup.fork(seq), self.model.fork(seq))
 
     def offer(self, history: Sequence[int], limit: int, constraint=None) -> Offer:
-        found = self.lookup.offer(history, limit, constraint)
-        return Offer(found.found, found.match_length, model=True)
+        return Offer(lookup=self.lookup.offer(history, limit, constraint).lookup, model=True)
 
     def propose_steps(self, history: Sequence[int], plan: DraftPlan, offer: Offer, sampling: SamplingParams,
                       rng: np.random.Generator, constraint=None) -> ProposeSteps:

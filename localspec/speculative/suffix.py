@@ -1,0 +1,250 @@
+"""Drafts learned across requests: a bounded store of earlier requests' text (prompts and answers),
+indexed by hashed n-grams, that offers what followed the text's latest n-gram elsewhere (vLLM's
+suffix decoding, llama.cpp's shared ngram pools).
+
+`SuffixStore` holds at most `capacity` tokens in a ring (the oldest go first), each finished
+request's prompt and answer as one document. Every position is chained to the previous one whose
+`NGRAM` tokens before it hash the same (zlib's hash chains), so an offer walks back from the most
+recent occurrence of the text's last n-gram, compares up to `CANDIDATES` of them, and offers the
+continuation of the one whose text before it agrees longest with the text's (the latest on a tie),
+cut where the other candidates stop agreeing with it: a continuation many documents share runs long,
+one that varies stops where it varies. Memory: 4 bytes a token of text, 8 of chain, 8 a bucket of the
+table (as many buckets as the capacity rounded up to a power of two): about 20 MB a million tokens.
+
+`SuffixPools` keeps one store per pool (an API key's requests; a server without keys has one), so
+drafts never carry one client's text into another's timing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+from localspec.outputs import DraftSource
+from localspec.speculative.plan import NO_OFFER, DraftPlan, Found, Offer
+from localspec.speculative.proposers import EMPTY_DRAFT, MATCH_CAP, Proposer, ProposeSteps, _Drives, found_draft
+from localspec.speculative.sampling import SamplingParams
+
+NGRAM = 3  # tokens a match needs at least (and the n-gram the chains are keyed by)
+CANDIDATES = 8  # earlier occurrences compared per offer (the latest first)
+AGREEMENT = 0.5  # a continuation is cut where fewer than this share of the candidates still agree
+SENTINEL = -1  # between documents: never a token, so no match or continuation runs across one
+_MIX = np.uint64(0x9E3779B97F4A7C15)  # a multiplier that spreads consecutive ids over the table
+
+
+class SuffixStore:
+    """The text of earlier requests, for suffix matches (see the module)."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError("a suffix store holds at least one token")
+        self.capacity = capacity
+        self.ring = np.full(capacity, SENTINEL, dtype=np.int32)  # [capacity] tokens, by position % capacity
+        self.prev = np.full(capacity, -1, dtype=np.int64)  # [capacity] the previous position of the same hash
+        size = 1 << max(10, (capacity - 1).bit_length())
+        self.heads = np.full(size, -1, dtype=np.int64)  # [size] the latest position of each hash bucket
+        self.mask = size - 1
+        self.end = 0  # positions written so far (absolute: position p is in ring[p % capacity])
+        self.documents = 0
+        self.lock = threading.Lock()  # added to by the engine's thread, read by a resuming batch's warm-up too
+
+    @property
+    def tokens(self) -> int:
+        """Tokens held (documents' separators included)."""
+        return min(self.end, self.capacity)
+
+    @property
+    def nbytes(self) -> int:
+        return self.ring.nbytes + self.prev.nbytes + self.heads.nbytes
+
+    def add(self, tokens: Sequence[int]) -> None:
+        """Keep one document (a request's prompt and answer); the oldest text makes room for it."""
+        doc = np.asarray(tokens, dtype=np.int32)[-(self.capacity - 1):]  # [n] what fits
+        if len(doc) < NGRAM + 1:
+            return
+        with self.lock:
+            start = self.end + 1  # a separator first
+            positions = np.arange(self.end, start + len(doc))  # [n+1]
+            self.ring[positions % self.capacity] = np.concatenate(([SENTINEL], doc))
+            self.end = start + len(doc)
+            self._chain(start + NGRAM + np.arange(len(doc) - NGRAM), _hashes(doc)[:-1])  # the last n-gram: nothing follows yet
+            self.documents += 1
+
+    def _chain(self, positions: np.ndarray, keys: np.ndarray) -> None:
+        """Link each of `positions` [m] (where a continuation starts) to the latest earlier one of
+        its n-gram's bucket `keys` [m], in order."""
+        buckets = (keys & np.uint64(self.mask)).astype(np.int64)  # [m]
+        heads, prev, capacity = self.heads, self.prev, self.capacity
+        for position, bucket in zip(positions.tolist(), buckets.tolist()):
+            prev[position % capacity] = heads[bucket]
+            heads[bucket] = position
+
+    def offer(self, history: Sequence[int], limit: int) -> tuple[np.ndarray, int]:
+        """(tokens, match length): what followed the best earlier occurrence of `history`'s last
+        n-gram, at most `limit` tokens, and how many of the history's last tokens agree with the
+        text before it (up to MATCH_CAP); (empty, 0) when there is none."""
+        if limit <= 0 or len(history) < NGRAM:
+            return _NOTHING
+        with self.lock:
+            candidates = self._candidates(_hash_tail(history))
+            if not len(candidates):
+                return _NOTHING
+            last = np.array(history[-MATCH_CAP:][::-1], dtype=np.int32)  # [<= MATCH_CAP] newest first
+            matched = self._match_lengths(candidates, last)  # [c]
+            keep = matched >= NGRAM  # a hash collision matches less
+            if not keep.any():
+                return _NOTHING
+            candidates, matched = candidates[keep], matched[keep]
+            conts = self._read(candidates, min(limit, MATCH_CAP))  # [c, L]
+        best = int(np.argmax(matched))  # the latest on a tie
+        return _agreed(conts, best), int(matched[best])
+
+    def _candidates(self, key: int) -> np.ndarray:
+        """The positions following the latest occurrences of the n-gram hashed to `key` [<= CANDIDATES]."""
+        oldest = max(0, self.end - self.capacity)
+        out = []
+        position = int(self.heads[key & self.mask])
+        while position >= oldest and position > 0 and len(out) < CANDIDATES:
+            out.append(position)
+            position = int(self.prev[position % self.capacity])
+        return np.asarray(out, dtype=np.int64)
+
+    def _match_lengths(self, candidates: np.ndarray, last: np.ndarray) -> np.ndarray:
+        """For each candidate position [c], how many tokens before it agree with `last` (the
+        history's, newest first)."""
+        back = candidates[:, None] - 1 - np.arange(len(last))  # [c, n] positions, going back
+        before = self.ring.take(back, mode="wrap")  # [c, n]
+        before[back < max(0, self.end - self.capacity)] = SENTINEL  # overwritten, or before the first
+        differs = before != last  # [c, n]
+        return np.where(differs.any(axis=1), differs.argmax(axis=1), len(last))
+
+    def _read(self, candidates: np.ndarray, length: int) -> np.ndarray:
+        """The `length` tokens from each candidate position [c, length] (SENTINEL past the text)."""
+        ahead = candidates[:, None] + np.arange(length)  # [c, length]
+        tokens = self.ring.take(ahead, mode="wrap")  # [c, length]
+        tokens[ahead >= self.end] = SENTINEL  # not written yet
+        return tokens
+
+
+_NOTHING = (np.zeros(0, dtype=np.int32), 0)
+
+
+def _hashes(tokens: np.ndarray) -> np.ndarray:
+    """The hash of each window of NGRAM consecutive `tokens` [n] -> [n - NGRAM + 1] (uint64)."""
+    t = tokens.astype(np.uint64)
+    h = np.zeros(len(t) - NGRAM + 1, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for i in range(NGRAM):
+            h = (h ^ t[i:len(t) - NGRAM + 1 + i]) * _MIX
+        return h ^ (h >> np.uint64(29))
+
+
+def _hash_tail(history: Sequence[int]) -> int:
+    """`_hashes` of the last NGRAM tokens of `history`, in plain Python (an offer's one hash)."""
+    h = 0
+    for token in history[-NGRAM:]:
+        h = ((h ^ int(token)) * _MIX_INT) & _M64
+    return h ^ (h >> 29)
+
+
+_MIX_INT, _M64 = int(_MIX), (1 << 64) - 1
+
+
+def _agreed(conts: np.ndarray, best: int) -> np.ndarray:
+    """The best candidate's continuation [<= L], up to its end of document and to where fewer than
+    AGREEMENT of the candidates still agree with every token of it so far."""
+    chosen = conts[best]  # [L]
+    alive = np.logical_and.accumulate(conts == chosen, axis=1)  # [c, L] agreeing with all of it so far
+    support = alive.sum(axis=0)  # [L]
+    stop = (support < AGREEMENT * len(conts)) | (chosen == SENTINEL)  # [L]
+    n = int(stop.argmax()) if stop.any() else len(chosen)
+    return chosen[:n].copy()
+
+
+class SuffixPools:
+    """One `SuffixStore` per pool (e.g. an API key), each of `capacity` tokens; 0: no store."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._stores: dict[str, SuffixStore] = {}
+        self._lock = threading.Lock()
+
+    def store(self, pool: str = "") -> SuffixStore | None:
+        if self.capacity <= 0:
+            return None
+        with self._lock:
+            if pool not in self._stores:
+                self._stores[pool] = SuffixStore(self.capacity)
+            return self._stores[pool]
+
+    def add(self, pool: str, documents: Iterable[Sequence[int]]) -> None:
+        store = self.store(pool)
+        if store is not None:
+            for doc in documents:
+                store.add(doc)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            stores = list(self._stores.values())
+        return {"pools": len(stores), "tokens": sum(s.tokens for s in stores),
+                "documents": sum(s.documents for s in stores), "bytes": sum(s.nbytes for s in stores)}
+
+
+class SuffixProposer(_Drives):
+    """The suffix cache beside another proposer (`inner`: a draft model, prompt lookup, both; None:
+    the cache alone): its offer adds what the request's pool found to the inner one's, and a plan
+    for `DraftSource.SUFFIX` drafts those tokens, any other plan goes to the inner proposer.
+
+    `is_end`: the oracle's end-of-generation test (a continuation stops at one, as a lookup does)."""
+
+    def __init__(self, inner: Proposer | None, pools: SuffixPools, *,
+                 is_end: Callable[[int], bool] | None = None) -> None:
+        self.inner, self.pools, self.is_end = inner, pools, is_end
+        self.store: SuffixStore | None = pools.store("")
+        self._last = DraftSource.NONE  # the source of the last draft
+
+    @property
+    def draft_context(self):
+        return self.inner.draft_context if self.inner is not None else None
+
+    def fork(self, seq: int) -> "SuffixProposer":
+        return SuffixProposer(self.inner.fork(seq) if self.inner is not None else None, self.pools, is_end=self.is_end)
+
+    def start(self, *, catch_up: bool, pool: str = "") -> None:
+        self.store = self.pools.store(pool)
+        if self.inner is not None:
+            self.inner.start(catch_up=catch_up, pool=pool)
+
+    def describe(self) -> str:
+        return self.inner.describe() if self.inner is not None else "suffix"
+
+    def offer(self, history: Sequence[int], limit: int, constraint=None) -> Offer:
+        inner = self.inner.offer(history, limit, constraint) if self.inner is not None else NO_OFFER
+        if self.store is None or limit <= 0:
+            return inner
+        tokens, matched = self.store.offer(history, limit)  # [<= limit]
+        if self.is_end is not None and len(tokens):
+            tokens = tokens[:next((i + 1 for i, t in enumerate(tokens.tolist()) if self.is_end(t)), len(tokens))]
+        if constraint is not None and len(tokens):  # only what the grammar allows; the walk is left as it was
+            allowed = constraint.extend(tokens.tolist())
+            constraint.pop(allowed)
+            tokens = tokens[:allowed]
+        return dataclasses.replace(inner, suffix=Found(tokens, matched)) if len(tokens) else inner
+
+    def propose_steps(self, history: Sequence[int], plan: DraftPlan, offer: Offer, sampling: SamplingParams,
+                      rng: np.random.Generator, constraint=None) -> ProposeSteps:
+        if plan.source == DraftSource.SUFFIX:
+            if plan.resync and self.inner is not None:  # a re-try: the model's next draft sees all of the text
+                yield from self.inner.propose_steps(history, DraftPlan(resync=True), offer, sampling, rng, constraint)
+            self._last = DraftSource.SUFFIX
+            return found_draft(offer.suffix, plan, constraint)
+        if self.inner is None:
+            return EMPTY_DRAFT
+        if plan.source == DraftSource.MODEL and self._last == DraftSource.SUFFIX and not plan.probe:
+            plan = dataclasses.replace(plan, resync=True)  # the model has not seen what the cache's drafts added
+        if plan.drafts:
+            self._last = plan.source
+        return (yield from self.inner.propose_steps(history, plan, offer, sampling, rng, constraint))
