@@ -1,16 +1,16 @@
-"""Draft-length policies: how many tokens the next step drafts (0: a plain oracle step) and, for a
-hybrid proposer (`HybridLength`), from which source.
+"""Draft-length policies: which source drafts the next step and at most how many tokens (0: a
+plain oracle step).
 
-Contract (`LengthPolicy`): the engine calls `start_request(regime)` as a request begins,
-`draft_length(limit, context)` before each step (an answer in 0..limit) and `update(step)` with the
-step's `StepRecord` after it; `explain()` says in numbers why drafting is idle. A policy decides how
-many tokens each verify pass carries, never which are emitted. `FixedLength(k)` drafts k every
+Contract (`LengthPolicy`): a request runs on `fork(regime)` of the engine's policy; before each
+step the engine hands it the proposer's `Offer` and gets a `DraftPlan` back (`plan`), after it the
+step's `StepRecord` (`observe`); `explain()` says in numbers why drafting is idle. A policy decides
+how many tokens each verify pass carries, never which are emitted. `FixedLength(k)` drafts k every
 step. `AdaptiveLength`, the default, drafts the k that maximises expected tokens per second at this
 context, from pass costs fitted to every step (`costs.PassCost`) and acceptance estimates kept per
 sampling regime (`Regime`), drafts nothing unless that beats the oracle alone by `min_gain`, and
-probes within `probe_budget` while idle; what it learned persists between processes.
-
-The reasoning and the measured figures behind these rules: docs/policy.md, "How the policy decides".
+probes within `probe_budget` while idle; `HybridLength` / `LookupLength` weigh a draft model against
+the model-free sources (prompt lookup, the suffix cache). What a policy learned persists between
+processes (`Learning`). The reasoning and the measured figures: docs/policy.md.
 """
 
 from __future__ import annotations
