@@ -4,13 +4,13 @@
 // page (vendor/: markdown-it and DOMPurify), nothing fetched from anywhere but this server.
 //
 // Every request asks for localspec's report ("speculative": {"sources": true}): each chunk then
-// carries its text cut at its tokens as [piece, source] pairs (source: "draft", "lookup" or
-// "oracle"), and the last one the reply's figures. Clients that do not ask never see it.
+// carries its text cut at its tokens as [piece, source] pairs (source: "draft", "lookup",
+// "suffix" or "oracle"), and the last one the reply's figures. Clients that do not ask never see it.
 "use strict";
 
 const KEY_STORAGE = "localspec.apiKey"; // session storage: gone when the tab closes, never sent elsewhere
 const LIVE_EVERY_MS = 2000;
-const SOURCE_NAMES = {draft: "draft model", lookup: "prompt lookup", oracle: "oracle"};
+const SOURCE_NAMES = {draft: "draft model", lookup: "prompt lookup", suffix: "suffix cache", oracle: "oracle"};
 
 const $ = (id) => document.getElementById(id);
 
