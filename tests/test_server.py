@@ -1048,10 +1048,31 @@ def test_worker_time_limit_ends_a_job_with_length():
         w.close()
 
 
-def test_stats_usage_shape():
-    from localspec.server.app import _usage
+def test_the_server_modules_import_downward_only():
+    """server/__init__.py lists the modules top down; each imports only modules below it (no circle)."""
+    import ast
+    import re
+    from pathlib import Path
 
-    u = _usage(Stats(prompt_tokens=10, prompt_tokens_evaluated=4, completion_tokens=5, steps=3, drafted=8, accepted=6,
+    import localspec.server as server
+
+    order = re.findall(r"^    (\w+)\.py ", server.__doc__, re.M)
+    folder = Path(server.__file__).parent
+    assert sorted(order) == sorted(p.stem for p in folder.glob("*.py") if p.stem != "__init__")
+    for i, name in enumerate(order):
+        imported = set()
+        for node in ast.walk(ast.parse((folder / f"{name}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "localspec.server":
+                imported |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("localspec.server."):
+                imported.add(node.module.rsplit(".", 1)[1])
+        assert imported <= set(order[i + 1:]), (name, imported - set(order[i + 1:]))
+
+
+def test_stats_usage_shape():
+    from localspec.server.render import usage_of
+
+    u = usage_of(Stats(prompt_tokens=10, prompt_tokens_evaluated=4, completion_tokens=5, steps=3, drafted=8, accepted=6,
                      regime="temperature 0.85-1.15", idle_steps=2, idle_reason="because"))
     assert u.model_dump() == {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15,
                               "prompt_tokens_details": {"cached_tokens": 6}, "steps": 3, "drafted": 8, "accepted": 6,
