@@ -19,6 +19,7 @@ derivation or a schema/grammar needs it.
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 import numbers
@@ -37,6 +38,18 @@ class OptionError(ValueError):
     def __init__(self, name: str, message: str) -> None:
         super().__init__(message)
         self.name = name
+
+
+class Kind(enum.Enum):
+    """What an option's values are."""
+
+    INT = "int"  # an integer (not a bool)
+    NUMBER = "number"  # a real number (not a bool); finite
+    BOOL = "bool"
+    STOPS = "stops"  # a string or a list of strings
+    SCHEMA = "schema"  # a JSON schema: a dict, its text or a pydantic model class
+    GRAMMAR = "grammar"  # Lark or GBNF text (or a compiled constraints.Constraint)
+    BIAS = "bias"  # {token id: bias} or (token id, bias) pairs
 
 
 def _is_int(v: object) -> bool:
@@ -73,14 +86,19 @@ def _is_grammar(v: object) -> bool:
     return isinstance(v, (str, Constraint))
 
 
+_TYPE_OK: dict[Kind, Callable[[Any], bool]] = {
+    Kind.INT: _is_int, Kind.NUMBER: _is_real, Kind.BOOL: lambda v: v in (True, False), Kind.STOPS: _is_stops,
+    Kind.SCHEMA: lambda v: True, Kind.GRAMMAR: _is_grammar, Kind.BIAS: _is_bias}
+_NONE_IS_EMPTY = (Kind.STOPS, Kind.SCHEMA, Kind.GRAMMAR, Kind.BIAS)  # None means "none of it"
+
+
 @dataclass(frozen=True)
 class Option:
-    """One option's rule. `kind`: "int", "number" (finite), "bool", "stops" (a string or a list of
-    strings), "schema" (a JSON schema: a dict, its text or a pydantic model class) or "grammar"
-    (Lark or GBNF text). Bounds: `ge`/`gt` below, `le` above. `nullable`: None is a value (seed:
-    random, draft_max: the engine's). `note`: what a special value means, in messages."""
+    """One option's rule. `kind`: what its values are (`Kind`). Bounds: `ge`/`gt` below, `le`
+    above. `nullable`: None is a value (seed: random, draft_max: the engine's). `note`: what a
+    special value means, in messages."""
 
-    kind: str
+    kind: Kind
     default: Any
     help: str
     ge: float | None = None
@@ -95,18 +113,17 @@ class Option:
 
     def type_ok(self, value: Any) -> bool:
         if value is None:
-            return self.nullable or self.kind in ("stops", "schema", "grammar", "bias")
-        return {"int": _is_int, "number": _is_real, "bool": lambda v: v in (True, False), "stops": _is_stops,
-                "schema": lambda v: True, "grammar": _is_grammar, "bias": _is_bias}[self.kind](value)
+            return self.nullable or self.kind in _NONE_IS_EMPTY
+        return _TYPE_OK[self.kind](value)
 
     def in_bounds(self, value: Any) -> bool:
-        if self.kind == "bias":
+        if self.kind is Kind.BIAS:
             return value is None or all(-LOGIT_BIAS_LIMIT <= float(b) <= LOGIT_BIAS_LIMIT and int(t) >= 0
                                         for t, b in (value.items() if isinstance(value, dict) else value))
-        if value is None or self.kind not in ("int", "number"):
+        if value is None or self.kind not in (Kind.INT, Kind.NUMBER):
             return True
         # written as `not (ok)` so that NaN fails every comparison
-        if self.kind == "number" and not (-math.inf < value < math.inf):
+        if self.kind is Kind.NUMBER and not (-math.inf < value < math.inf):
             return False
         return not ((self.ge is not None and not value >= self.ge) or (self.gt is not None and not value > self.gt)
                     or (self.le is not None and not value <= self.le))
@@ -117,12 +134,12 @@ class Option:
         if not (self.type_ok(value) and self.in_bounds(value)):
             note = f" ({self.note})" if self.note else ""
             raise OptionError(self.name, f"{self.name} must be {self.expected(finite=True)}{note}, got {value!r}")
-        if self.kind == "stops":
+        if self.kind is Kind.STOPS:
             return (value,) if isinstance(value, str) else tuple(value or ())
-        if self.kind == "bias":  # ((token id, bias), ...) by id: hashable, one entry per id
+        if self.kind is Kind.BIAS:  # ((token id, bias), ...) by id: hashable, one entry per id
             pairs = value.items() if isinstance(value, dict) else value or ()
             return tuple(sorted({int(t): float(b) for t, b in pairs if float(b) != 0.0}.items()))
-        if self.kind == "bool":
+        if self.kind is Kind.BOOL:
             return bool(value)
         return value
 
@@ -131,10 +148,10 @@ class Option:
     def expected(self, *, none: str = "None", finite: bool = False, bounds: bool = True) -> str:
         """What the rule allows, in words: "an integer in [0, 64] or None". `none`: how the
         interface spells no value (null in JSON, none in /set)."""
-        words = {"int": "an integer", "number": "a finite number" if finite and self.le is None else "a number",
-                 "bool": "true or false", "stops": "a string or a list of strings", "schema": "a JSON schema",
-                 "grammar": "a string",
-                 "bias": f"a map of token ids to biases in [{-LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]"}[self.kind]
+        words = {Kind.INT: "an integer", Kind.NUMBER: "a finite number" if finite and self.le is None else "a number",
+                 Kind.BOOL: "true or false", Kind.STOPS: "a string or a list of strings",
+                 Kind.SCHEMA: "a JSON schema", Kind.GRAMMAR: "a string",
+                 Kind.BIAS: f"a map of token ids to biases in [{-LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]"}[self.kind]
         low = self.ge if self.gt is None else self.gt
         if bounds and low is not None and self.le is not None:
             words += f" in {'(' if self.gt is not None else '['}{low:g}, {self.le:g}]"
@@ -154,7 +171,7 @@ class Option:
     def json_type_error(self, value: Any, name: str | None = None) -> str | None:
         """A JSON field of the wrong type (a batch line): the message, else None. The bounds are
         checked by building a GenerationOptions."""
-        if self.type_ok(value) and (value is not None or self.nullable or self.kind == "stops"):
+        if self.type_ok(value) and (value is not None or self.nullable or self.kind is Kind.STOPS):
             return None  # a schema or grammar field, when given, is not null
         return f"\"{name or self.name}\" must be {self.expected(none='null', bounds=False)}, got {json.dumps(value)}"
 
@@ -163,7 +180,7 @@ class Option:
         value: Any = None
         if not (self.nullable and text.strip().lower() in NONE_WORDS):
             try:
-                value = {"int": int, "number": float}[self.kind](text)
+                value = {Kind.INT: int, Kind.NUMBER: float}[self.kind](text)
             except (KeyError, ValueError):
                 value = math.nan
         if not (self.type_ok(value) and self.in_bounds(value)):
@@ -179,14 +196,14 @@ class Option:
         flag = f"--{(self.flag or self.name).replace('_', '-')}"
         low = self.ge if self.gt is None else self.gt
         kw: dict[str, Any] = {"default": self.default, "help": self.help}
-        if self.kind in ("int", "number") and (low is not None or self.le is not None):
-            range_type = click.IntRange if self.kind == "int" else click.FloatRange
+        if self.kind in (Kind.INT, Kind.NUMBER) and (low is not None or self.le is not None):
+            range_type = click.IntRange if self.kind is Kind.INT else click.FloatRange
             kw["type"] = range_type(low, self.le, min_open=self.gt is not None)
-        elif self.kind in ("int", "number"):
-            kw["type"] = int if self.kind == "int" else float
-        elif self.kind == "stops":
+        elif self.kind in (Kind.INT, Kind.NUMBER):
+            kw["type"] = int if self.kind is Kind.INT else float
+        elif self.kind is Kind.STOPS:
             kw.update(multiple=True, default=(), help=f"{self.help} Repeatable.")
-        elif self.kind in ("schema", "grammar"):
+        elif self.kind in (Kind.SCHEMA, Kind.GRAMMAR):
             kw.update(type=click.Path(exists=True, dir_okay=False, allow_dash=True),
                       help=f"{self.help} Give a file ('-': stdin).")
         kw.update(overrides)
@@ -212,7 +229,7 @@ class Option:
         return Field(default, description=text, **({"alias": alias} if alias else {}), **bounds)
 
 
-def option(kind: str, default: Any, help: str, **rule: Any) -> Any:
+def option(kind: Kind, default: Any, help: str, **rule: Any) -> Any:
     """A GenerationOptions field with its rule."""
     return field(default=default, metadata={"option": Option(kind, default, help, **rule)})
 
@@ -223,37 +240,37 @@ class GenerationOptions:
     naming the option; an invalid schema or grammar is a constraints.ConstraintError). `stop`
     becomes a tuple; `schema` / `grammar` are compiled to a `constraints.Constraint`."""
 
-    max_tokens: int = option("int", 256, "Most tokens to generate.", ge=1)
-    temperature: float = option("number", 0.0, "0 is greedy.", ge=0, note="0 = greedy")
-    top_p: float = option("number", 1.0, "Keep the most likely tokens whose probabilities add up to top_p "
-                                         "(1 disables).", gt=0, le=1, note="1 = disabled")
-    top_k: int = option("int", 0, "Keep the k most likely tokens (0 disables).", ge=0, note="0 = disabled")
-    min_p: float = option("number", 0.0, "Keep the tokens at least min_p times as likely as the most likely "
-                                         "one (0 disables).", ge=0, le=1, note="0 = disabled")
-    seed: int | None = option("int", None, "Makes sampled output reproducible.", nullable=True)
-    stop: tuple[str, ...] = option("stops", (), "Stop string: the output ends before it.")
-    logprobs: int | None = option("int", None, "Return the oracle's log-probability of each emitted token, and "
-                                               "of this many most likely tokens.", ge=0, le=20, nullable=True)
-    prompt_logprobs: int | None = option("int", None, "Also return the oracle's log-probability of each prompt token "
-                                                      "(the first has none), and of this many most likely tokens.",
-                                         ge=0, le=20, nullable=True)
-    speculative: bool = option("bool", True, "false: the oracle alone (same output, no draft).")
-    draft_max: int | None = option("int", None, "Most tokens drafted per step for this request.", ge=0, le=64,
+    max_tokens: int = option(Kind.INT, 256, "Most tokens to generate.", ge=1)
+    temperature: float = option(Kind.NUMBER, 0.0, "0 is greedy.", ge=0, note="0 = greedy")
+    top_p: float = option(Kind.NUMBER, 1.0, "Keep the most likely tokens whose probabilities add up to top_p "
+                                            "(1 disables).", gt=0, le=1, note="1 = disabled")
+    top_k: int = option(Kind.INT, 0, "Keep the k most likely tokens (0 disables).", ge=0, note="0 = disabled")
+    min_p: float = option(Kind.NUMBER, 0.0, "Keep the tokens at least min_p times as likely as the most likely "
+                                            "one (0 disables).", ge=0, le=1, note="0 = disabled")
+    seed: int | None = option(Kind.INT, None, "Makes sampled output reproducible.", nullable=True)
+    stop: tuple[str, ...] = option(Kind.STOPS, (), "Stop string: the output ends before it.")
+    logprobs: int | None = option(Kind.INT, None, "Return the oracle's log-probability of each emitted token, and "
+                                                  "of this many most likely tokens.", ge=0, le=20, nullable=True)
+    prompt_logprobs: int | None = option(Kind.INT, None, "Also return the oracle's log-probability of each prompt "
+                                                         "token (the first has none), and of this many most likely "
+                                                         "tokens.", ge=0, le=20, nullable=True)
+    speculative: bool = option(Kind.BOOL, True, "false: the oracle alone (same output, no draft).")
+    draft_max: int | None = option(Kind.INT, None, "Most tokens drafted per step for this request.", ge=0, le=64,
                                    nullable=True)
-    draft_min: int | None = option("int", None, "A draft shorter than this is not verified (the step runs "
-                                                "without it; llama-server's speculative.n_min).", ge=0, le=64,
+    draft_min: int | None = option(Kind.INT, None, "A draft shorter than this is not verified (the step runs "
+                                                   "without it; llama-server's speculative.n_min).", ge=0, le=64,
                                    nullable=True)
-    draft_p_min: float | None = option("number", None, "The draft model stops drafting once its top probability "
-                                                       "falls below this (llama-server's speculative.p_min; "
-                                                       "default: the engine's).", ge=0, le=1, nullable=True)
+    draft_p_min: float | None = option(Kind.NUMBER, None, "The draft model stops drafting once its top probability "
+                                                          "falls below this (llama-server's speculative.p_min; "
+                                                          "default: the engine's).", ge=0, le=1, nullable=True)
     logit_bias: tuple[tuple[int, float], ...] = option(
-        "bias", (), "Added to the oracle's logits of these token ids before sampling (the draft's too): the output "
-                    "follows the biased oracle.")
-    sources: bool = option("bool", False, "Label each chunk's text by where its tokens came from: accepted from "
-                                          "the draft model, from prompt lookup, or the oracle's own token.")
-    schema: Any = option("schema", None, "The output must be JSON following this JSON schema.", flag="json_schema")
-    grammar: Any = option("grammar", None, "The output must follow this grammar (llguidance's Lark syntax, or "
-                                           "llama.cpp's GBNF when it has '::=' rules).")
+        Kind.BIAS, (), "Added to the oracle's logits of these token ids before sampling (the draft's too): the "
+                       "output follows the biased oracle.")
+    sources: bool = option(Kind.BOOL, False, "Label each chunk's text by where its tokens came from: accepted from "
+                                             "the draft model, from prompt lookup, or the oracle's own token.")
+    schema: Any = option(Kind.SCHEMA, None, "The output must be JSON following this JSON schema.", flag="json_schema")
+    grammar: Any = option(Kind.GRAMMAR, None, "The output must follow this grammar (llguidance's Lark syntax, or "
+                                              "llama.cpp's GBNF when it has '::=' rules).")
 
     def __post_init__(self) -> None:
         for name, rule in OPTIONS.items():

@@ -1001,7 +1001,7 @@ def test_error_mid_stream_is_an_error_event():
 def test_worker_queue_limit_and_shutdown():
     """Without models: a job runs in the one slot, max_queue=1 lets one more wait, the third is
     refused; close() cancels the running job within a step and fails the waiting one."""
-    from localspec.server.worker import CANCELLED, QueueFull, WorkerClosed, Failed
+    from localspec.server.worker import CANCELLED, Failed, Outcome, QueueFull, WorkerClosed
 
     w = EngineWorker(paced_engine(step=0.01), max_queue=1)
     events: list = []
@@ -1015,7 +1015,7 @@ def test_worker_queue_limit_and_shutdown():
         assert time.monotonic() < deadline
         time.sleep(0.01)
     w.close(timeout=5)
-    assert not w._thread.is_alive() and first.outcome == "cancelled"
+    assert not w._thread.is_alive() and first.outcome is Outcome.CANCELLED
     assert first.cancel_reason == "the server is shutting down"  # not "the client went away"
     assert CANCELLED in events and any(isinstance(ev, Failed) and isinstance(ev.error, WorkerClosed) for ev in events)
     with pytest.raises(WorkerClosed):
@@ -1032,17 +1032,17 @@ def test_worker_time_limit_ends_a_job_with_length():
         job = w.submit("a", {"max_tokens": 10_000}, events.append, time_limit=0.3)
         assert job.done.wait(10)
         assert time.monotonic() - t0 < 3
-        from localspec.server.worker import STARTED
+        from localspec.server.worker import STARTED, Outcome
 
         final = events[-1]
         assert events[0] is STARTED and final.finish_reason == "length" and final.text == ""
         tokens = sum(len(e.tokens) for e in events[1:])
         assert 3 <= tokens < 1000 and final.stats.completion_tokens == tokens == job.tokens
-        assert job.outcome == "time_limit" and w.completed == 1
+        assert job.outcome is Outcome.TIME_LIMIT and w.completed == 1
         assert w.metrics.generations.labels("time_limit")._value.get() == 1
         quick: list = []
         job = w.submit("b", {"max_tokens": 3}, quick.append, time_limit=30)  # under its limit: as asked
-        assert job.done.wait(10) and quick[-1].finish_reason == "length" and job.outcome == "completed"
+        assert job.done.wait(10) and quick[-1].finish_reason == "length" and job.outcome is Outcome.COMPLETED
         assert [c.text for c in quick[1:]] == [" 1,", " 2,", " 3,"]
     finally:
         w.close()

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import click
 
 from localspec.options import DEFAULT_CTX, OPTIONS, GenerationOptions, OptionError
+from localspec.outputs import Structure
 
 EXIT_USAGE = 2
 EXIT_RECORDS_FAILED = 1  # a batch run ended with error records in its output
@@ -315,7 +316,7 @@ def generate(prompt: str | None, system: str | None, raw: bool, as_json: bool, i
         click.echo()
         s = final.stats
         incomplete = ", INCOMPLETE: the output stopped before the schema/grammar was complete" \
-            if final.structure == "incomplete" else ""
+            if final.structure is Structure.INCOMPLETE else ""
         click.echo(click.style(
             f"[{s.completion_tokens} tokens, {s.tokens_per_second:.1f} tok/s, acceptance "
             f"{s.acceptance_rate:.0%}, {s.mean_accepted_length:.2f} accepted/step, finish: {final.finish_reason}"

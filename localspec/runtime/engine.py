@@ -45,7 +45,7 @@ from localspec.runtime.factory import (DEFAULT_DRAFT_MAX, DEFAULT_P_MIN, LOOKUP_
                       default_policy, kernel_identity)
 from localspec.llama.context import Detokenizer, LlamaContext, LlamaModel, Rows, on_local_gpu
 from localspec.options import GenerationOptions
-from localspec.outputs import Chunk, Result, Stats, StepRecord, TokenLogprob, TopLogprob
+from localspec.outputs import Chunk, Result, Stats, StepRecord, Structure, TokenLogprob, TopLogprob
 from localspec.speculative.policy import LengthPolicy, Regime
 from localspec.speculative.proposers import EMPTY_DRAFT, Draft, Proposer, drive_all, set_draft_p_min
 from localspec.speculative.sampling import (SamplingParams, bias_logits, coupled_choice, greedy_argmax, log_softmax, logits_to_probs,
@@ -524,18 +524,18 @@ class Engine:
         return out
 
     def _structure(self, walk: ConstraintWalk, out: list[int], emitted: list[int], finish: str,
-                   stats: Stats) -> tuple[str, str]:
-        """(finish_reason, "complete" | "incomplete") of a constrained generation that just ended.
+                   stats: Stats) -> tuple[str, Structure]:
+        """(finish_reason, structure) of a constrained generation that just ended.
         Complete: it ended with the end-of-generation token (allowed only once the text is a whole
         instance of the grammar), or it reached max_tokens where nothing but the end could follow
         (then it stopped as it would have: "stop"). Anything else, e.g. max_tokens in the middle
         of a JSON object or a stop string, is incomplete."""
         if len(emitted) < len(out) and self.oracle_model.is_eog(out[len(emitted)]):
-            return finish, "complete"
+            return finish, Structure.COMPLETE
         walk.pop(walk.depth - stats.completion_tokens)  # the step's tokens after the end
         if finish == "length" and walk.complete:
-            return "stop", "complete"
-        return finish, "incomplete"
+            return "stop", Structure.COMPLETE
+        return finish, Structure.INCOMPLETE
 
     def _emit(self, out: list[int], seq: Seq, sources: list[str] | None = None) -> tuple[list[int], str | None]:
         """Append a step's tokens to the history until one of them ends the generation:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from localspec.options import OPTIONS, GenerationOptions
-from localspec.outputs import Chunk, Stats, TokenLogprob
+from localspec.outputs import Chunk, Stats, Structure, TokenLogprob
 from localspec.speculative.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -96,7 +96,7 @@ class Seq:
     prompt_len: int = 0
     t_start: float = 0.0  # when it was added (time to first token counts from here)
     finish_reason: str | None = None
-    structure: str | None = None
+    structure: Structure | None = None
     error: BaseException | None = None  # why it was aborted, when it failed
     outbox: deque[Chunk] = field(default_factory=deque)
     draft: "Draft | None" = None  # the step's draft, between proposing and verifying

@@ -9,7 +9,7 @@ import secrets
 import time
 from typing import Any, Iterable
 
-from localspec.outputs import Chunk, Stats, TokenLogprob
+from localspec.outputs import Chunk, Stats, Structure, TokenLogprob
 from localspec.server import report as R
 from localspec.server import schemas as S
 from localspec.server import tools as T
@@ -167,14 +167,14 @@ class ChatReply(Reply):
             yield self._delta(S.Delta(tool_calls=deltas))
         if event.finish_reason is not None:
             finish = event.finish_reason
-            if calls is not None and calls.sent and event.structure == "complete":
+            if calls is not None and calls.sent and event.structure is Structure.COMPLETE:
                 finish = "tool_calls"
             elif calls is not None and calls.unsent():  # cut inside a call: its text, as content
                 yield self._delta(S.Delta(content=calls.unsent()))
             yield self._delta(S.Delta(), finish=finish, report=R.last(event, text=False) if self.report else None)
 
     def choice(self, text: str, logprobs: list[TokenLogprob], final: Chunk) -> S.ChatChoice:
-        calls = T.parse_tool_calls(text) if self.plan is not None and final.structure == "complete" else None
+        calls = T.parse_tool_calls(text) if self.plan is not None and final.structure is Structure.COMPLETE else None
         message = S.AssistantMessage(content=text) if not calls else S.AssistantMessage(tool_calls=calls)
         return S.ChatChoice(index=self.index, message=message, finish_reason="tool_calls" if calls else final.finish_reason,
                             logprobs=_chat_logprobs(logprobs) if self.body.logprobs and not calls else None,

@@ -311,7 +311,8 @@ class Service:
     def log_done(self, rid: str, endpoint: str, job: Job, text: str | None) -> None:
         s = job.stats
         if s is None:
-            log.info("%s %s: %s after %d tokens", rid, endpoint, job.outcome or "stopped", job.tokens)
+            log.info("%s %s: %s after %d tokens", rid, endpoint, job.outcome.value if job.outcome else "stopped",
+                     job.tokens)
             return
         log.info("%s %s: %d prompt (%d cached) + %d completion tokens, acceptance %.0f%% (%d/%d), %.2f s",
                  rid, endpoint, s.prompt_tokens, max(0, s.prompt_tokens - s.prompt_tokens_evaluated),
