@@ -1,20 +1,23 @@
 """Generation options: every per-request option defined once (name, type, default, bounds, help).
 
 `GenerationOptions` is what `Engine.stream` / `Engine.generate` take: a frozen dataclass whose
-fields each carry an `Option` (their rule). Everything else derives from those rules:
+fields each carry an `Option` (their rule). Building one checks a request's options by their
+rules; every interface builds one from what it was given and hands that object on, and the engine
+turns it into a `sequence.Request` without checking it again:
 
-* the engine's own checks (`sampling.SamplingParams`, `sequence.Request`) call `Option.check`;
 * `localspec generate` / `chat` build their click options with `click_option` (type, bounds,
-  default, help);
-* a batch line's fields are checked with `Option.json_type_error` (its JSON type) and then by
-  building a `GenerationOptions` (the bounds);
+  default, help; click checks a flag's value by its rule as it parses it, so that a bad value is
+  a usage error naming the flag, before any model loads);
+* a batch line's fields replace the command line's in its `GenerationOptions`;
 * the chat's `/set NAME VALUE` parses with `GenerationOptions.with_text`;
-* the server's request fields take their bounds and descriptions from `wire_field`, and map onto
-  a `GenerationOptions` (keeping OpenAI's wire names and defaults).
+* the server's request fields take their bounds and descriptions from the rules (server/schemas.py)
+  and become a `GenerationOptions` (keeping OpenAI's wire names and defaults), the server's
+  narrower OpenAI limits checked on it after the rules (`Option.narrowed`).
 
-So one rule rejects the same value everywhere; only the wording follows each interface (a CLI
-flag, a JSON field, a /set command). Nothing here imports click, pydantic or llguidance until a
-derivation or a schema/grammar needs it.
+So one rule rejects the same value everywhere with the same words (`Option.rule`: "top_p must be a
+number in (0, 1] (1 = disabled)"); only the frame around them follows each interface (a CLI flag,
+a JSON field, a /set command) and how the rejected value is quoted. Nothing here imports click,
+pydantic or llguidance until a derivation or a schema/grammar needs it.
 """
 
 from __future__ import annotations
@@ -33,11 +36,21 @@ DEFAULT_CTX = 4096  # tokens one sequence may hold unless --ctx / n_ctx says oth
 
 
 class OptionError(ValueError):
-    """A generation option with a value its rule does not allow; `name` is the option's."""
+    """A generation option with a value its rule does not allow: `name` is the option's, `rule` its
+    rule in words (`Option.rule`), `value` what was given. The message quotes the value as Python
+    writes it unless `shown` says how (the text typed on a command line)."""
 
-    def __init__(self, name: str, message: str) -> None:
-        super().__init__(message)
-        self.name = name
+    def __init__(self, name: str, rule: str, value: Any, shown: str | None = None) -> None:
+        super().__init__(f"{rule}, got {repr(value) if shown is None else shown}")
+        self.name, self.rule, self.value = name, rule, value
+
+    def in_json(self) -> str:
+        """The message with the value as JSON writes it (a batch line, a request body)."""
+        try:
+            shown = json.dumps(self.value, ensure_ascii=False)
+        except (TypeError, ValueError):
+            shown = repr(self.value)
+        return f"{self.rule}, got {shown}"
 
 
 class Kind(enum.Enum):
@@ -128,12 +141,12 @@ class Option:
         return not ((self.ge is not None and not value >= self.ge) or (self.gt is not None and not value > self.gt)
                     or (self.le is not None and not value <= self.le))
 
-    def check(self, value: Any) -> Any:
+    def check(self, value: Any, shown: str | None = None) -> Any:
         """The value as the engine keeps it (stop: a tuple; speculative: a bool); OptionError when
-        the rule rejects it. A schema or grammar is checked by compiling it (GenerationOptions)."""
+        the rule rejects it (`shown`: how its message quotes the value). A schema or grammar is
+        checked by compiling it (GenerationOptions)."""
         if not (self.type_ok(value) and self.in_bounds(value)):
-            note = f" ({self.note})" if self.note else ""
-            raise OptionError(self.name, f"{self.name} must be {self.expected(finite=True)}{note}, got {value!r}")
+            raise OptionError(self.name, self.rule, value, shown)
         if self.kind is Kind.STOPS:
             return (value,) if isinstance(value, str) else tuple(value or ())
         if self.kind is Kind.BIAS:  # ((token id, bias), ...) by id: hashable, one entry per id
@@ -143,23 +156,39 @@ class Option:
             return bool(value)
         return value
 
+    def narrowed(self, *, note: str | None = None, **tighter: float) -> "Option":
+        """This rule with tighter bounds (an interface's own limit: OpenAI's temperature stops at
+        2); ValueError when one is looser than the rule's."""
+        for key, value in tighter.items():
+            own = self.bounds.get(key)
+            if own is not None and (value < own if key in ("ge", "gt") else value > own):
+                raise ValueError(f"{self.name}: a bound {key}={value} is looser than the option's {own}")
+        return replace(self, **tighter, **({} if note is None else {"note": note}))
+
     # -- words
 
-    def expected(self, *, none: str = "None", finite: bool = False, bounds: bool = True) -> str:
-        """What the rule allows, in words: "an integer in [0, 64] or None". `none`: how the
-        interface spells no value (null in JSON, none in /set)."""
-        words = {Kind.INT: "an integer", Kind.NUMBER: "a finite number" if finite and self.le is None else "a number",
+    @property
+    def rule(self) -> str:
+        """The rule in words, the same in every interface: "top_p must be a number in (0, 1]
+        (1 = disabled)"."""
+        note = f" ({self.note})" if self.note else ""
+        return f"{self.name} must be {self.expected}{note}"
+
+    @property
+    def expected(self) -> str:
+        """What the rule allows, in words: "an integer in [0, 64] or none"."""
+        words = {Kind.INT: "an integer", Kind.NUMBER: "a finite number" if self.le is None else "a number",
                  Kind.BOOL: "true or false", Kind.STOPS: "a string or a list of strings",
                  Kind.SCHEMA: "a JSON schema", Kind.GRAMMAR: "a string",
                  Kind.BIAS: f"a map of token ids to biases in [{-LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]"}[self.kind]
         low = self.ge if self.gt is None else self.gt
-        if bounds and low is not None and self.le is not None:
+        if low is not None and self.le is not None:
             words += f" in {'(' if self.gt is not None else '['}{low:g}, {self.le:g}]"
-        elif bounds and low is not None:
+        elif low is not None:
             words += f" {'>' if self.gt is not None else '>='} {low:g}"
-        elif bounds and self.le is not None:
+        elif self.le is not None:
             words += f" <= {self.le:g}"
-        return words + (f" or {none}" if self.nullable else "")
+        return words + (" or none" if self.nullable else "")
 
     @property
     def bounds(self) -> dict[str, float]:
@@ -168,39 +197,29 @@ class Option:
 
     # -- the interfaces
 
-    def json_type_error(self, value: Any, name: str | None = None) -> str | None:
-        """A JSON field of the wrong type (a batch line): the message, else None. The bounds are
-        checked by building a GenerationOptions."""
-        if self.type_ok(value) and (value is not None or self.nullable or self.kind is Kind.STOPS):
-            return None  # a schema or grammar field, when given, is not null
-        return f"\"{name or self.name}\" must be {self.expected(none='null', bounds=False)}, got {json.dumps(value)}"
-
     def parse_text(self, text: str) -> Any:
-        """A value typed as text (`/set NAME VALUE`); ValueError saying what is expected."""
+        """A value typed as text (`/set NAME VALUE`, a command-line flag), checked by the rule;
+        OptionError (quoting the text) otherwise. A nullable option takes NONE_WORDS for None."""
         value: Any = None
         if not (self.nullable and text.strip().lower() in NONE_WORDS):
             try:
                 value = {Kind.INT: int, Kind.NUMBER: float}[self.kind](text)
             except (KeyError, ValueError):
-                value = math.nan
-        if not (self.type_ok(value) and self.in_bounds(value)):
-            raise ValueError(f"expected {self.expected(none='none')}, got {text!r}")
-        return value
+                raise OptionError(self.name, self.rule, text, repr(text)) from None
+        return self.check(value, repr(text))
 
     def click_option(self, *decls: str, **overrides: Any) -> Callable:
-        """The click option of this rule: its type with the bounds, its default and its help
-        (a list option is repeatable; a schema or grammar is read from a file). `overrides`
-        replace any of click's arguments (another command's default, a more specific help)."""
+        """The click option of this rule: its type, whose values the rule parses and checks (an
+        error is click's usage error with the rule's words), with the bounds shown in --help, its
+        default and its help (a list option is repeatable; a schema or grammar is read from a
+        file). `overrides` replace any of click's arguments (another command's default, a more
+        specific help)."""
         import click
 
         flag = f"--{(self.flag or self.name).replace('_', '-')}"
-        low = self.ge if self.gt is None else self.gt
         kw: dict[str, Any] = {"default": self.default, "help": self.help}
-        if self.kind in (Kind.INT, Kind.NUMBER) and (low is not None or self.le is not None):
-            range_type = click.IntRange if self.kind is Kind.INT else click.FloatRange
-            kw["type"] = range_type(low, self.le, min_open=self.gt is not None)
-        elif self.kind in (Kind.INT, Kind.NUMBER):
-            kw["type"] = int if self.kind is Kind.INT else float
+        if self.kind in (Kind.INT, Kind.NUMBER):
+            kw["type"] = _click_type(self)
         elif self.kind is Kind.STOPS:
             kw.update(multiple=True, default=(), help=f"{self.help} Repeatable.")
         elif self.kind in (Kind.SCHEMA, Kind.GRAMMAR):
@@ -211,22 +230,27 @@ class Option:
             kw["show_default"] = True
         return click.option(*(decls or (flag, self.flag or self.name)), **kw)
 
-    def wire_field(self, default: Any = None, *, description: str | None = None, extension: bool = False,
-                   alias: str | None = None, **tighter: float) -> Any:
-        """A pydantic Field of a wire format (the server's requests) for this option: its bounds,
-        or `tighter` ones (OpenAI's temperature stops at 2), and its help as the description
-        (`extension`: a field OpenAI does not have says so)."""
-        from pydantic import Field
 
-        bounds = self.bounds | tighter
-        for key, value in tighter.items():
-            own = self.bounds.get(key)
-            if own is not None and (value < own if key in ("ge", "gt") else value > own):
-                raise ValueError(f"{self.name}: a wire bound {key}={value} is looser than the option's {own}")
-        text = description or self.help
-        if extension:
-            text = f"Extension: {text[0].lower()}{text[1:]}"
-        return Field(default, description=text, **({"alias": alias} if alias else {}), **bounds)
+def _click_type(option: Option) -> Any:
+    """A click type for a numeric option: click's own (IntRange, FloatRange, INT, FLOAT: their
+    metavar and the range in --help), its conversion replaced by the option's rule."""
+    import click
+
+    low = option.ge if option.gt is None else option.gt
+    if low is None and option.le is None:
+        base, args = (click.types.IntParamType if option.kind is Kind.INT else click.types.FloatParamType), {}
+    else:
+        base = click.IntRange if option.kind is Kind.INT else click.FloatRange
+        args = {"min": low, "max": option.le, "min_open": option.gt is not None}
+
+    class RuleType(base):
+        def convert(self, value, param, ctx):
+            try:
+                return option.parse_text(value) if isinstance(value, str) else option.check(value)
+            except OptionError as e:
+                self.fail(str(e), param, ctx)
+
+    return RuleType(**args)
 
 
 def option(kind: Kind, default: Any, help: str, **rule: Any) -> Any:
@@ -302,13 +326,9 @@ class GenerationOptions:
         return self.schema if self.schema is not None else self.grammar
 
     def with_text(self, name: str, text: str) -> "GenerationOptions":
-        """A copy with option `name` set from text (`/set temperature 0.7`); ValueError saying what
-        is expected."""
+        """A copy with option `name` set from text (`/set temperature 0.7`); OptionError (a
+        ValueError) saying the rule."""
         return replace(self, **{name: OPTIONS[name].parse_text(text)})
-
-    def as_kwargs(self) -> dict[str, Any]:
-        """The options as `Engine.stream`'s keyword arguments."""
-        return {name: getattr(self, name) for name in OPTIONS}
 
 
 OPTIONS: dict[str, Option] = {}

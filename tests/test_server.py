@@ -22,6 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from localspec.runtime.engine import Engine
+from localspec.options import GenerationOptions
 from localspec.outputs import Stats
 from localspec.server import EngineWorker, create_app
 from serving import CLI, ThreadedServer, cli_serve, free_port, paced_engine, raw_http, wait_ready
@@ -1005,10 +1006,10 @@ def test_worker_queue_limit_and_shutdown():
 
     w = EngineWorker(paced_engine(step=0.01), max_queue=1)
     events: list = []
-    first = w.submit("a", {"max_tokens": 4000}, events.append)
-    w.submit("b", {}, events.append)
+    first = w.submit("a", GenerationOptions(max_tokens=4000), events.append)
+    w.submit("b", GenerationOptions(), events.append)
     with pytest.raises(QueueFull) as e:
-        w.submit("c", {}, events.append)
+        w.submit("c", GenerationOptions(), events.append)
     assert e.value.retry_after >= 1
     deadline = time.monotonic() + 5
     while first.tokens < 3:
@@ -1019,7 +1020,7 @@ def test_worker_queue_limit_and_shutdown():
     assert first.cancel_reason == "the server is shutting down"  # not "the client went away"
     assert CANCELLED in events and any(isinstance(ev, Failed) and isinstance(ev.error, WorkerClosed) for ev in events)
     with pytest.raises(WorkerClosed):
-        w.submit("d", {}, events.append)
+        w.submit("d", GenerationOptions(), events.append)
 
 
 def test_worker_time_limit_ends_a_job_with_length():
@@ -1029,7 +1030,7 @@ def test_worker_time_limit_ends_a_job_with_length():
     try:
         events: list = []
         t0 = time.monotonic()
-        job = w.submit("a", {"max_tokens": 10_000}, events.append, time_limit=0.3)
+        job = w.submit("a", GenerationOptions(max_tokens=10_000), events.append, time_limit=0.3)
         assert job.done.wait(10)
         assert time.monotonic() - t0 < 3
         from localspec.server.worker import STARTED, Outcome
@@ -1041,7 +1042,7 @@ def test_worker_time_limit_ends_a_job_with_length():
         assert job.outcome is Outcome.TIME_LIMIT and w.completed == 1
         assert w.metrics.generations.labels("time_limit")._value.get() == 1
         quick: list = []
-        job = w.submit("b", {"max_tokens": 3}, quick.append, time_limit=30)  # under its limit: as asked
+        job = w.submit("b", GenerationOptions(max_tokens=3), quick.append, time_limit=30)  # under its limit: as asked
         assert job.done.wait(10) and quick[-1].finish_reason == "length" and job.outcome is Outcome.COMPLETED
         assert [c.text for c in quick[1:]] == [" 1,", " 2,", " 3,"]
     finally:

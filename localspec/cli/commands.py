@@ -281,10 +281,9 @@ def generate(prompt: str | None, system: str | None, raw: bool, as_json: bool, i
             raise UserError("give either PROMPT or --input, not both")
         from localspec.cli.jobs import run_batch
 
-        defaults = options.as_kwargs()
         kw["parallel"] = parallel or DEFAULT_BATCH_PARALLEL
         try:
-            summary = run_batch(input_path, output_path, open_engine=lambda: open_engine(**kw), defaults=defaults,
+            summary = run_batch(input_path, output_path, open_engine=lambda: open_engine(**kw), defaults=options,
                                 system=system, raw=raw, progress=progress)
         except KeyboardInterrupt:
             sys.exit(EXIT_INTERRUPTED)

@@ -44,7 +44,7 @@ from localspec.speculative.costs import CostBook
 from localspec.runtime.factory import (DEFAULT_DRAFT_MAX, DEFAULT_P_MIN, LOOKUP_DRAFT_MAX, NGRAM, Parts, build,  # noqa: F401
                       default_policy, kernel_identity)
 from localspec.llama.context import Detokenizer, LlamaContext, LlamaModel, Rows, on_local_gpu
-from localspec.options import GenerationOptions
+from localspec.options import GenerationOptions, OptionError
 from localspec.outputs import Chunk, Result, Stats, StepRecord, Structure, TokenLogprob, TopLogprob
 from localspec.speculative.policy import LengthPolicy, Regime
 from localspec.speculative.proposers import EMPTY_DRAFT, Draft, Proposer, drive_all, set_draft_p_min
@@ -252,7 +252,8 @@ class Engine:
     def new_seq(self, prompt_tokens: Sequence[int], request: Request) -> Seq:
         """A sequence for `request` on a tokenized prompt, ready for the scheduler. It runs with
         the policy the engine has now (`using_policy`), to its end. Raises ValueError (a prompt
-        that is empty or too long, a grammar llguidance cannot compile) before anything runs."""
+        that is empty or too long: PromptTooLongError; a logit_bias token the vocabulary lacks:
+        OptionError; a grammar llguidance cannot compile) before anything runs."""
         if not prompt_tokens:
             raise ValueError("the prompt is empty")
         if len(prompt_tokens) >= self.n_ctx:
@@ -260,8 +261,8 @@ class Engine:
                 f"the prompt has {len(prompt_tokens)} tokens; the context holds {self.n_ctx}")
         biased = [token for token, _ in request.sampling.logit_bias if token >= self.oracle_model.n_vocab]
         if biased:
-            raise ValueError(f"logit_bias: token id {biased[0]} is not in the vocabulary (ids 0 to "
-                             f"{self.oracle_model.n_vocab - 1})")
+            raise OptionError("logit_bias", f"logit_bias must hold token ids of the vocabulary (0 to "
+                                            f"{self.oracle_model.n_vocab - 1})", biased[0], f"token id {biased[0]}")
         walk = self.constraint_walk(request.constraint) if request.constraint is not None else None
         stats = Stats(prompt_tokens=len(prompt_tokens), flash_attn=self.oracle.flash_attn,
                       draft_flash_attn=self.draft_ctx.flash_attn if self.draft_ctx is not None else None)

@@ -15,10 +15,9 @@ from typing import Any, AsyncIterator, Iterable
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from localspec.options import GenerationOptions, OptionError
 from localspec.outputs import Chunk
 from localspec.runtime.sequence import PromptTooLongError
-from localspec.server import schemas as S
-from localspec.server import tools as T
 from localspec.server.errors import SERVER_ERROR, APIError, shutting_down
 from localspec.server.render import Reply, merged_usage, sse
 from localspec.server.worker import CANCELLED, STARTED, EngineWorker, Failed, Job, QueueFull, WorkerClosed
@@ -75,10 +74,6 @@ async def _watch_disconnect(receive, job: Job) -> None:
             return
 
 
-SHUTDOWN_REASON = "the server is shutting down"
-_SHUTDOWN = object()  # put on a queued request's event queue when the server starts shutting down
-
-
 class Service:
     """What the routes share: the worker, the names the server answers to, the requests queued and
     running, and the one path every generation takes: start the job -> stream or collect its chunks
@@ -121,35 +116,12 @@ class Service:
             raise APIError(404, f"The model '{model}' does not exist (this server serves '{self.model_name}').",
                            param="model", code="model_not_found")
 
-    def structured(self, body: S.ChatCompletionRequest, messages: list, options: dict) -> tuple[list, T.ToolPlan | None]:
-        """response_format and tools: the constraint in `options`, the messages to render (tools in
-        the template that takes them, else in a generic system message)."""
-        text = T.response_format_constraint(body.response_format)
-        grammar = T.grammar_constraint(body.grammar)
-        if grammar is not None:
-            if text is not None:
-                raise S.InvalidParam("grammar: give grammar or response_format, not both", "grammar")
-            text = grammar
-        plan = T.plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, text)
-        if plan is not None and grammar is not None:
-            raise S.InvalidParam("grammar: not supported together with tools (response_format is)", "grammar")
-        if plan is not None:
-            options["grammar"] = T.tool_grammar(plan)
-        elif text is not None:
-            options["grammar"] = text
-        template = getattr(self.worker.engine.oracle_model, "chat_template", None)
-        if T.template_takes_tools(template):
-            if plan is not None:
-                options["tools"] = [t.spec for t in plan.tools]
-            return T.template_messages(messages), plan
-        return T.generic_messages(messages, plan), plan
-
-    async def respond(self, request: Request, replies: list[Reply], prompts: list[Any], options: list[dict[str, Any]],
-                      stream: bool) -> Response:
-        """Run the generations (one per choice, generated together) and answer with them:
-        server-sent events as they go, or the whole response at the end (499 when the client went
-        away before it)."""
-        started = await self._start_all(request, prompts, options, replies[0].rid)
+    async def respond(self, request: Request, replies: list[Reply], prompts: list[Any],
+                      options: list[GenerationOptions], stream: bool, *, tools: list | None = None) -> Response:
+        """Run the generations (one per choice, generated together: its prompt and its checked
+        options; `tools` for a chat template that takes them) and answer with them: server-sent
+        events as they go, or the whole response at the end (499 when the client went away before it)."""
+        started = await self._start_all(request, prompts, options, replies[0].rid, tools)
         jobs = [job for job, _ in started]
         if stream:
             return _JobStream(jobs, self._stream(started, replies, prompts))
@@ -164,10 +136,10 @@ class Service:
         usage = merged_usage([final.stats for _, _, final in collected], prompts)
         return JSONResponse(replies[0].whole(choices, usage).model_dump(mode="json"))
 
-    async def _start_all(self, request: Request, prompts: list[Any], options: list[dict[str, Any]],
-                         rid: str) -> list[tuple[Job, asyncio.Queue]]:
+    async def _start_all(self, request: Request, prompts: list[Any], options: list[GenerationOptions], rid: str,
+                         tools: list | None) -> list[tuple[Job, asyncio.Queue]]:
         """Start every choice's job; a failure to start one cancels the others."""
-        tasks = [asyncio.ensure_future(self.start(request, p, o, rid)) for p, o in zip(prompts, options)]
+        tasks = [asyncio.ensure_future(self.start(request, p, o, rid, tools)) for p, o in zip(prompts, options)]
         try:
             return list(await asyncio.gather(*tasks))
         except BaseException:
@@ -220,13 +192,14 @@ class Service:
         for reply, (job, _), text in zip(replies, started, texts):
             self.log_done(reply.rid, reply.endpoint, job, None if text is None else "".join(text))
 
-    async def start(self, request: Request, prompt: Any, options: dict[str, Any], rid: str) -> tuple[Job, asyncio.Queue]:
+    async def start(self, request: Request, prompt: Any, options: GenerationOptions, rid: str,
+                    tools: list | None = None) -> tuple[Job, asyncio.Queue]:
         """Queue the job and wait until the engine has accepted it (errors are still HTTP errors here)."""
         if self.draining:
             raise shutting_down()
         worker = self.worker
         try:
-            job, events = worker.submit_async(prompt, options, time_limit=self.time_limit)
+            job, events = worker.submit_async(prompt, options, time_limit=self.time_limit, tools=tools)
         except QueueFull as e:
             raise APIError(429, f"The server is busy ({worker.max_queue} requests queued); retry later.",
                            code="rate_limit_exceeded", headers={"Retry-After": str(e.retry_after)}) from None
@@ -249,9 +222,7 @@ class Service:
             raise shutting_down()
         if isinstance(event, Failed):
             if event.client_error:
-                param = "messages" if isinstance(prompt, list) else "prompt"
-                code = "context_length_exceeded" if isinstance(event.error, PromptTooLongError) else "invalid_value"
-                raise APIError(400, str(event.error), param=param, code=code)
+                raise rejected(event.error, prompt)
             if isinstance(event.error, WorkerClosed):
                 raise shutting_down()
             raise APIError(500, SERVER_ERROR)
@@ -319,6 +290,17 @@ class Service:
                  s.completion_tokens, 100 * s.acceptance_rate, s.accepted, s.drafted, s.total_time)
         if self.log_prompts and text is not None:
             log.info("%s completion: %r", rid, text)
+
+
+def rejected(error: BaseException, prompt: Any) -> APIError:
+    """The 400 of a request the engine refused, naming the field at fault by the error's type: an
+    option (a logit_bias token outside the vocabulary), else the prompt (too long for the context:
+    context_length_exceeded)."""
+    if isinstance(error, OptionError):
+        return APIError(400, f"Invalid value for '{error.name}': {error}.", param=error.name, code="invalid_value")
+    param = "messages" if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict) else "prompt"
+    code = "context_length_exceeded" if isinstance(error, PromptTooLongError) else "invalid_value"
+    return APIError(400, str(error), param=param, code=code)
 
 
 def stream_error(event: Failed) -> str:

@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from localspec.options import GenerationOptions
 from localspec.outputs import Chunk, Stats
 from localspec.runtime.sequence import Seq, Status
 from localspec.server.metrics import Metrics
@@ -86,12 +87,14 @@ class Failed:
 
 
 class Job:
-    """One generation request. `prompt` and `options` are `Engine.prepare`'s arguments."""
+    """One generation request: `Engine.prepare`'s arguments (`tools`: the function specs for a
+    chat template that takes them), its options already checked."""
 
-    def __init__(self, prompt: Any, options: dict[str, Any], deliver: Callable[[object], None],
-                 time_limit: float | None = None) -> None:
+    def __init__(self, prompt: Any, options: GenerationOptions, deliver: Callable[[object], None],
+                 time_limit: float | None = None, tools: list | None = None) -> None:
         self.prompt = prompt
         self.options = options
+        self.tools = tools
         self.time_limit = time_limit  # seconds the generation may run (None: no limit)
         self._deliver = deliver
         self.submitted = time.monotonic()
@@ -171,9 +174,9 @@ class EngineWorker:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._closed
 
-    def submit(self, prompt: Any, options: dict[str, Any], deliver: Callable[[object], None], *,
-               time_limit: float | None = None) -> Job:
-        job = Job(prompt, options, deliver, time_limit)
+    def submit(self, prompt: Any, options: GenerationOptions, deliver: Callable[[object], None], *,
+               time_limit: float | None = None, tools: list | None = None) -> Job:
+        job = Job(prompt, options, deliver, time_limit, tools)
         with self._lock:
             if self._closed:
                 raise WorkerClosed("the server is shutting down")
@@ -186,13 +189,13 @@ class EngineWorker:
         self.metrics.queue_depth.set(self.queue_depth)
         return job
 
-    def submit_async(self, prompt: Any, options: dict[str, Any], *,
-                     time_limit: float | None = None) -> tuple[Job, asyncio.Queue]:
+    def submit_async(self, prompt: Any, options: GenerationOptions, *, time_limit: float | None = None,
+                     tools: list | None = None) -> tuple[Job, asyncio.Queue]:
         """Submit from the event loop; the job's events arrive on the returned asyncio.Queue."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         job = self.submit(prompt, options, lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
-                          time_limit=time_limit)
+                          time_limit=time_limit, tools=tools)
         return job, events
 
     # -- lifecycle
@@ -275,8 +278,8 @@ class EngineWorker:
             return
         job.started = time.monotonic()
         try:
-            seq = self.engine.prepare(job.prompt, **job.options)  # validates eagerly
-        except ValueError as e:  # PromptTooLongError, ChatTemplateError, bad option values
+            seq = self.engine.prepare(job.prompt, job.options, tools=job.tools)  # checks the prompt eagerly
+        except ValueError as e:  # PromptTooLongError, ChatTemplateError, a logit_bias token outside the vocabulary
             self._end(job, Outcome.REJECTED, Failed(e, client_error=True))
             return
         except Exception as e:
