@@ -1,24 +1,28 @@
 """Generation options: every per-request option defined once (name, type, default, bounds, help).
 
 `GenerationOptions` is what `Engine.stream` / `Engine.generate` take: a frozen dataclass whose
-fields each carry an `Option` (their rule). Everything else derives from those rules:
+fields each carry an `Option` (their rule). Building one checks a request's options by their
+rules; every interface builds one from what it was given and hands that object on, and the engine
+turns it into a `sequence.Request` without checking it again:
 
-* the engine's own checks (`sampling.SamplingParams`, `sequence.Request`) call `Option.check`;
 * `localspec generate` / `chat` build their click options with `click_option` (type, bounds,
-  default, help);
-* a batch line's fields are checked with `Option.json_type_error` (its JSON type) and then by
-  building a `GenerationOptions` (the bounds);
+  default, help; click checks a flag's value by its rule as it parses it, so that a bad value is
+  a usage error naming the flag, before any model loads);
+* a batch line's fields replace the command line's in its `GenerationOptions`;
 * the chat's `/set NAME VALUE` parses with `GenerationOptions.with_text`;
-* the server's request fields take their bounds and descriptions from `wire_field`, and map onto
-  a `GenerationOptions` (keeping OpenAI's wire names and defaults).
+* the server's request fields take their bounds and descriptions from the rules (server/schemas.py)
+  and become a `GenerationOptions` (keeping OpenAI's wire names and defaults), the server's
+  narrower OpenAI limits checked on it after the rules (`Option.narrowed`).
 
-So one rule rejects the same value everywhere; only the wording follows each interface (a CLI
-flag, a JSON field, a /set command). Nothing here imports click, pydantic or llguidance until a
-derivation or a schema/grammar needs it.
+So one rule rejects the same value everywhere with the same words (`Option.rule`: "top_p must be a
+number in (0, 1] (1 = disabled)"); only the frame around them follows each interface (a CLI flag,
+a JSON field, a /set command) and how the rejected value is quoted. Nothing here imports click,
+pydantic or llguidance until a derivation or a schema/grammar needs it.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 import numbers
@@ -34,11 +38,33 @@ DEFAULT_SUFFIX_CACHE = 1_000_000
 
 
 class OptionError(ValueError):
-    """A generation option with a value its rule does not allow; `name` is the option's."""
+    """A generation option with a value its rule does not allow: `name` is the option's, `rule` its
+    rule in words (`Option.rule`), `value` what was given. The message quotes the value as Python
+    writes it unless `shown` says how (the text typed on a command line)."""
 
-    def __init__(self, name: str, message: str) -> None:
-        super().__init__(message)
-        self.name = name
+    def __init__(self, name: str, rule: str, value: Any, shown: str | None = None) -> None:
+        super().__init__(f"{rule}, got {repr(value) if shown is None else shown}")
+        self.name, self.rule, self.value = name, rule, value
+
+    def in_json(self) -> str:
+        """The message with the value as JSON writes it (a batch line, a request body)."""
+        try:
+            shown = json.dumps(self.value, ensure_ascii=False)
+        except (TypeError, ValueError):
+            shown = repr(self.value)
+        return f"{self.rule}, got {shown}"
+
+
+class Kind(enum.Enum):
+    """What an option's values are."""
+
+    INT = "int"  # an integer (not a bool)
+    NUMBER = "number"  # a real number (not a bool); finite
+    BOOL = "bool"
+    STOPS = "stops"  # a string or a list of strings
+    SCHEMA = "schema"  # a JSON schema: a dict, its text or a pydantic model class
+    GRAMMAR = "grammar"  # Lark or GBNF text (or a compiled constraints.Constraint)
+    BIAS = "bias"  # {token id: bias} or (token id, bias) pairs
 
 
 def _is_int(v: object) -> bool:
@@ -75,14 +101,19 @@ def _is_grammar(v: object) -> bool:
     return isinstance(v, (str, Constraint))
 
 
+_TYPE_OK: dict[Kind, Callable[[Any], bool]] = {
+    Kind.INT: _is_int, Kind.NUMBER: _is_real, Kind.BOOL: lambda v: v in (True, False), Kind.STOPS: _is_stops,
+    Kind.SCHEMA: lambda v: True, Kind.GRAMMAR: _is_grammar, Kind.BIAS: _is_bias}
+_NONE_IS_EMPTY = (Kind.STOPS, Kind.SCHEMA, Kind.GRAMMAR, Kind.BIAS)  # None means "none of it"
+
+
 @dataclass(frozen=True)
 class Option:
-    """One option's rule. `kind`: "int", "number" (finite), "bool", "stops" (a string or a list of
-    strings), "schema" (a JSON schema: a dict, its text or a pydantic model class) or "grammar"
-    (Lark or GBNF text). Bounds: `ge`/`gt` below, `le` above. `nullable`: None is a value (seed:
-    random, draft_max: the engine's). `note`: what a special value means, in messages."""
+    """One option's rule. `kind`: what its values are (`Kind`). Bounds: `ge`/`gt` below, `le`
+    above. `nullable`: None is a value (seed: random, draft_max: the engine's). `note`: what a
+    special value means, in messages."""
 
-    kind: str
+    kind: Kind
     default: Any
     help: str
     ge: float | None = None
@@ -97,54 +128,69 @@ class Option:
 
     def type_ok(self, value: Any) -> bool:
         if value is None:
-            return self.nullable or self.kind in ("stops", "schema", "grammar", "bias")
-        return {"int": _is_int, "number": _is_real, "bool": lambda v: v in (True, False), "stops": _is_stops,
-                "schema": lambda v: True, "grammar": _is_grammar, "bias": _is_bias}[self.kind](value)
+            return self.nullable or self.kind in _NONE_IS_EMPTY
+        return _TYPE_OK[self.kind](value)
 
     def in_bounds(self, value: Any) -> bool:
-        if self.kind == "bias":
+        if self.kind is Kind.BIAS:
             return value is None or all(-LOGIT_BIAS_LIMIT <= float(b) <= LOGIT_BIAS_LIMIT and int(t) >= 0
                                         for t, b in (value.items() if isinstance(value, dict) else value))
-        if value is None or self.kind not in ("int", "number"):
+        if value is None or self.kind not in (Kind.INT, Kind.NUMBER):
             return True
         # written as `not (ok)` so that NaN fails every comparison
-        if self.kind == "number" and not (-math.inf < value < math.inf):
+        if self.kind is Kind.NUMBER and not (-math.inf < value < math.inf):
             return False
         return not ((self.ge is not None and not value >= self.ge) or (self.gt is not None and not value > self.gt)
                     or (self.le is not None and not value <= self.le))
 
-    def check(self, value: Any) -> Any:
+    def check(self, value: Any, shown: str | None = None) -> Any:
         """The value as the engine keeps it (stop: a tuple; speculative: a bool); OptionError when
-        the rule rejects it. A schema or grammar is checked by compiling it (GenerationOptions)."""
+        the rule rejects it (`shown`: how its message quotes the value). A schema or grammar is
+        checked by compiling it (GenerationOptions)."""
         if not (self.type_ok(value) and self.in_bounds(value)):
-            note = f" ({self.note})" if self.note else ""
-            raise OptionError(self.name, f"{self.name} must be {self.expected(finite=True)}{note}, got {value!r}")
-        if self.kind == "stops":
+            raise OptionError(self.name, self.rule, value, shown)
+        if self.kind is Kind.STOPS:
             return (value,) if isinstance(value, str) else tuple(value or ())
-        if self.kind == "bias":  # ((token id, bias), ...) by id: hashable, one entry per id
+        if self.kind is Kind.BIAS:  # ((token id, bias), ...) by id: hashable, one entry per id
             pairs = value.items() if isinstance(value, dict) else value or ()
             return tuple(sorted({int(t): float(b) for t, b in pairs if float(b) != 0.0}.items()))
-        if self.kind == "bool":
+        if self.kind is Kind.BOOL:
             return bool(value)
         return value
 
+    def narrowed(self, *, note: str | None = None, **tighter: float) -> "Option":
+        """This rule with tighter bounds (an interface's own limit: OpenAI's temperature stops at
+        2); ValueError when one is looser than the rule's."""
+        for key, value in tighter.items():
+            own = self.bounds.get(key)
+            if own is not None and (value < own if key in ("ge", "gt") else value > own):
+                raise ValueError(f"{self.name}: a bound {key}={value} is looser than the option's {own}")
+        return replace(self, **tighter, **({} if note is None else {"note": note}))
+
     # -- words
 
-    def expected(self, *, none: str = "None", finite: bool = False, bounds: bool = True) -> str:
-        """What the rule allows, in words: "an integer in [0, 64] or None". `none`: how the
-        interface spells no value (null in JSON, none in /set)."""
-        words = {"int": "an integer", "number": "a finite number" if finite and self.le is None else "a number",
-                 "bool": "true or false", "stops": "a string or a list of strings", "schema": "a JSON schema",
-                 "grammar": "a string",
-                 "bias": f"a map of token ids to biases in [{-LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]"}[self.kind]
+    @property
+    def rule(self) -> str:
+        """The rule in words, the same in every interface: "top_p must be a number in (0, 1]
+        (1 = disabled)"."""
+        note = f" ({self.note})" if self.note else ""
+        return f"{self.name} must be {self.expected}{note}"
+
+    @property
+    def expected(self) -> str:
+        """What the rule allows, in words: "an integer in [0, 64] or none"."""
+        words = {Kind.INT: "an integer", Kind.NUMBER: "a finite number" if self.le is None else "a number",
+                 Kind.BOOL: "true or false", Kind.STOPS: "a string or a list of strings",
+                 Kind.SCHEMA: "a JSON schema", Kind.GRAMMAR: "a string",
+                 Kind.BIAS: f"a map of token ids to biases in [{-LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]"}[self.kind]
         low = self.ge if self.gt is None else self.gt
-        if bounds and low is not None and self.le is not None:
+        if low is not None and self.le is not None:
             words += f" in {'(' if self.gt is not None else '['}{low:g}, {self.le:g}]"
-        elif bounds and low is not None:
+        elif low is not None:
             words += f" {'>' if self.gt is not None else '>='} {low:g}"
-        elif bounds and self.le is not None:
+        elif self.le is not None:
             words += f" <= {self.le:g}"
-        return words + (f" or {none}" if self.nullable else "")
+        return words + (" or none" if self.nullable else "")
 
     @property
     def bounds(self) -> dict[str, float]:
@@ -153,42 +199,32 @@ class Option:
 
     # -- the interfaces
 
-    def json_type_error(self, value: Any, name: str | None = None) -> str | None:
-        """A JSON field of the wrong type (a batch line): the message, else None. The bounds are
-        checked by building a GenerationOptions."""
-        if self.type_ok(value) and (value is not None or self.nullable or self.kind == "stops"):
-            return None  # a schema or grammar field, when given, is not null
-        return f"\"{name or self.name}\" must be {self.expected(none='null', bounds=False)}, got {json.dumps(value)}"
-
     def parse_text(self, text: str) -> Any:
-        """A value typed as text (`/set NAME VALUE`); ValueError saying what is expected."""
+        """A value typed as text (`/set NAME VALUE`, a command-line flag), checked by the rule;
+        OptionError (quoting the text) otherwise. A nullable option takes NONE_WORDS for None."""
         value: Any = None
         if not (self.nullable and text.strip().lower() in NONE_WORDS):
             try:
-                value = {"int": int, "number": float}[self.kind](text)
+                value = {Kind.INT: int, Kind.NUMBER: float}[self.kind](text)
             except (KeyError, ValueError):
-                value = math.nan
-        if not (self.type_ok(value) and self.in_bounds(value)):
-            raise ValueError(f"expected {self.expected(none='none')}, got {text!r}")
-        return value
+                raise OptionError(self.name, self.rule, text, repr(text)) from None
+        return self.check(value, repr(text))
 
     def click_option(self, *decls: str, **overrides: Any) -> Callable:
-        """The click option of this rule: its type with the bounds, its default and its help
-        (a list option is repeatable; a schema or grammar is read from a file). `overrides`
-        replace any of click's arguments (another command's default, a more specific help)."""
+        """The click option of this rule: its type, whose values the rule parses and checks (an
+        error is click's usage error with the rule's words), with the bounds shown in --help, its
+        default and its help (a list option is repeatable; a schema or grammar is read from a
+        file). `overrides` replace any of click's arguments (another command's default, a more
+        specific help)."""
         import click
 
         flag = f"--{(self.flag or self.name).replace('_', '-')}"
-        low = self.ge if self.gt is None else self.gt
         kw: dict[str, Any] = {"default": self.default, "help": self.help}
-        if self.kind in ("int", "number") and (low is not None or self.le is not None):
-            range_type = click.IntRange if self.kind == "int" else click.FloatRange
-            kw["type"] = range_type(low, self.le, min_open=self.gt is not None)
-        elif self.kind in ("int", "number"):
-            kw["type"] = int if self.kind == "int" else float
-        elif self.kind == "stops":
+        if self.kind in (Kind.INT, Kind.NUMBER):
+            kw["type"] = _click_type(self)
+        elif self.kind is Kind.STOPS:
             kw.update(multiple=True, default=(), help=f"{self.help} Repeatable.")
-        elif self.kind in ("schema", "grammar"):
+        elif self.kind in (Kind.SCHEMA, Kind.GRAMMAR):
             kw.update(type=click.Path(exists=True, dir_okay=False, allow_dash=True),
                       help=f"{self.help} Give a file ('-': stdin).")
         kw.update(overrides)
@@ -196,25 +232,30 @@ class Option:
             kw["show_default"] = True
         return click.option(*(decls or (flag, self.flag or self.name)), **kw)
 
-    def wire_field(self, default: Any = None, *, description: str | None = None, extension: bool = False,
-                   alias: str | None = None, **tighter: float) -> Any:
-        """A pydantic Field of a wire format (the server's requests) for this option: its bounds,
-        or `tighter` ones (OpenAI's temperature stops at 2), and its help as the description
-        (`extension`: a field OpenAI does not have says so)."""
-        from pydantic import Field
 
-        bounds = self.bounds | tighter
-        for key, value in tighter.items():
-            own = self.bounds.get(key)
-            if own is not None and (value < own if key in ("ge", "gt") else value > own):
-                raise ValueError(f"{self.name}: a wire bound {key}={value} is looser than the option's {own}")
-        text = description or self.help
-        if extension:
-            text = f"Extension: {text[0].lower()}{text[1:]}"
-        return Field(default, description=text, **({"alias": alias} if alias else {}), **bounds)
+def _click_type(option: Option) -> Any:
+    """A click type for a numeric option: click's own (IntRange, FloatRange, INT, FLOAT: their
+    metavar and the range in --help), its conversion replaced by the option's rule."""
+    import click
+
+    low = option.ge if option.gt is None else option.gt
+    if low is None and option.le is None:
+        base, args = (click.types.IntParamType if option.kind is Kind.INT else click.types.FloatParamType), {}
+    else:
+        base = click.IntRange if option.kind is Kind.INT else click.FloatRange
+        args = {"min": low, "max": option.le, "min_open": option.gt is not None}
+
+    class RuleType(base):
+        def convert(self, value, param, ctx):
+            try:
+                return option.parse_text(value) if isinstance(value, str) else option.check(value)
+            except OptionError as e:
+                self.fail(str(e), param, ctx)
+
+    return RuleType(**args)
 
 
-def option(kind: str, default: Any, help: str, **rule: Any) -> Any:
+def option(kind: Kind, default: Any, help: str, **rule: Any) -> Any:
     """A GenerationOptions field with its rule."""
     return field(default=default, metadata={"option": Option(kind, default, help, **rule)})
 
@@ -225,37 +266,37 @@ class GenerationOptions:
     naming the option; an invalid schema or grammar is a constraints.ConstraintError). `stop`
     becomes a tuple; `schema` / `grammar` are compiled to a `constraints.Constraint`."""
 
-    max_tokens: int = option("int", 256, "Most tokens to generate.", ge=1)
-    temperature: float = option("number", 0.0, "0 is greedy.", ge=0, note="0 = greedy")
-    top_p: float = option("number", 1.0, "Keep the most likely tokens whose probabilities add up to top_p "
-                                         "(1 disables).", gt=0, le=1, note="1 = disabled")
-    top_k: int = option("int", 0, "Keep the k most likely tokens (0 disables).", ge=0, note="0 = disabled")
-    min_p: float = option("number", 0.0, "Keep the tokens at least min_p times as likely as the most likely "
-                                         "one (0 disables).", ge=0, le=1, note="0 = disabled")
-    seed: int | None = option("int", None, "Makes sampled output reproducible.", nullable=True)
-    stop: tuple[str, ...] = option("stops", (), "Stop string: the output ends before it.")
-    logprobs: int | None = option("int", None, "Return the oracle's log-probability of each emitted token, and "
-                                               "of this many most likely tokens.", ge=0, le=20, nullable=True)
-    prompt_logprobs: int | None = option("int", None, "Also return the oracle's log-probability of each prompt token "
-                                                      "(the first has none), and of this many most likely tokens.",
-                                         ge=0, le=20, nullable=True)
-    speculative: bool = option("bool", True, "false: the oracle alone (same output, no draft).")
-    draft_max: int | None = option("int", None, "Most tokens drafted per step for this request.", ge=0, le=64,
+    max_tokens: int = option(Kind.INT, 256, "Most tokens to generate.", ge=1)
+    temperature: float = option(Kind.NUMBER, 0.0, "0 is greedy.", ge=0, note="0 = greedy")
+    top_p: float = option(Kind.NUMBER, 1.0, "Keep the most likely tokens whose probabilities add up to top_p "
+                                            "(1 disables).", gt=0, le=1, note="1 = disabled")
+    top_k: int = option(Kind.INT, 0, "Keep the k most likely tokens (0 disables).", ge=0, note="0 = disabled")
+    min_p: float = option(Kind.NUMBER, 0.0, "Keep the tokens at least min_p times as likely as the most likely "
+                                            "one (0 disables).", ge=0, le=1, note="0 = disabled")
+    seed: int | None = option(Kind.INT, None, "Makes sampled output reproducible.", nullable=True)
+    stop: tuple[str, ...] = option(Kind.STOPS, (), "Stop string: the output ends before it.")
+    logprobs: int | None = option(Kind.INT, None, "Return the oracle's log-probability of each emitted token, and "
+                                                  "of this many most likely tokens.", ge=0, le=20, nullable=True)
+    prompt_logprobs: int | None = option(Kind.INT, None, "Also return the oracle's log-probability of each prompt "
+                                                         "token (the first has none), and of this many most likely "
+                                                         "tokens.", ge=0, le=20, nullable=True)
+    speculative: bool = option(Kind.BOOL, True, "false: the oracle alone (same output, no draft).")
+    draft_max: int | None = option(Kind.INT, None, "Most tokens drafted per step for this request.", ge=0, le=64,
                                    nullable=True)
-    draft_min: int | None = option("int", None, "A draft shorter than this is not verified (the step runs "
-                                                "without it; llama-server's speculative.n_min).", ge=0, le=64,
+    draft_min: int | None = option(Kind.INT, None, "A draft shorter than this is not verified (the step runs "
+                                                   "without it; llama-server's speculative.n_min).", ge=0, le=64,
                                    nullable=True)
-    draft_p_min: float | None = option("number", None, "The draft model stops drafting once its top probability "
-                                                       "falls below this (llama-server's speculative.p_min; "
-                                                       "default: the engine's).", ge=0, le=1, nullable=True)
+    draft_p_min: float | None = option(Kind.NUMBER, None, "The draft model stops drafting once its top probability "
+                                                          "falls below this (llama-server's speculative.p_min; "
+                                                          "default: the engine's).", ge=0, le=1, nullable=True)
     logit_bias: tuple[tuple[int, float], ...] = option(
-        "bias", (), "Added to the oracle's logits of these token ids before sampling (the draft's too): the output "
-                    "follows the biased oracle.")
-    sources: bool = option("bool", False, "Label each chunk's text by where its tokens came from: accepted from "
-                                          "the draft model, from prompt lookup, or the oracle's own token.")
-    schema: Any = option("schema", None, "The output must be JSON following this JSON schema.", flag="json_schema")
-    grammar: Any = option("grammar", None, "The output must follow this grammar (llguidance's Lark syntax, or "
-                                           "llama.cpp's GBNF when it has '::=' rules).")
+        Kind.BIAS, (), "Added to the oracle's logits of these token ids before sampling (the draft's too): the "
+                       "output follows the biased oracle.")
+    sources: bool = option(Kind.BOOL, False, "Label each chunk's text by where its tokens came from: accepted from "
+                                             "the draft model, from prompt lookup, or the oracle's own token.")
+    schema: Any = option(Kind.SCHEMA, None, "The output must be JSON following this JSON schema.", flag="json_schema")
+    grammar: Any = option(Kind.GRAMMAR, None, "The output must follow this grammar (llguidance's Lark syntax, or "
+                                              "llama.cpp's GBNF when it has '::=' rules).")
 
     def __post_init__(self) -> None:
         for name, rule in OPTIONS.items():
@@ -287,13 +328,9 @@ class GenerationOptions:
         return self.schema if self.schema is not None else self.grammar
 
     def with_text(self, name: str, text: str) -> "GenerationOptions":
-        """A copy with option `name` set from text (`/set temperature 0.7`); ValueError saying what
-        is expected."""
+        """A copy with option `name` set from text (`/set temperature 0.7`); OptionError (a
+        ValueError) saying the rule."""
         return replace(self, **{name: OPTIONS[name].parse_text(text)})
-
-    def as_kwargs(self) -> dict[str, Any]:
-        """The options as `Engine.stream`'s keyword arguments."""
-        return {name: getattr(self, name) for name in OPTIONS}
 
 
 OPTIONS: dict[str, Option] = {}

@@ -26,6 +26,26 @@ class OfferScore(NamedTuple):
     matched: int
     run: int
 
+try:
+    from enum import StrEnum
+except ImportError:  # Python 3.10
+    class StrEnum(str, enum.Enum):  # type: ignore[no-redef]
+        """An enum whose members are their string values (in JSON, str() and format() alike)."""
+
+        def __str__(self) -> str:
+            return self.value
+
+        def __format__(self, spec: str) -> str:
+            return format(self.value, spec)
+
+
+class Structure(StrEnum):
+    """How a generation under a JSON schema or grammar ended, as it goes out (the batch file's
+    records, `Result.to_dict`)."""
+
+    COMPLETE = "complete"  # the text is a whole instance of the schema or grammar
+    INCOMPLETE = "incomplete"  # it stopped first (max_tokens, a stop string)
+
 
 @dataclass(frozen=True)
 class StepRecord:
@@ -187,7 +207,7 @@ class Chunk:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None  # "stop" | "length"
     stats: Stats | None = None
-    structure: str | None = None  # on the last chunk under a schema or grammar: "complete" | "incomplete"
+    structure: Structure | None = None  # on the last chunk under a schema or grammar
     prompt_logprobs: list[TokenLogprob] | None = None  # on the first chunk, when asked: each prompt token's
     # asked for (`sources=True`): `text` cut at its tokens, each piece with where its token came
     # from: "draft" (accepted from the draft model), "lookup" (accepted from prompt lookup) or
@@ -204,9 +224,7 @@ class Result:
     finish_reason: str
     stats: Stats
     logprobs: list[TokenLogprob] | None = None
-    # under a schema or grammar: "complete" (the text is a whole instance of it) or "incomplete"
-    # (it stopped first: max_tokens, a stop string); None without one
-    structure: str | None = None
+    structure: Structure | None = None  # under a schema or grammar; None without one
 
     def to_dict(self) -> dict:
         d = {"text": self.text, "finish_reason": self.finish_reason, "tokens": self.tokens,

@@ -116,7 +116,7 @@ def paced_engine(step: float = 0.02, *, n_ctx: int = 4096, parallel: int = 1, fa
     max_tokens, so the server's timing tests (shutdown, grace periods, time limits) neither wait
     on a real model's speed nor depend on it. `fail`: "start" fails every request as it is
     prepared (a RuntimeError: a server error, not a bad request), "mid" fails the second pass.
-    `engine.prepared`: the options of every request the engine accepted; `engine.calls`: every
+    `engine.prepared`: the GenerationOptions of every request the engine accepted; `engine.calls`: every
     request that took a slot (`engine.Request`)."""
     from localspec.runtime.engine import Engine
     from localspec.speculative.policy import FixedLength
@@ -130,7 +130,7 @@ def paced_engine(step: float = 0.02, *, n_ctx: int = 4096, parallel: int = 1, fa
             if fail == "start":
                 raise RuntimeError("secret detail at /home/user/model.gguf")
             seq = super().prepare(prompt, options, **changes)
-            self.prepared.append(changes)
+            self.prepared.append(options)
             return seq
 
         def admit(self, seq, slot, free=()):

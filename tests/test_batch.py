@@ -12,11 +12,12 @@ from types import SimpleNamespace
 import pytest
 
 from localspec.cli.jobs import parse_line, read_done, run_batch
+from localspec.options import OPTIONS, GenerationOptions
 from localspec.outputs import Stats
-from localspec.runtime.sequence import Status
+from localspec.runtime.sequence import PromptTooLongError, Status
 
 CLI = [sys.executable, "-m", "localspec.cli"]
-DEFAULTS = {"max_tokens": 16, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": None, "stop": None}
+DEFAULTS = GenerationOptions(max_tokens=16, top_k=40)  # the command line's
 
 
 def parse(obj_or_text, lineno=1, system=None, raw=False):
@@ -40,7 +41,8 @@ def test_a_prompt_is_a_chat_message_unless_raw():
 
 def test_line_sampling_fields_override_the_command_line():
     item = parse({"id": 1, "prompt": "hi", "max_tokens": 4, "temperature": 0.7, "seed": 3, "stop": ["\n"]})
-    assert item.options == DEFAULTS | {"max_tokens": 4, "temperature": 0.7, "seed": 3, "stop": ["\n"]}
+    assert item.options == GenerationOptions(max_tokens=4, temperature=0.7, top_k=40, seed=3, stop="\n")
+    assert parse({"id": 2, "prompt": "hi"}).options is DEFAULTS  # nothing changed: the same, checked once
 
 
 @pytest.mark.parametrize("line, record_id, message", [
@@ -54,9 +56,12 @@ def test_line_sampling_fields_override_the_command_line():
     ('{"id": "x", "messages": "hi"}', "x", '"messages" must be a non-empty list'),
     ('{"id": "x", "messages": [{"role": "user", "content": "a"}], "raw": true}', "x", '"raw" applies to "prompt"'),
     ('{"id": "x", "prompt": "a", "temprature": 1}', "x", "unknown field 'temprature'"),
-    ('{"id": "x", "prompt": "a", "max_tokens": "9"}', "x", '"max_tokens" must be an integer, got "9"'),
-    ('{"id": "x", "prompt": "a", "top_k": true}', "x", '"top_k" must be an integer'),
-    ('{"id": "x", "prompt": "a", "stop": [1]}', "x", '"stop" must be a string or a list of strings'),
+    ('{"id": "x", "prompt": "a", "max_tokens": "9"}', "x", f'{OPTIONS["max_tokens"].rule}, got "9"'),
+    ('{"id": "x", "prompt": "a", "max_tokens": null}', "x", f'{OPTIONS["max_tokens"].rule}, got null'),
+    ('{"id": "x", "prompt": "a", "top_k": true}', "x", f'{OPTIONS["top_k"].rule}, got true'),
+    ('{"id": "x", "prompt": "a", "temperature": -1}', "x", f'{OPTIONS["temperature"].rule}, got -1'),
+    ('{"id": "x", "prompt": "a", "stop": [1]}', "x", f'{OPTIONS["stop"].rule}, got [1]'),
+    ('{"id": "x", "prompt": "a", "grammar": null}', "x", f'{OPTIONS["grammar"].rule}, got null'),
 ])
 def test_malformed_lines_become_error_items(line, record_id, message):
     item = parse(line, lineno=5)
@@ -126,9 +131,11 @@ class FakeEngine:
     def __exit__(self, *exc):
         pass
 
-    def prepare(self, prompt, **options):
-        if options["temperature"] < 0:
-            raise ValueError("temperature must be a finite number >= 0")
+    def prepare(self, prompt, options):
+        assert isinstance(options, GenerationOptions)
+        text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
+        if len(text) > 20:
+            raise PromptTooLongError(f"the prompt has {len(text)} tokens; the context holds 20")
         self.prompts.append(prompt)
         return FakeSeq(prompt if isinstance(prompt, str) else prompt[-1]["content"])
 
@@ -143,7 +150,7 @@ def records(path):
 
 def test_a_run_writes_each_record_as_it_finishes_and_a_rerun_does_only_the_missing_ids(tmp_path):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    write_lines(inp, [{"id": "a", "prompt": "one"}, "oops", {"id": "b", "prompt": "two", "temperature": -1},
+    write_lines(inp, [{"id": "a", "prompt": "one"}, "oops", {"id": "b", "prompt": "two" * 10},
                       "", {"id": "c", "prompt": "three", "raw": True}, {"id": "a", "prompt": "again"}])
     engine = FakeEngine()
     notes = []
@@ -152,7 +159,7 @@ def test_a_run_writes_each_record_as_it_finishes_and_a_rerun_does_only_the_missi
     # a malformed line's record as it is reached, a generation's when it finishes (a and c: two slots)
     assert list(got) == ["line-2", "b", "a", "c"]
     assert got["a"]["text"] == "ONE" and got["a"]["finish_reason"] == "stop" and got["a"]["stats"]["accepted"] == 3
-    assert "not valid JSON" in got["line-2"]["error"] and "temperature" in got["b"]["error"]
+    assert "not valid JSON" in got["line-2"]["error"] and "the context holds 20" in got["b"]["error"]
     assert got["c"]["text"] == "THREE" and engine.prompts[1] == "three"  # raw: the plain string
     assert (summary.written, summary.failed, summary.duplicates, summary.tokens) == (4, 2, 1, 6)
     assert notes[-1].startswith("4 records written (2 failed), 1 repeated id skipped; 6 tokens")

@@ -20,6 +20,7 @@ from localspec.speculative.policy import FixedLength
 from localspec.outputs import StepRecord
 from localspec.speculative.costs import estimated_speedup, speedup
 from localspec.cli.repl import Chat, Console, Settings
+from localspec.options import GenerationOptions
 
 CLI = [sys.executable, "-m", "localspec.cli"]
 # one thread: the test machine is shared, and llama.cpp's spinning threads collapse under contention
@@ -46,7 +47,7 @@ class FakeEngine:
         self.n_ctx = n_ctx
         self.reply_words = reply_words
         self.on_chunk = on_chunk  # called with the chunk index before each chunk is yielded
-        self.calls: list[tuple[list[dict], dict]] = []
+        self.calls: list[tuple[list[dict], GenerationOptions]] = []
         self.closed_early = 0
         self.proposer = object()
         self.policy = FixedLength(4)
@@ -55,12 +56,13 @@ class FakeEngine:
     def tokenize_prompt(self, messages) -> list[int]:
         return [0] * sum(4 + len(m["content"].split()) for m in messages)
 
-    def stream(self, messages, *, max_tokens=256, speculative=True, **kw):
+    def stream(self, messages, options=None, **changes):
+        options = GenerationOptions.build(options, **changes)
         n = len(self.tokenize_prompt(messages))
         if n >= self.n_ctx:
             raise PromptTooLongError(f"the prompt has {n} tokens; the context holds {self.n_ctx}")
-        self.calls.append(([dict(m) for m in messages], dict(kw, max_tokens=max_tokens, speculative=speculative)))
-        return self._gen(n, min(max_tokens, self.reply_words), speculative)
+        self.calls.append(([dict(m) for m in messages], options))
+        return self._gen(n, min(options.max_tokens, self.reply_words), options.speculative)
 
     def _gen(self, n_prompt: int, n: int, speculative: bool):
         finished = False
@@ -101,11 +103,11 @@ def test_set_validates_values_and_a_bad_value_keeps_the_session():
                                   "hello there"])
     errors = err.strip().splitlines()
     assert [e.split(":")[0] for e in errors[:5]] == ["error"] * 5, err
-    assert "expected a number >= 0, got 'abc'" in errors[0]
+    assert "/set temperature: temperature must be a finite number >= 0 (0 = greedy), got 'abc'" in errors[0]
     assert "(0, 1]" in errors[1] and ">= 0" in errors[2] and "unknown setting 'nope'" in errors[3]
     assert "missing value" in errors[4]
-    (messages, kwargs), = engine.calls
-    assert kwargs["temperature"] == 0.5 and kwargs["seed"] == 7 and kwargs["draft_max"] == 2
+    (messages, options), = engine.calls
+    assert options.temperature == 0.5 and options.seed == 7 and options.draft_max == 2
     assert messages == [{"role": "user", "content": "hello there"}]
     assert out.strip() == "w0 w1 w2 w3 w4"
 
@@ -127,9 +129,9 @@ def test_a_full_context_drops_the_oldest_exchanges_but_keeps_the_system_message(
     chat, out, err = run(engine, [f"message number {i}" for i in range(6)], settings=Settings(max_tokens=10),
                          system="sys")
     assert "dropped the" in err and "oldest exchange" in err
-    for messages, kwargs in engine.calls:
+    for messages, options in engine.calls:
         assert messages[0] == {"role": "system", "content": "sys"}
-        assert len(engine.tokenize_prompt(messages)) + kwargs["max_tokens"] <= engine.n_ctx
+        assert len(engine.tokenize_prompt(messages)) + options.max_tokens <= engine.n_ctx
     assert engine.calls[-1][0][-1] == {"role": "user", "content": "message number 5"}
     assert engine.calls[-1][0][1] != {"role": "user", "content": "message number 0"}
     assert chat.totals.replies == 6
@@ -258,7 +260,7 @@ def test_chat_in_a_terminal(chat_env, tmp_path):
     child.expect_exact("temperature = 0.5")
     child.expect_exact(">>> ")
     child.sendline("/set temperature hot")
-    child.expect_exact("error: /set temperature: expected a number >= 0, got 'hot'")
+    child.expect_exact("error: /set temperature: temperature must be a finite number >= 0 (0 = greedy), got 'hot'")
     child.expect_exact(">>> ")
     child.sendline("/set temperature 0")
     child.expect_exact("temperature = 0.0")

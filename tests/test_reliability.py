@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from localspec.llama.context import ModelLoadError
+from localspec.options import GenerationOptions
 from serving import CLI, ThreadedServer, cli_serve, free_port, raw_http, wait_ready
 
 MODEL = "smollm2"
@@ -90,11 +91,11 @@ class CappedEngine:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def prepare(self, prompt, **options):
+    def prepare(self, prompt, options=None, *, tools=None, **changes):
         if self.fail_on and self.fail_on in json.dumps(prompt):
             raise RuntimeError("injected engine fault")
-        options["max_tokens"] = min(options.get("max_tokens") or 1, self._cap)
-        return self._engine.prepare(prompt, **options)
+        options = GenerationOptions.build(options, **changes)
+        return self._engine.prepare(prompt, options, tools=tools, max_tokens=min(options.max_tokens, self._cap))
 
 
 @pytest.fixture(scope="module")
@@ -583,10 +584,10 @@ def test_an_exception_in_one_request_leaves_the_server_up(server, http, worker, 
     engine = worker.engine
     real_prepare = engine.prepare
 
-    def prepare(prompt, **options):
+    def prepare(prompt, options=None, **changes):
         if "boom" in json.dumps(prompt):
             raise RuntimeError("injected engine fault")
-        return real_prepare(prompt, **options)
+        return real_prepare(prompt, options, **changes)
 
     monkeypatch.setattr(engine, "prepare", prepare)
     with caplog.at_level(logging.DEBUG):

@@ -22,6 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from localspec.runtime.engine import Engine
+from localspec.options import GenerationOptions
 from localspec.outputs import Stats
 from localspec.server import EngineWorker, create_app
 from serving import CLI, ThreadedServer, cli_serve, free_port, paced_engine, raw_http, wait_ready
@@ -1001,25 +1002,25 @@ def test_error_mid_stream_is_an_error_event():
 def test_worker_queue_limit_and_shutdown():
     """Without models: a job runs in the one slot, max_queue=1 lets one more wait, the third is
     refused; close() cancels the running job within a step and fails the waiting one."""
-    from localspec.server.worker import CANCELLED, QueueFull, WorkerClosed, Failed
+    from localspec.server.worker import CANCELLED, Failed, Outcome, QueueFull, WorkerClosed
 
     w = EngineWorker(paced_engine(step=0.01), max_queue=1)
     events: list = []
-    first = w.submit("a", {"max_tokens": 4000}, events.append)
-    w.submit("b", {}, events.append)
+    first = w.submit("a", GenerationOptions(max_tokens=4000), events.append)
+    w.submit("b", GenerationOptions(), events.append)
     with pytest.raises(QueueFull) as e:
-        w.submit("c", {}, events.append)
+        w.submit("c", GenerationOptions(), events.append)
     assert e.value.retry_after >= 1
     deadline = time.monotonic() + 5
     while first.tokens < 3:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     w.close(timeout=5)
-    assert not w._thread.is_alive() and first.outcome == "cancelled"
+    assert not w._thread.is_alive() and first.outcome is Outcome.CANCELLED
     assert first.cancel_reason == "the server is shutting down"  # not "the client went away"
     assert CANCELLED in events and any(isinstance(ev, Failed) and isinstance(ev.error, WorkerClosed) for ev in events)
     with pytest.raises(WorkerClosed):
-        w.submit("d", {}, events.append)
+        w.submit("d", GenerationOptions(), events.append)
 
 
 def test_worker_time_limit_ends_a_job_with_length():
@@ -1029,29 +1030,50 @@ def test_worker_time_limit_ends_a_job_with_length():
     try:
         events: list = []
         t0 = time.monotonic()
-        job = w.submit("a", {"max_tokens": 10_000}, events.append, time_limit=0.3)
+        job = w.submit("a", GenerationOptions(max_tokens=10_000), events.append, time_limit=0.3)
         assert job.done.wait(10)
         assert time.monotonic() - t0 < 3
-        from localspec.server.worker import STARTED
+        from localspec.server.worker import STARTED, Outcome
 
         final = events[-1]
         assert events[0] is STARTED and final.finish_reason == "length" and final.text == ""
         tokens = sum(len(e.tokens) for e in events[1:])
         assert 3 <= tokens < 1000 and final.stats.completion_tokens == tokens == job.tokens
-        assert job.outcome == "time_limit" and w.completed == 1
+        assert job.outcome is Outcome.TIME_LIMIT and w.completed == 1
         assert w.metrics.generations.labels("time_limit")._value.get() == 1
         quick: list = []
-        job = w.submit("b", {"max_tokens": 3}, quick.append, time_limit=30)  # under its limit: as asked
-        assert job.done.wait(10) and quick[-1].finish_reason == "length" and job.outcome == "completed"
+        job = w.submit("b", GenerationOptions(max_tokens=3), quick.append, time_limit=30)  # under its limit: as asked
+        assert job.done.wait(10) and quick[-1].finish_reason == "length" and job.outcome is Outcome.COMPLETED
         assert [c.text for c in quick[1:]] == [" 1,", " 2,", " 3,"]
     finally:
         w.close()
 
 
-def test_stats_usage_shape():
-    from localspec.server.app import _usage
+def test_the_server_modules_import_downward_only():
+    """server/__init__.py lists the modules top down; each imports only modules below it (no circle)."""
+    import ast
+    import re
+    from pathlib import Path
 
-    u = _usage(Stats(prompt_tokens=10, prompt_tokens_evaluated=4, completion_tokens=5, steps=3, drafted=8, accepted=6,
+    import localspec.server as server
+
+    order = re.findall(r"^    (\w+)\.py ", server.__doc__, re.M)
+    folder = Path(server.__file__).parent
+    assert sorted(order) == sorted(p.stem for p in folder.glob("*.py") if p.stem != "__init__")
+    for i, name in enumerate(order):
+        imported = set()
+        for node in ast.walk(ast.parse((folder / f"{name}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "localspec.server":
+                imported |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("localspec.server."):
+                imported.add(node.module.rsplit(".", 1)[1])
+        assert imported <= set(order[i + 1:]), (name, imported - set(order[i + 1:]))
+
+
+def test_stats_usage_shape():
+    from localspec.server.render import usage_of
+
+    u = usage_of(Stats(prompt_tokens=10, prompt_tokens_evaluated=4, completion_tokens=5, steps=3, drafted=8, accepted=6,
                      regime="temperature 0.85-1.15", idle_steps=2, idle_reason="because"))
     assert u.model_dump() == {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15,
                               "prompt_tokens_details": {"cached_tokens": 6}, "steps": 3, "drafted": 8, "accepted": 6,

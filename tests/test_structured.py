@@ -16,6 +16,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from localspec.constraints import Constraint, ConstraintError
+from localspec.options import GenerationOptions
 from serving import CLI, cli_serve, wait_ready
 
 pytestmark = pytest.mark.model
@@ -333,7 +334,7 @@ def test_batch_lines_carry_their_schema_or_grammar(engine, tmp_path):
              {"id": "both", "prompt": "x", "json_schema": {}, "grammar": "start: /a/"}]
     inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
     run_batch(str(inp), str(out), open_engine=lambda: nullcontext(engine), progress=lambda _: None,
-              defaults={"max_tokens": 200, "temperature": 0.0})
+              defaults=GenerationOptions(max_tokens=200))
     got = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
     Person.model_validate_json(got["person"]["text"])
     assert got["person"]["structure"] == "complete" and got["person"]["finish_reason"] == "stop"

@@ -15,6 +15,7 @@ import click
 
 from localspec import __version__
 from localspec.options import DEFAULT_CTX, DEFAULT_SUFFIX_CACHE, OPTIONS, GenerationOptions, OptionError
+from localspec.outputs import Structure
 
 EXIT_USAGE = 2
 EXIT_RECORDS_FAILED = 1  # a batch run ended with error records in its output
@@ -287,10 +288,9 @@ def generate(prompt: str | None, system: str | None, raw: bool, as_json: bool, i
             raise UserError("give either PROMPT or --input, not both")
         from localspec.cli.jobs import run_batch
 
-        defaults = options.as_kwargs()
         kw["parallel"] = parallel or DEFAULT_BATCH_PARALLEL
         try:
-            summary = run_batch(input_path, output_path, open_engine=lambda: open_engine(**kw), defaults=defaults,
+            summary = run_batch(input_path, output_path, open_engine=lambda: open_engine(**kw), defaults=options,
                                 system=system, raw=raw, progress=progress)
         except KeyboardInterrupt:
             sys.exit(EXIT_INTERRUPTED)
@@ -322,7 +322,7 @@ def generate(prompt: str | None, system: str | None, raw: bool, as_json: bool, i
         click.echo()
         s = final.stats
         incomplete = ", INCOMPLETE: the output stopped before the schema/grammar was complete" \
-            if final.structure == "incomplete" else ""
+            if final.structure is Structure.INCOMPLETE else ""
         click.echo(click.style(
             f"[{s.completion_tokens} tokens, {s.tokens_per_second:.1f} tok/s, acceptance "
             f"{s.acceptance_rate:.0%}, {s.mean_accepted_length:.2f} accepted/step, finish: {final.finish_reason}"

@@ -29,12 +29,12 @@ import sys
 import time
 from collections import deque
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import click
 
-from localspec.options import OPTIONS, GenerationOptions
+from localspec.options import OPTIONS, GenerationOptions, OptionError
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop")
 STRUCTURE_FIELDS = {"json_schema": "schema", "grammar": "grammar"}  # a line's field -> the option
@@ -54,7 +54,7 @@ class Item:
     lineno: int
     id: Any
     prompt: Any = None  # str (raw completion) or chat messages
-    options: dict[str, Any] = field(default_factory=dict)
+    options: GenerationOptions | None = None  # the command line's, with the line's fields
     error: str | None = None
 
     @property
@@ -67,9 +67,10 @@ def id_key(record_id: Any) -> str:
     return json.dumps(record_id, sort_keys=True, ensure_ascii=False)
 
 
-def parse_line(line: str, lineno: int, *, defaults: dict[str, Any], system: str | None, raw: bool) -> Item:
-    """One input line -> an Item (with `error` set when the line is malformed, or when a value is
-    out of its option's range: the rules of localspec.options, as on the command line)."""
+def parse_line(line: str, lineno: int, *, defaults: GenerationOptions, system: str | None, raw: bool) -> Item:
+    """One input line -> an Item: its prompt, and `defaults` (the command line's options) with the
+    line's fields, checked (`error` set when the line is malformed, or a value breaks its option's
+    rule: the rules of localspec.options, in the words the command line uses)."""
     fallback_id = f"line-{lineno}"
     if isinstance(line, NotUTF8):
         return Item(lineno, fallback_id, error=str(line))
@@ -91,7 +92,8 @@ def parse_line(line: str, lineno: int, *, defaults: dict[str, Any], system: str 
     return Item(lineno, record_id, prompt=prompt, options=options)
 
 
-def _request(obj: dict[str, Any], *, defaults: dict[str, Any], system: str | None, raw: bool):
+def _request(obj: dict[str, Any], *, defaults: GenerationOptions, system: str | None,
+             raw: bool) -> tuple[Any, GenerationOptions]:
     rid = obj["id"]
     unknown = sorted(set(obj) - FIELDS)
     if unknown:
@@ -117,27 +119,21 @@ def _request(obj: dict[str, Any], *, defaults: dict[str, Any], system: str | Non
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise BadRequest(rid, "\"messages\" must be a non-empty list of objects")
         request = messages
-    options = dict(defaults)
+    changes = {name: obj[name] for name in SAMPLING_FIELDS if name in obj}
     given = [name for name in STRUCTURE_FIELDS if name in obj]
     if len(given) > 1:
         raise BadRequest(rid, "give \"json_schema\" or \"grammar\", not both")
     if given:  # the line's schema or grammar replaces the command line's
-        options.pop("schema", None)
-        options.pop("grammar", None)
-    for name in SAMPLING_FIELDS + tuple(given):
-        if name in obj:
-            option = OPTIONS[STRUCTURE_FIELDS.get(name, name)]
-            error = option.json_type_error(obj[name], name)
-            if error is not None:
-                raise BadRequest(rid, error)
-            options[option.name] = obj[name]
+        option = OPTIONS[STRUCTURE_FIELDS[given[0]]]
+        if obj[given[0]] is None:
+            raise BadRequest(rid, f"{option.rule}, got null")
+        changes |= {"schema": None, "grammar": None, option.name: obj[given[0]]}
     try:
-        checked = GenerationOptions(**options)  # the bounds; a schema or grammar compiles
-    except ValueError as e:
+        return request, GenerationOptions.build(defaults, **changes)  # the rules; a schema or grammar compiles
+    except OptionError as e:
+        raise BadRequest(rid, e.in_json()) from None
+    except ValueError as e:  # constraints.ConstraintError
         raise BadRequest(rid, str(e)) from None
-    for name in given:
-        options[STRUCTURE_FIELDS[name]] = getattr(checked, STRUCTURE_FIELDS[name])  # compiled once
-    return request, options
 
 
 # ---------------------------------------------------------------- output
@@ -264,9 +260,10 @@ def read_lines(path: str) -> list[tuple[int, str]]:
 
 
 def run_batch(input_path: str, output_path: str | None, *, open_engine: Callable[[], Any],
-              defaults: dict[str, Any], system: str | None = None, raw: bool = False,
+              defaults: GenerationOptions, system: str | None = None, raw: bool = False,
               progress: Callable[[str], None], show_bar: bool | None = None) -> Summary:
-    """Run every request in `input_path` not already in `output_path` (None or '-': stdout)."""
+    """Run every request in `input_path` not already in `output_path` (None or '-': stdout), each
+    with `defaults` (the command line's options) changed by its line's fields."""
     if output_path == "-":
         output_path = None
     items = [parse_line(line, n, defaults=defaults, system=system, raw=raw) for n, line in read_lines(input_path)]
@@ -339,8 +336,8 @@ def _records(engine, items: list[Item], summary: Summary) -> Iterator[dict[str, 
                 item = pending.popleft()
                 if item.error is None:
                     try:
-                        seq = engine.prepare(item.prompt, **item.options)
-                    except ValueError as e:  # bad sampling values, prompt too long, template errors
+                        seq = engine.prepare(item.prompt, item.options)
+                    except ValueError as e:  # prompt too long, template errors, a token outside the vocabulary
                         item.error = str(e)
                     else:
                         in_flight[engine.scheduler.add(seq)] = item

@@ -340,15 +340,14 @@ class Chat:
     def reply(self, text: str) -> None:
         c = self.console
         self.conversation.add("user", text)
-        kwargs = self.settings.as_kwargs()
         try:
-            fitted = self._fit(kwargs["max_tokens"])
+            fitted = self._fit(self.settings.max_tokens)
             if fitted is None:
                 self.conversation.turns.pop()
                 return
-            messages, kwargs["max_tokens"] = fitted
-            it = self.engine.stream(messages, **kwargs)  # raises eagerly on bad input
-        except ValueError as e:  # PromptTooLongError, ChatTemplateError, bad sampling values
+            messages, max_tokens = fitted
+            it = self.engine.stream(messages, self.settings, max_tokens=max_tokens)  # raises eagerly on bad input
+        except ValueError as e:  # PromptTooLongError, ChatTemplateError
             self.conversation.turns.pop()
             c.error(str(e))
             return

@@ -48,8 +48,8 @@ from localspec.speculative.costs import CostBook
 from localspec.runtime.factory import (DEFAULT_DRAFT_MAX, DEFAULT_P_MIN, LOOKUP_DRAFT_MAX, NGRAM, Parts, build,  # noqa: F401
                       default_policy, kernel_identity)
 from localspec.llama.context import Detokenizer, LlamaContext, LlamaModel, Rows, on_local_gpu
-from localspec.options import GenerationOptions
-from localspec.outputs import Chunk, DraftSource, Result, Stats, StepRecord, TokenLogprob, TopLogprob
+from localspec.options import GenerationOptions, OptionError
+from localspec.outputs import Chunk, DraftSource, Result, Stats, StepRecord, Structure, TokenLogprob, TopLogprob
 from localspec.speculative.plan import NO_DRAFT, NO_OFFER, DraftPlan, SharedPass, unused_offers
 from localspec.speculative.policy import Learning, LengthPolicy, Regime
 from localspec.speculative.proposers import EMPTY_DRAFT, Draft, Proposer, drive_all, set_draft_p_min
@@ -272,7 +272,8 @@ class Engine:
     def new_seq(self, prompt_tokens: Sequence[int], request: Request, *, pool: str = "") -> Seq:
         """A sequence for `request` on a tokenized prompt, ready for the scheduler. It runs with
         the policy the engine has now (`using_policy`), to its end. Raises ValueError (a prompt
-        that is empty or too long, a grammar llguidance cannot compile) before anything runs."""
+        that is empty or too long: PromptTooLongError; a logit_bias token the vocabulary lacks:
+        OptionError; a grammar llguidance cannot compile) before anything runs."""
         if not prompt_tokens:
             raise ValueError("the prompt is empty")
         if len(prompt_tokens) >= self.n_ctx:
@@ -280,8 +281,8 @@ class Engine:
                 f"the prompt has {len(prompt_tokens)} tokens; the context holds {self.n_ctx}")
         biased = [token for token, _ in request.sampling.logit_bias if token >= self.oracle_model.n_vocab]
         if biased:
-            raise ValueError(f"logit_bias: token id {biased[0]} is not in the vocabulary (ids 0 to "
-                             f"{self.oracle_model.n_vocab - 1})")
+            raise OptionError("logit_bias", f"logit_bias must hold token ids of the vocabulary (0 to "
+                                            f"{self.oracle_model.n_vocab - 1})", biased[0], f"token id {biased[0]}")
         walk = self.constraint_walk(request.constraint) if request.constraint is not None else None
         stats = Stats(prompt_tokens=len(prompt_tokens), flash_attn=self.oracle.flash_attn,
                       draft_flash_attn=self.draft_ctx.flash_attn if self.draft_ctx is not None else None)
@@ -557,18 +558,18 @@ class Engine:
         return out
 
     def _structure(self, walk: ConstraintWalk, out: list[int], emitted: list[int], finish: str,
-                   stats: Stats) -> tuple[str, str]:
-        """(finish_reason, "complete" | "incomplete") of a constrained generation that just ended.
+                   stats: Stats) -> tuple[str, Structure]:
+        """(finish_reason, structure) of a constrained generation that just ended.
         Complete: it ended with the end-of-generation token (allowed only once the text is a whole
         instance of the grammar), or it reached max_tokens where nothing but the end could follow
         (then it stopped as it would have: "stop"). Anything else, e.g. max_tokens in the middle
         of a JSON object or a stop string, is incomplete."""
         if len(emitted) < len(out) and self.oracle_model.is_eog(out[len(emitted)]):
-            return finish, "complete"
+            return finish, Structure.COMPLETE
         walk.pop(walk.depth - stats.completion_tokens)  # the step's tokens after the end
         if finish == "length" and walk.complete:
-            return "stop", "complete"
-        return finish, "incomplete"
+            return "stop", Structure.COMPLETE
+        return finish, Structure.INCOMPLETE
 
     def _emit(self, out: list[int], seq: Seq, sources: list[str] | None = None) -> tuple[list[int], str | None]:
         """Append a step's tokens to the history until one of them ends the generation:

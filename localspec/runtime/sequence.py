@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from localspec.options import OPTIONS, GenerationOptions
-from localspec.outputs import Chunk, Stats, TokenLogprob
+from localspec.outputs import Chunk, Stats, Structure, TokenLogprob
 from localspec.speculative.plan import NO_OFFER
 from localspec.speculative.sampling import SamplingParams
 
@@ -39,7 +39,8 @@ class PromptTooLongError(ValueError):
 @dataclass(frozen=True)
 class Request:
     """One generation request as the loop runs it: the options of a `GenerationOptions`, with the
-    sampling ones gathered and the schema or grammar compiled (`Request.of`)."""
+    sampling ones gathered and the schema or grammar compiled (`Request.of`). Its values are taken
+    as given: building the `GenerationOptions` checked them (a request is checked once)."""
 
     max_tokens: int = OPTIONS["max_tokens"].default
     sampling: SamplingParams = SamplingParams()
@@ -53,18 +54,10 @@ class Request:
     sources: bool = False  # each chunk says where its text's tokens came from (Chunk.sources)
     constraint: Constraint | None = None  # a JSON schema or grammar the output must follow
 
-    def __post_init__(self) -> None:
-        for name in ("max_tokens", "logprobs", "prompt_logprobs", "draft_max", "draft_min",
-                     "draft_p_min"):  # the rules of options.py
-            OPTIONS[name].check(getattr(self, name))
-
     @classmethod
     def of(cls, options: GenerationOptions) -> "Request":
-        return cls(max_tokens=options.max_tokens,
-                   sampling=SamplingParams(temperature=options.temperature, top_k=options.top_k,
-                                           top_p=options.top_p, min_p=options.min_p, seed=options.seed,
-                                           logit_bias=options.logit_bias),
-                   stop=options.stop, logprobs=options.logprobs, prompt_logprobs=options.prompt_logprobs,
+        return cls(max_tokens=options.max_tokens, sampling=SamplingParams.of(options), stop=options.stop,
+                   logprobs=options.logprobs, prompt_logprobs=options.prompt_logprobs,
                    speculative=options.speculative, draft_max=options.draft_max, draft_min=options.draft_min,
                    draft_p_min=options.draft_p_min, sources=options.sources, constraint=options.constraint)
 
@@ -99,7 +92,7 @@ class Seq:
     prompt_len: int = 0
     t_start: float = 0.0  # when it was added (time to first token counts from here)
     finish_reason: str | None = None
-    structure: str | None = None
+    structure: Structure | None = None
     error: BaseException | None = None  # why it was aborted, when it failed
     outbox: deque[Chunk] = field(default_factory=deque)
     offer: "Offer" = field(default_factory=lambda: NO_OFFER)  # what the step's proposer offered (its plan's input)

@@ -1,11 +1,20 @@
 """`localspec serve`: an OpenAI-compatible HTTP server over the engine (FastAPI + uvicorn).
 
+    app.py      the FastAPI app: create_app(engine_or_worker, model_name=..., ...); Server, run_server
+    routes.py   the endpoints: a request -> its prompt, each choice's options, its replies
+    service.py  the one path every generation takes: jobs -> chunks -> the answer; shutdown
+    render.py   OpenAI's response bodies from the engine's chunks
+    report.py   the extension "speculative": {"sources": true}: where each token came from
+    tools.py    response_format, tools and tool_choice: constraints and tool calls
     schemas.py  OpenAI request/response bodies (pydantic)
+    gate.py     what every request goes through first: Host, Origin, the API key, the body
+    errors.py   OpenAI-shaped error bodies and the exception handlers
     worker.py   the one thread that owns the engine, and its job queue
     metrics.py  Prometheus metrics (/metrics)
-    app.py      the FastAPI app: create_app(engine_or_worker, model_name=..., ...)
-    report.py   the extension "speculative": {"sources": true}: where each token came from
+    apidocs.py  the API's docs at /docs
     webui.py    the chat page at / (static/: its HTML, CSS and JavaScript; static/vendor/: its Markdown libraries)
+
+A module imports only modules listed below it.
 """
 
 from localspec.server.app import create_app

@@ -150,14 +150,17 @@ def validation_error(exc: RequestValidationError) -> APIError:
         return APIError(400, f"Unrecognized request argument supplied: {param}", param=param, code="unknown_parameter")
     same = [e for p, e in located if p == param]
     expected = [x for x in dict.fromkeys(_expected(e.get("type", ""), e.get("ctx")) for e in same) if x]
+    ctx = err.get("ctx") or {}
+    if kind == "option_type":  # a generation option's field (schemas.option_field): its rule says what it takes
+        return APIError(400, f"Invalid type for '{param}': {ctx['rule']}, but got {_json_type(err.get('input'))} "
+                             "instead.", param=param, code="invalid_type")
     if kind.endswith("_type") or (kind == "literal_error" and len(expected) > 1):
         got = _json_type(err.get("input"))
         want = " or ".join(expected) if expected else "another type"
         return APIError(400, f"Invalid type for '{param}': expected {want}, but got {got} instead.",
                         param=param, code="invalid_type")
-    msg = str(err.get("msg", "invalid value"))
-    if msg.startswith("Value error, "):
-        msg = msg[len("Value error, "):]
+    error = ctx.get("error")  # a validator's own exception: its message, without pydantic's prefix
+    msg = str(error) if isinstance(error, Exception) else str(err.get("msg", "invalid value"))
     return APIError(400, f"Invalid value for '{param}': {msg}.", param=param, code="invalid_value")
 
 

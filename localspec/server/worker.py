@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import enum
 import logging
 import math
 import queue
@@ -30,6 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from localspec.options import GenerationOptions
 from localspec.outputs import Chunk, Stats
 from localspec.runtime.sequence import Seq, Status
 from localspec.server.metrics import Metrics
@@ -51,6 +53,21 @@ class WorkerClosed(Exception):
     """The server is shutting down."""
 
 
+class Outcome(enum.Enum):
+    """How a job ended (the metrics' `outcome` label is its value)."""
+
+    COMPLETED = "completed"  # generated to its end
+    TIME_LIMIT = "time_limit"  # stopped at its time limit (a last chunk with finish_reason "length")
+    CANCELLED = "cancelled"  # by its client, or by the server shutting down
+    REJECTED = "rejected"  # the engine refused the request (a client error: the prompt too long, ...)
+    FAILED = "failed"  # a server error
+
+    @property
+    def finished(self) -> bool:
+        """It answered the request: every token it was allowed."""
+        return self in (Outcome.COMPLETED, Outcome.TIME_LIMIT)
+
+
 class _Marker:
     def __init__(self, name: str) -> None:
         self.name = name
@@ -70,12 +87,14 @@ class Failed:
 
 
 class Job:
-    """One generation request. `prompt` and `options` are `Engine.prepare`'s arguments."""
+    """One generation request: `Engine.prepare`'s arguments (`tools`: the function specs for a
+    chat template that takes them), its options already checked."""
 
-    def __init__(self, prompt: Any, options: dict[str, Any], deliver: Callable[[object], None],
-                 time_limit: float | None = None) -> None:
+    def __init__(self, prompt: Any, options: GenerationOptions, deliver: Callable[[object], None],
+                 time_limit: float | None = None, tools: list | None = None) -> None:
         self.prompt = prompt
         self.options = options
+        self.tools = tools
         self.time_limit = time_limit  # seconds the generation may run (None: no limit)
         self._deliver = deliver
         self.submitted = time.monotonic()
@@ -85,7 +104,7 @@ class Job:
         self.tokens = 0  # tokens generated so far
         self.steps_seen = 0  # of its sequence's steps, those the metrics have counted
         self.stats: Stats | None = None  # set when the generation completes
-        self.outcome: str | None = None  # completed | time_limit | cancelled | rejected | failed
+        self.outcome: Outcome | None = None  # set when it ends
         self.cancel_reason: str | None = None
         self._cancel = threading.Event()
         self.done = threading.Event()
@@ -155,9 +174,9 @@ class EngineWorker:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._closed
 
-    def submit(self, prompt: Any, options: dict[str, Any], deliver: Callable[[object], None], *,
-               time_limit: float | None = None) -> Job:
-        job = Job(prompt, options, deliver, time_limit)
+    def submit(self, prompt: Any, options: GenerationOptions, deliver: Callable[[object], None], *,
+               time_limit: float | None = None, tools: list | None = None) -> Job:
+        job = Job(prompt, options, deliver, time_limit, tools)
         with self._lock:
             if self._closed:
                 raise WorkerClosed("the server is shutting down")
@@ -170,13 +189,13 @@ class EngineWorker:
         self.metrics.queue_depth.set(self.queue_depth)
         return job
 
-    def submit_async(self, prompt: Any, options: dict[str, Any], *,
-                     time_limit: float | None = None) -> tuple[Job, asyncio.Queue]:
+    def submit_async(self, prompt: Any, options: GenerationOptions, *, time_limit: float | None = None,
+                     tools: list | None = None) -> tuple[Job, asyncio.Queue]:
         """Submit from the event loop; the job's events arrive on the returned asyncio.Queue."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         job = self.submit(prompt, options, lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
-                          time_limit=time_limit)
+                          time_limit=time_limit, tools=tools)
         return job, events
 
     # -- lifecycle
@@ -215,23 +234,25 @@ class EngineWorker:
                 for job in list(self._active):
                     if job.seq is not None:
                         self.scheduler.abort(job.seq)
-                    self._end(job, "failed", Failed(RuntimeError("engine worker error"), client_error=False))
+                    self._end(job, Outcome.FAILED, Failed(RuntimeError("engine worker error"), client_error=False))
         for job in list(self._active):  # shutting down: what still runs is cancelled, what waits refused
             if job.announced:
                 job.cancel("the server is shutting down")
                 self.scheduler.abort(job.seq)
-                self._end(job, "cancelled", CANCELLED)
+                self._end(job, Outcome.CANCELLED, CANCELLED)
             else:
                 if job.seq is not None:
                     self.scheduler.abort(job.seq)
-                self._end(job, "cancelled", Failed(WorkerClosed("the server is shutting down"), client_error=False))
+                self._end(job, Outcome.CANCELLED, Failed(WorkerClosed("the server is shutting down"),
+                                                         client_error=False))
         while True:  # submitted, never taken in
             try:
                 job = self._jobs.get_nowait()
             except queue.Empty:
                 break
             if job is not None:
-                self._end(job, "cancelled", Failed(WorkerClosed("the server is shutting down"), client_error=False))
+                self._end(job, Outcome.CANCELLED, Failed(WorkerClosed("the server is shutting down"),
+                                                         client_error=False))
         self.metrics.queue_depth.set(0)
         self.metrics.running.set(0)
         self.metrics.slots_busy.set(0)
@@ -253,17 +274,17 @@ class EngineWorker:
 
     def _start(self, job: Job) -> None:
         if job.cancelled:
-            self._end(job, "cancelled", CANCELLED)
+            self._end(job, Outcome.CANCELLED, CANCELLED)
             return
         job.started = time.monotonic()
         try:
-            seq = self.engine.prepare(job.prompt, **job.options)  # validates eagerly
-        except ValueError as e:  # PromptTooLongError, ChatTemplateError, bad option values
-            self._end(job, "rejected", Failed(e, client_error=True))
+            seq = self.engine.prepare(job.prompt, job.options, tools=job.tools)  # checks the prompt eagerly
+        except ValueError as e:  # PromptTooLongError, ChatTemplateError, a logit_bias token outside the vocabulary
+            self._end(job, Outcome.REJECTED, Failed(e, client_error=True))
             return
         except Exception as e:
             log.exception("engine: the request could not start")
-            self._end(job, "failed", Failed(e, client_error=False))
+            self._end(job, Outcome.FAILED, Failed(e, client_error=False))
             return
         job.seq = self.scheduler.add(seq)  # STARTED once it takes a slot (until then it is queued)
         self._active.append(job)
@@ -276,7 +297,7 @@ class EngineWorker:
                 if job.announced:  # what the interrupted generation drafted still counts
                     self.metrics.record_speculation(seq.stats.drafted, seq.stats.accepted)
                     log.info("generation cancelled after %d tokens (%s)", job.tokens, job.cancel_reason or "cancelled")
-                self._end(job, "cancelled", CANCELLED)
+                self._end(job, Outcome.CANCELLED, CANCELLED)
             elif (job.time_limit is not None and seq.stats.steps and not seq.done
                   and time.monotonic() - job.started >= job.time_limit):  # a step ended past it
                 self.scheduler.abort(seq)
@@ -294,9 +315,10 @@ class EngineWorker:
                 m.prompt_tokens_cached.inc(max(0, s.prompt_tokens - s.prompt_tokens_evaluated))
                 m.record_speculation(s.drafted, s.accepted)
                 m.record_host_time(s)
-                self._end(job, "completed", None)
+                self._end(job, Outcome.COMPLETED, None)
             elif seq.status == Status.ABORTED and not job.cancelled:  # a pass failed
-                self._end(job, "failed", Failed(seq.error or RuntimeError("generation failed"), client_error=False))
+                self._end(job, Outcome.FAILED,
+                          Failed(seq.error or RuntimeError("generation failed"), client_error=False))
 
     def _deliver_chunks(self, job: Job) -> None:
         seq, m = job.seq, self.metrics
@@ -327,7 +349,7 @@ class EngineWorker:
         m.running.set(self.scheduler.busy_slots)
         m.queue_depth.set(self.queue_depth)
 
-    def _end(self, job: Job, outcome: str, event: object | None) -> None:
+    def _end(self, job: Job, outcome: Outcome, event: object | None) -> None:
         """The job is over: its last event (if any) delivered, counted, its slot's place freed."""
         job.outcome = outcome
         if event is not None:
@@ -336,12 +358,12 @@ class EngineWorker:
             self._in_flight -= 1
         if job in self._active:
             self._active.remove(job)
-        if job.started is not None and outcome in ("completed", "time_limit"):
+        if job.started is not None and outcome.finished:
             self._mean_duration = 0.8 * self._mean_duration + 0.2 * (time.monotonic() - job.started)
-        self.metrics.generations.labels(outcome).inc()
-        if outcome in ("completed", "time_limit"):
+        self.metrics.generations.labels(outcome.value).inc()
+        if outcome.finished:
             self.completed += 1
-        elif outcome == "cancelled":
+        elif outcome is Outcome.CANCELLED:
             self.cancelled += 1
         self.metrics.queue_depth.set(self.queue_depth)
         job.done.set()
@@ -357,4 +379,4 @@ class EngineWorker:
         m.prompt_tokens_cached.inc(max(0, stats.prompt_tokens - stats.prompt_tokens_evaluated))
         m.record_speculation(stats.drafted, stats.accepted)
         log.info("generation stopped at its time limit (%g s) after %d tokens", job.time_limit, job.tokens)
-        self._end(job, "time_limit", Chunk("", [], finish_reason="length", stats=stats))
+        self._end(job, Outcome.TIME_LIMIT, Chunk("", [], finish_reason="length", stats=stats))

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from localspec.options import OPTIONS
+from localspec.options import OPTIONS, GenerationOptions
 
 # top-p mass is compared with ``top_p - _TOP_P_TOL`` so that rounding in the sums (a prefix
 # whose exact mass is top_p) cannot pull in one more token.
@@ -60,10 +60,19 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, added to the logits first
 
     def __post_init__(self) -> None:
-        for name in ("temperature", "top_k", "top_p", "min_p", "seed", "logit_bias"):  # the rules of options.py
+        for name in _FIELDS:  # the rules of options.py
             value = OPTIONS[name].check(getattr(self, name))
             if value != getattr(self, name):
                 object.__setattr__(self, name, value)
+
+    @classmethod
+    def of(cls, options: GenerationOptions) -> "SamplingParams":
+        """The sampling options of `options`, taken as they are: their rules checked them when
+        `options` was built (a request's options are checked once)."""
+        params = object.__new__(cls)
+        for name in _FIELDS:
+            object.__setattr__(params, name, getattr(options, name))
+        return params
 
     @property
     def greedy(self) -> bool:
@@ -75,6 +84,9 @@ class SamplingParams:
         (see `coupled_choice`), so the output depends on the seed alone, not on the draft length
         (up to near-ties in llama.cpp's batch-size-dependent logits, as with greedy)."""
         return not self.greedy and self.seed is not None
+
+
+_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "logit_bias")
 
 
 def _as_rows(logits: np.ndarray) -> np.ndarray:
