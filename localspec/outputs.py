@@ -137,6 +137,13 @@ class Stats:
     def host_ms_per_step(self) -> float:
         return 1000 * self.host_time / self.steps if self.steps else 0.0
 
+    def by_source(self) -> dict[str, tuple[int, int]]:
+        """(drafted, accepted) of each draft source: the draft model, prompt lookup, the suffix cache."""
+        model = (self.drafted - self.lookup_drafted - self.suffix_drafted,
+                 self.accepted - self.lookup_accepted - self.suffix_accepted)
+        return {DraftSource.MODEL.value: model, DraftSource.LOOKUP.value: (self.lookup_drafted, self.lookup_accepted),
+                DraftSource.SUFFIX.value: (self.suffix_drafted, self.suffix_accepted)}
+
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0

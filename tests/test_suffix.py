@@ -9,6 +9,7 @@ from contextlib import nullcontext
 import numpy as np
 import pytest
 
+from localspec.options import GenerationOptions
 from localspec.outputs import DraftSource
 from localspec.runtime.engine import Engine
 from localspec.speculative.plan import DraftPlan, Found, Offer, plain_plan
@@ -161,8 +162,35 @@ def test_a_resumed_batch_starts_its_suffix_cache_from_the_answers_already_writte
     out.write_text(json.dumps({"id": 1, "text": answer.text}) + "\n")  # an earlier run wrote id 1, then stopped
     engine, _ = suffix_engine(SuffixPools(10_000))  # a fresh process: an empty cache
     notes: list[str] = []
-    summary = run_batch(str(source), str(out), open_engine=lambda: nullcontext(engine), defaults={},
+    summary = run_batch(str(source), str(out), open_engine=lambda: nullcontext(engine), defaults=GenerationOptions(),
                         progress=notes.append, show_bar=False)
     assert summary.skipped == 1 and any("starts from the 1 answers already in" in n for n in notes)
     record = json.loads(out.read_text().splitlines()[1])
     assert record["text"] == answer.text and record["stats"]["suffix_accepted"] > 0
+
+
+def test_a_server_keeps_one_cache_per_api_key_and_reports_drafts_by_source():
+    from starlette.testclient import TestClient
+
+    from localspec.server import create_app
+
+    engine, _ = suffix_engine(SuffixPools(10_000))
+    alice, bob = "alice-" + "a" * 20, "bob-" + "b" * 20
+    body = {"model": "m", "prompt": "the same request", "max_tokens": 30, "temperature": 0}
+
+    def complete(c, key):
+        r = c.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    with TestClient(create_app(engine, model_name="m", api_key=[alice, bob]), base_url="http://localhost") as c:
+        first, again, other = complete(c, alice), complete(c, alice), complete(c, bob)
+        metrics = c.get("/metrics", headers={"Authorization": f"Bearer {bob}"}).text
+    assert first["choices"][0]["text"] == again["choices"][0]["text"] == other["choices"][0]["text"]
+    assert first["usage"]["sources"]["suffix"] == {"drafted": 0, "accepted": 0}
+    assert again["usage"]["sources"]["suffix"]["accepted"] > 0  # alice's own earlier answer
+    assert other["usage"]["sources"]["suffix"]["drafted"] == 0  # bob never sees alice's text
+    assert sum(s["drafted"] for s in again["usage"]["sources"].values()) == again["usage"]["drafted"]
+    accepted = {line.split("}")[0].split('"')[1]: float(line.split()[-1]) for line in metrics.splitlines()
+                if line.startswith("localspec_spec_decode_num_accepted_tokens_by_source_total{")}
+    assert accepted["suffix"] == again["usage"]["sources"]["suffix"]["accepted"]

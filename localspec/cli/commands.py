@@ -428,9 +428,9 @@ def pull(names: tuple[str, ...]) -> None:
 API_KEY_ENV = "LOCALSPEC_API_KEY"
 
 
-def resolve_api_key(ctx: click.Context, api_key: str | None, api_key_file: str | None) -> str | None:
-    """The key from --api-key-file, $LOCALSPEC_API_KEY or --api-key (in that order of preference);
-    an empty or unusable key is an error, never "no auth"."""
+def resolve_api_key(ctx: click.Context, api_key: str | None, api_key_file: str | None) -> tuple[str, ...] | None:
+    """The keys from --api-key-file (one a line), $LOCALSPEC_API_KEY or --api-key (in that order of
+    preference); an empty or unusable key is an error, never "no auth"."""
     import os
 
     from click.core import ParameterSource
@@ -441,7 +441,7 @@ def resolve_api_key(ctx: click.Context, api_key: str | None, api_key_file: str |
             raise UserError("give either --api-key or --api-key-file, not both")
         try:
             with open(api_key_file, encoding="utf-8") as f:
-                api_key = f.read().strip()
+                api_key = f.read().strip()  # one key a line
         except (OSError, UnicodeDecodeError) as e:
             raise UserError(f"--api-key-file {api_key_file}: {e}") from e
         source = f"--api-key-file {api_key_file}"
@@ -457,9 +457,10 @@ def resolve_api_key(ctx: click.Context, api_key: str | None, api_key_file: str |
         return None
     if not api_key:
         raise UserError(f"{source} is empty: give a key, or no key at all to serve without one")
-    if not all(0x21 <= ord(c) <= 0x7E for c in api_key):
+    keys = tuple(line.strip() for line in api_key.splitlines() if line.strip())
+    if not all(0x21 <= ord(c) <= 0x7E for key in keys for c in key):
         raise UserError(f"{source}: the key must be printable ASCII without spaces (it travels in an HTTP header)")
-    return api_key
+    return keys
 
 
 def _is_loopback(host: str) -> bool:
@@ -484,7 +485,8 @@ def _is_loopback(host: str) -> bool:
               help="Require 'Authorization: Bearer KEY' on /v1 routes and /metrics. Prefer $LOCALSPEC_API_KEY or "
                    "--api-key-file: a key on the command line shows in ps.")
 @click.option("--api-key-file", type=click.Path(dir_okay=False), default=None,
-              help="Read the API key from this file (surrounding whitespace is dropped).")
+              help="Read the API key from this file (surrounding whitespace is dropped); several keys, one a "
+                   "line, each draft from a suffix cache of their own.")
 @click.option("--parallel", type=click.IntRange(1, 64), default=DEFAULT_SERVE_PARALLEL, show_default=True,
               help="Requests generated at once (slots), in one batch: each takes a KV cache of --ctx tokens.")
 @click.option("--max-queue", type=click.IntRange(0), default=32, show_default=True,

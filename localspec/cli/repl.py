@@ -108,6 +108,8 @@ class Totals:
     accepted: int = 0
     lookup_drafted: int = 0
     lookup_accepted: int = 0
+    suffix_drafted: int = 0
+    suffix_accepted: int = 0
     draft_time: float = 0.0
     draft_prompt_time: float = 0.0
     verify_time: float = 0.0
@@ -119,7 +121,7 @@ class Totals:
     records: list[StepRecord] = field(default_factory=list, repr=False)  # every step of every reply
 
     SUMMED = ("prompt_tokens", "prompt_tokens_evaluated", "completion_tokens", "steps", "drafted", "accepted",
-              "lookup_drafted", "lookup_accepted", "draft_time", "draft_prompt_time", "verify_time",
+              "lookup_drafted", "lookup_accepted", "suffix_drafted", "suffix_accepted", "draft_time", "draft_prompt_time", "verify_time",
               "host_draft_time", "host_verify_time", "host_other_time")  # the Stats counters kept as session sums
 
     def add(self, s: Stats) -> None:
@@ -410,22 +412,24 @@ class Chat:
                 draft += f", capped at {self.settings.draft_max} by /set draft_max"
             draft += f"; drafted per step: {s.drafted / s.steps if s.steps else 0:.2f} last reply"
 
-        def acc(drafted: int, accepted: int, steps: int, lookup: int = 0) -> str:
-            if not drafted:
+        def acc(x) -> str:
+            if not x.drafted:
                 return "acceptance n/a (nothing drafted)"
-            return f"acceptance {accepted / drafted:.0%} ({accepted}/{drafted}" \
-                   + (f", {lookup} of them from prompt lookup" if lookup else "") + "), " \
-                   f"mean accepted length {accepted / steps if steps else 0:.2f}"
+            free = [f"{n} of them from {name}" for n, name in ((x.lookup_accepted, "prompt lookup"),
+                                                               (x.suffix_accepted, "the suffix cache")) if n]
+            return f"acceptance {x.accepted / x.drafted:.0%} ({x.accepted}/{x.drafted}" \
+                   + "".join(f", {f}" for f in free) + "), " \
+                   f"mean accepted length {x.accepted / x.steps if x.steps else 0:.2f}"
 
         session_tps = t.completion_tokens / t.generation_time if t.generation_time > 0 else 0.0
         lines = [
-            f"last reply: {s.completion_tokens} tokens in {s.steps} step{'s' if s.steps != 1 else ''}, {acc(s.drafted, s.accepted, s.steps, s.lookup_accepted)}, "
+            f"last reply: {s.completion_tokens} tokens in {s.steps} step{'s' if s.steps != 1 else ''}, {acc(s)}, "
             f"{s.tokens_per_second:.1f} tok/s",
             f"  prompt tokens evaluated: {s.prompt_tokens_evaluated} of {s.prompt_tokens} "
             f"({s.prompt_tokens - s.prompt_tokens_evaluated} reused from the cache)",
             f"session: {t.replies} repl{'ies' if t.replies != 1 else 'y'}"
             + (f" (+{t.interrupted} interrupted, not counted)" if t.interrupted else "")
-            + f", {t.completion_tokens} tokens, {acc(t.drafted, t.accepted, t.steps, t.lookup_accepted)}, {session_tps:.1f} tok/s",
+            + f", {t.completion_tokens} tokens, {acc(t)}, {session_tps:.1f} tok/s",
             f"  prompt tokens evaluated: {t.prompt_tokens_evaluated} of {t.prompt_tokens}",
             f"draft length: {draft}",
         ]

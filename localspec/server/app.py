@@ -22,7 +22,7 @@ import os
 import signal
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import uvicorn
 from fastapi import FastAPI
@@ -61,7 +61,8 @@ async def _lifespan(app: FastAPI):
             await asyncio.to_thread(svc.worker.close)
 
 
-def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = (), api_key: str | None = None,
+def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = (),
+               api_key: str | Sequence[str] | None = None,
                max_queue: int | None = None, max_body: int = DEFAULT_MAX_BODY, log_prompts: bool = False,
                max_tokens_limit: int | None = None, time_limit: float | None = DEFAULT_TIME_LIMIT,
                host: str = "127.0.0.1", allowed_hosts: Iterable[str] = (), cors_origins: Iterable[str] = (),

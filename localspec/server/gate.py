@@ -17,11 +17,12 @@ other programs do not send it at all, so the Origin check only ever stops web pa
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import ipaddress
 import socket
 import time
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 from urllib.parse import urlsplit
 
 from localspec.server.errors import APIError, invalid_json, too_large
@@ -225,21 +226,26 @@ class Guard:
 class Gate:
     """Inside CORS: OPTIONS, the API key, the body (size, time, encoding, JSON content type)."""
 
-    def __init__(self, app, *, api_key: str | None, max_body: int, body_timeout: float = DEFAULT_BODY_TIMEOUT,
-                 methods_for: Callable[[str], set[str]] | None = None) -> None:
+    def __init__(self, app, *, api_key: str | Sequence[str] | None, max_body: int,
+                 body_timeout: float = DEFAULT_BODY_TIMEOUT, methods_for: Callable[[str], set[str]] | None = None) -> None:
         self.app = app
-        self.api_key = api_key.encode() if api_key else None
+        keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
+        self.api_keys = [key.encode() for key in keys if key]
+        # each key's requests draft from their own suffix cache (a pool named without the key)
+        self.pools = [f"key-{hashlib.sha256(key).hexdigest()[:16]}" for key in self.api_keys]
         self.max_body = max_body
         self.body_timeout = body_timeout
         self.methods_for = methods_for
 
-    def authorized(self, scope) -> bool:
-        """`Authorization: Bearer KEY`; the scheme is case-insensitive (RFC 9110), the key is
-        compared in constant time."""
+    def authorized(self, scope) -> str | None:
+        """The pool of the key in `Authorization: Bearer KEY`, or None when it is none of the keys;
+        the scheme is case-insensitive (RFC 9110), the key compared with every key in constant time."""
         given = _header(scope, b"authorization") or b""
         scheme, _, token = given.strip().partition(b" ")
-        ok_scheme = scheme.lower() == b"bearer"
-        return hmac.compare_digest(token.strip(), self.api_key) and ok_scheme
+        matches = [hmac.compare_digest(token.strip(), key) for key in self.api_keys]  # all of them: no timing
+        if scheme.lower() != b"bearer" or not any(matches):
+            return None
+        return self.pools[matches.index(True)]
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -247,11 +253,14 @@ class Gate:
             return
         path, method = scope["path"], scope["method"]
         keyed = path.startswith("/v1") or path == "/metrics"
-        if keyed and self.api_key is not None and not self.authorized(scope):
-            await _send_error(APIError(
-                401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"}), scope, receive, send)
-            return
+        if keyed and self.api_keys:
+            pool = self.authorized(scope)
+            if pool is None:
+                await _send_error(APIError(
+                    401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"}), scope, receive, send)
+                return
+            scope.setdefault("state", {})["pool"] = pool  # request.state.pool: the suffix cache it reads and adds to
         if method == "OPTIONS" and self.methods_for is not None:  # not a CORS preflight (CORS answered those)
             methods = self.methods_for(path)
             if methods:

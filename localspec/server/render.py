@@ -25,7 +25,8 @@ def usage_of(stats: Stats) -> S.Usage:
                        cached_tokens=max(0, stats.prompt_tokens - stats.prompt_tokens_evaluated)),
                    steps=stats.steps, drafted=stats.drafted, accepted=stats.accepted,
                    acceptance_rate=round(stats.acceptance_rate, 4), regime=stats.regime or None,
-                   idle_steps=stats.idle_steps, idle_reason=stats.idle_reason)
+                   idle_steps=stats.idle_steps, idle_reason=stats.idle_reason,
+                   sources={source: S.SourceCounts(drafted=d, accepted=a) for source, (d, a) in stats.by_source().items()})
 
 
 def merged_usage(stats: list[Stats], prompts: list[Any]) -> S.Usage:
@@ -38,7 +39,8 @@ def merged_usage(stats: list[Stats], prompts: list[Any]) -> S.Usage:
             seen.append(prompt)
             total.prompt_tokens += s.prompt_tokens
             total.prompt_tokens_evaluated += s.prompt_tokens_evaluated
-        for name in ("completion_tokens", "steps", "drafted", "accepted", "idle_steps"):
+        for name in ("completion_tokens", "steps", "drafted", "accepted", "idle_steps", "lookup_drafted",
+                     "lookup_accepted", "suffix_drafted", "suffix_accepted"):
             setattr(total, name, getattr(total, name) + getattr(s, name))
     total.regime = stats[0].regime
     total.idle_reason = next((s.idle_reason for s in stats if s.idle_reason), None)

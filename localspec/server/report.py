@@ -35,7 +35,7 @@ def figures(stats: Stats | None) -> S.ReplyFigures | None:
         return None
     return S.ReplyFigures(
         completion_tokens=stats.completion_tokens, steps=stats.steps, drafted=stats.drafted, accepted=stats.accepted,
-        lookup_accepted=stats.lookup_accepted,
+        lookup_accepted=stats.lookup_accepted, suffix_accepted=stats.suffix_accepted,
         acceptance_rate=round(stats.acceptance_rate, 4) if stats.drafted else None,
         mean_accepted_length=round(stats.mean_accepted_length, 3),
         tokens_per_second=round(stats.tokens_per_second, 2), speedup=_rounded(estimated_speedup(stats)))

@@ -388,6 +388,11 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = Field(0, description="Prompt tokens reused from the previous request's cache.")
 
 
+class SourceCounts(BaseModel):
+    drafted: int = Field(description="Draft tokens this source proposed.")
+    accepted: int = Field(description="Of those, accepted by the oracle.")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
@@ -403,6 +408,10 @@ class Usage(BaseModel):
                                            "not worth it.")
     idle_reason: str | None = Field(None, description="Why, when there were idle steps: the policy's estimate "
                                                       "against its threshold.")
+    sources: dict[str, SourceCounts] | None = Field(
+        None, description="Draft tokens proposed and accepted by where they came from: \"model\" (the draft "
+                          "model), \"lookup\" (prompt lookup: the request's own text), \"suffix\" (the suffix "
+                          "cache: earlier requests' text of the same API key).")
 
 
 class TopLogprobEntry(BaseModel):
@@ -454,6 +463,8 @@ class ReplyFigures(BaseModel):
     drafted: int
     accepted: int
     lookup_accepted: int = Field(description="Of the accepted draft tokens, those prompt lookup proposed.")
+    suffix_accepted: int = Field(0, description="Of the accepted draft tokens, those the suffix cache proposed "
+                                                "(earlier requests' text).")
     acceptance_rate: float | None = Field(description="accepted / drafted (null when nothing was drafted).")
     mean_accepted_length: float = Field(description="Draft tokens accepted per verify pass.")
     tokens_per_second: float = Field(description="After the oracle's evaluation of the prompt.")
@@ -465,10 +476,11 @@ class ReplyFigures(BaseModel):
 class SpeculationReport(BaseModel):
     """Extension, only when the request asks (`"speculative": {"sources": true}`)."""
 
-    sources: list[tuple[str, Literal["draft", "lookup", "oracle"]]] = Field(
+    sources: list[tuple[str, Literal["draft", "lookup", "suffix", "oracle"]]] = Field(
         default_factory=list, description="The text this choice carries (a chunk's delta, or the whole reply) cut "
         "at its tokens: [piece, source] pairs that add up to it; source: accepted from the draft model (\"draft\"), "
-        "accepted from prompt lookup (\"lookup\"), or the oracle's own token (\"oracle\": recovered after a "
+        "accepted from prompt lookup (\"lookup\"), accepted from the suffix cache (\"suffix\": earlier requests' "
+        "text), or the oracle's own token (\"oracle\": recovered after a "
         "rejection, or the bonus after a fully accepted draft). A character split over tokens is the one's that "
         "completed it.")
     figures: ReplyFigures | None = Field(None, description="With the choice's last chunk (its finish_reason).")

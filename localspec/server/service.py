@@ -199,7 +199,8 @@ class Service:
             raise shutting_down()
         worker = self.worker
         try:
-            job, events = worker.submit_async(prompt, options, time_limit=self.time_limit, tools=tools)
+            job, events = worker.submit_async(prompt, options, time_limit=self.time_limit, tools=tools,
+                                              pool=getattr(request.state, "pool", ""))
         except QueueFull as e:
             raise APIError(429, f"The server is busy ({worker.max_queue} requests queued); retry later.",
                            code="rate_limit_exceeded", headers={"Retry-After": str(e.retry_after)}) from None

@@ -91,10 +91,11 @@ class Job:
     chat template that takes them), its options already checked."""
 
     def __init__(self, prompt: Any, options: GenerationOptions, deliver: Callable[[object], None],
-                 time_limit: float | None = None, tools: list | None = None) -> None:
+                 time_limit: float | None = None, tools: list | None = None, pool: str = "") -> None:
         self.prompt = prompt
         self.options = options
         self.tools = tools
+        self.pool = pool  # whose earlier requests the suffix cache drafts from (an API key's)
         self.time_limit = time_limit  # seconds the generation may run (None: no limit)
         self._deliver = deliver
         self.submitted = time.monotonic()
@@ -175,8 +176,8 @@ class EngineWorker:
         return self._thread.is_alive() and not self._closed
 
     def submit(self, prompt: Any, options: GenerationOptions, deliver: Callable[[object], None], *,
-               time_limit: float | None = None, tools: list | None = None) -> Job:
-        job = Job(prompt, options, deliver, time_limit, tools)
+               time_limit: float | None = None, tools: list | None = None, pool: str = "") -> Job:
+        job = Job(prompt, options, deliver, time_limit, tools, pool)
         with self._lock:
             if self._closed:
                 raise WorkerClosed("the server is shutting down")
@@ -190,12 +191,12 @@ class EngineWorker:
         return job
 
     def submit_async(self, prompt: Any, options: GenerationOptions, *, time_limit: float | None = None,
-                     tools: list | None = None) -> tuple[Job, asyncio.Queue]:
+                     tools: list | None = None, pool: str = "") -> tuple[Job, asyncio.Queue]:
         """Submit from the event loop; the job's events arrive on the returned asyncio.Queue."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         job = self.submit(prompt, options, lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
-                          time_limit=time_limit, tools=tools)
+                          time_limit=time_limit, tools=tools, pool=pool)
         return job, events
 
     # -- lifecycle
@@ -278,7 +279,7 @@ class EngineWorker:
             return
         job.started = time.monotonic()
         try:
-            seq = self.engine.prepare(job.prompt, job.options, tools=job.tools)  # checks the prompt eagerly
+            seq = self.engine.prepare(job.prompt, job.options, tools=job.tools, pool=job.pool)  # checks the prompt eagerly
         except ValueError as e:  # PromptTooLongError, ChatTemplateError, a logit_bias token outside the vocabulary
             self._end(job, Outcome.REJECTED, Failed(e, client_error=True))
             return
