@@ -118,6 +118,7 @@ class FakeEngine:
     """The engine's batch interface (prepare, a scheduler, its slots) over instant generations."""
 
     n_slots = 2
+    suffix = None  # no suffix cache to start from earlier answers
 
     def __init__(self) -> None:
         self.prompts = []
