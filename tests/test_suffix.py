@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from localspec.options import GenerationOptions
-from localspec.outputs import DraftSource
+from localspec.outputs import DraftSource, StepRecord
 from localspec.runtime.engine import Engine
 from localspec.speculative.plan import DraftPlan, Found, Offer, plain_plan
 from localspec.speculative.policy import FixedLength
@@ -194,3 +194,25 @@ def test_a_server_keeps_one_cache_per_api_key_and_reports_drafts_by_source():
     accepted = {line.split("}")[0].split('"')[1]: float(line.split()[-1]) for line in metrics.splitlines()
                 if line.startswith("localspec_spec_decode_num_accepted_tokens_by_source_total{")}
     assert accepted["suffix"] == again["usage"]["sources"]["suffix"]["accepted"]
+
+
+def test_the_adaptive_policies_plan_the_cache_as_a_source_of_its_own():
+    from localspec.runtime.factory import default_policy
+    from localspec.speculative.policy import HybridLength, LookupLength
+
+    pools = SuffixPools(1000)
+    alone = default_policy(SuffixProposer(None, pools))  # the cache with no other source
+    assert isinstance(alone, LookupLength) and set(alone.free) == {DraftSource.SUFFIX}
+    found = Offer(suffix=Found(np.arange(1, 9, dtype=np.int32), 30))
+    assert alone.plan(found, 16, 100).source == DraftSource.SUFFIX  # nothing measured yet: the free draft
+    lookup = default_policy(SuffixProposer(PromptLookupProposer(), pools))
+    assert isinstance(lookup, LookupLength) and set(lookup.free) == {DraftSource.LOOKUP, DraftSource.SUFFIX}
+    hybrid = default_policy(SuffixProposer(DraftModelProposer(ScriptedContext(ScriptedModel.sized(40), hashed_logits(1, 40))),
+                                           pools))
+    assert isinstance(hybrid, HybridLength) and set(hybrid.free) == {DraftSource.SUFFIX}  # --no-lookup, the cache on
+    plan = hybrid.plan(Offer(suffix=found.suffix, model=True), 16, 100)
+    assert plan.source == DraftSource.SUFFIX and 1 <= plan.length <= 8
+    hybrid.observe(StepRecord(k=plan.length, drafted=plan.length, accepted=plan.length, draft_time=0.0, verify_time=0.02,
+                              context=100, source=DraftSource.SUFFIX))
+    assert hybrid.suffix.est.trials > 0 and hybrid.model.est.trials == 0  # the record went to the cache's policy
+    assert "suffix_acceptance" in hybrid.cost_state()

@@ -81,8 +81,8 @@ def lookup_adaptive(k_max: int, name: str = "prompt lookup") -> AdaptiveLength:
 def lookup_policy(*, k_max: int = LOOKUP_DRAFT_MAX, lookup: bool = True, suffix: bool = False) -> LookupLength:
     """The adaptive policy of model-free drafting alone: prompt lookup's and/or the suffix cache's
     (it sizes each draft once the match is known)."""
-    return LookupLength(lookup_adaptive(k_max, "prompt lookup" if lookup else "suffix cache"),
-                        lookup_adaptive(k_max, "suffix cache") if suffix and lookup else None)
+    return LookupLength(lookup_adaptive(k_max) if lookup else None,
+                        lookup_adaptive(k_max, "suffix cache") if suffix else None)
 
 
 def hybrid_policy(model: AdaptiveLength, *, lookup_max: int = LOOKUP_DRAFT_MAX, lookup: bool = True,

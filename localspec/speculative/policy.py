@@ -1020,17 +1020,20 @@ class LookupLength(_FreeSources):
     source, which sizes each draft by the match it found and how long it is; where both found
     tokens, the one that promises more tokens per second drafts."""
 
-    def __init__(self, lookup: AdaptiveLength, suffix: AdaptiveLength | None = None) -> None:
+    def __init__(self, lookup: AdaptiveLength | None, suffix: AdaptiveLength | None = None) -> None:
         self.lookup, self.suffix = lookup, suffix
         self.free = _free_of(lookup, suffix)
-        if suffix is not None:
-            suffix.verify_cost = lookup.verify_cost
+        if not self.free:
+            raise ValueError("LookupLength needs prompt lookup's policy, the suffix cache's or both")
+        self.main = lookup if lookup is not None else suffix  # its fit of the oracle's passes serves both
+        for policy in self.free.values():
+            policy.verify_cost = self.main.verify_cost
 
     def fork(self, regime: "Regime | None" = None) -> "LookupLength":
-        return LookupLength(self.lookup.fork(regime), self.suffix.fork(regime) if self.suffix else None)
+        return LookupLength(*(p.fork(regime) if p else None for p in (self.lookup, self.suffix)))
 
     def observe_pass(self, passes, seconds: float) -> None:
-        self.lookup.observe_pass(passes, seconds)
+        self.main.observe_pass(passes, seconds)
 
     def observe_draft_round(self, passes, seconds: float) -> None:
         pass  # nothing to decode
@@ -1043,17 +1046,17 @@ class LookupLength(_FreeSources):
         allowance = min(limit, max(p.k_max for p in self.free.values()))
         if not offer.found() or allowance <= 0:
             return NO_DRAFT
-        price = self.lookup.batch_price(shared.contexts, context, shared.drafting) if shared is not None else None
+        price = self.main.batch_price(shared.contexts, context, shared.drafting) if shared is not None else None
         for policy in self.free.values():
             policy.set_price(price)
         sized = self._sized(offer, allowance, context)
         if not sized:
             return NO_DRAFT
-        source, k = self._fastest(sized, context) if len(sized) > 1 and self.lookup.verify_cost.ready else sized[0][:2]
+        source, k = self._fastest(sized, context) if len(sized) > 1 and self.main.verify_cost.ready else sized[0][:2]
         return DraftPlan(source, k)
 
     def observe(self, step: StepRecord) -> None:
-        self._observe_free(step, self.free.get(step.source, self.lookup), list(self.free.values()))
+        self._observe_free(step, self.free.get(step.source, self.main), list(self.free.values()))
 
     def explain(self) -> str | None:
         return "prompt lookup found no earlier text to copy that was worth drafting"
@@ -1066,13 +1069,13 @@ class LookupLength(_FreeSources):
         return f"LookupLength ({free}, chosen per step from the match)"
 
     def cost_state(self) -> dict[str, dict[str, Any]]:
-        state = self.lookup.cost_state()
-        if self.suffix is not None and self.suffix.judged:
+        state = self.main.cost_state()
+        if self.suffix is not None and self.suffix is not self.main and self.suffix.judged:
             state["suffix_acceptance"] = self.suffix.acceptance_state()
         return state
 
     def load_cost_state(self, kind: str, state: Mapping[str, Any]) -> None:
-        if kind == "suffix_acceptance" and self.suffix is not None:
+        if kind == "suffix_acceptance" and self.suffix is not None and self.suffix is not self.main:
             self.suffix.load_acceptance_state(state)
         else:
-            self.lookup.load_cost_state(kind, state)
+            self.main.load_cost_state(kind, state)
