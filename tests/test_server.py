@@ -316,6 +316,18 @@ def test_metrics_count_draft_tokens_by_source():
     assert m.registry.get_sample_value("localspec_spec_decode_num_draft_tokens_total") == 17
 
 
+def test_token_sources_include_the_suffix_cache():
+    """Every source the engine labels a token with (runtime/engine.py's _DRAFT_SOURCES, and "oracle") is one
+    the report's schema takes: a token the suffix cache drafted must not fail the reply."""
+    from localspec.runtime.engine import _DRAFT_SOURCES
+    from localspec.server import schemas as S
+
+    labels = [*_DRAFT_SOURCES.values(), "oracle"]
+    assert "suffix" in labels
+    report = S.SpeculationReport(sources=[(f"piece{i}", label) for i, label in enumerate(labels)])
+    assert [source for _, source in report.sources] == labels
+
+
 @pytest.mark.model
 def test_health_docs_and_no_prompts_in_logs(server, http, worker, caplog):
     h = http.get("/health").json()

@@ -379,10 +379,11 @@ class ReplyFigures(BaseModel):
 class SpeculationReport(BaseModel):
     """Extension, only when the request asks (`"speculative": {"sources": true}`)."""
 
-    sources: list[tuple[str, Literal["draft", "lookup", "oracle"]]] = Field(
+    sources: list[tuple[str, Literal["draft", "lookup", "suffix", "oracle"]]] = Field(
         default_factory=list, description="The text this choice carries (a chunk's delta, or the whole reply) cut "
         "at its tokens: [piece, source] pairs that add up to it; source: accepted from the draft model (\"draft\"), "
-        "accepted from prompt lookup (\"lookup\"), or the oracle's own token (\"oracle\": recovered after a "
+        "accepted from prompt lookup (\"lookup\"), accepted from the suffix cache (\"suffix\": earlier requests' "
+        "text), or the oracle's own token (\"oracle\": recovered after a "
         "rejection, or the bonus after a fully accepted draft). A character split over tokens is the one's that "
         "completed it.")
     figures: ReplyFigures | None = Field(None, description="With the choice's last chunk (its finish_reason).")
