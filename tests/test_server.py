@@ -299,6 +299,36 @@ def test_metrics(server, http):
     assert metric(server, "localspec_host_seconds_total", phase="verify") > 0  # wall time outside llama.cpp
 
 
+def test_metrics_count_draft_tokens_by_source():
+    """Each step's draft tokens and accepted ones also count under where the draft came from."""
+    from localspec.outputs import DraftSource, StepRecord
+    from localspec.server.metrics import Metrics
+
+    m = Metrics()
+    for source, drafted, accepted in ((DraftSource.SUFFIX, 8, 6), (DraftSource.MODEL, 4, 1), (DraftSource.SUFFIX, 5, 0),
+                                      (DraftSource.NONE, 0, 0)):
+        m.record_step(StepRecord(k=drafted, drafted=drafted, accepted=accepted, draft_time=0.0, verify_time=0.0,
+                                 context=10, source=source))
+    value = lambda name, source: m.registry.get_sample_value(name + "_total", {"source": source})  # noqa: E731
+    assert value("localspec_spec_decode_num_draft_tokens_by_source", "suffix") == 13
+    assert value("localspec_spec_decode_num_accepted_tokens_by_source", "suffix") == 6
+    assert value("localspec_spec_decode_num_accepted_tokens_by_source", "model") == 1
+    assert value("localspec_spec_decode_num_draft_tokens_by_source", "") is None  # a step that drafted nothing
+    assert m.registry.get_sample_value("localspec_spec_decode_num_draft_tokens_total") == 17
+
+
+def test_token_sources_include_the_suffix_cache():
+    """Every source the engine labels a token with (runtime/engine.py's _DRAFT_SOURCES, and "oracle") is one
+    the report's schema takes: a token the suffix cache drafted must not fail the reply."""
+    from localspec.runtime.engine import _DRAFT_SOURCES
+    from localspec.server import schemas as S
+
+    labels = [*_DRAFT_SOURCES.values(), "oracle"]
+    assert "suffix" in labels
+    report = S.SpeculationReport(sources=[(f"piece{i}", label) for i, label in enumerate(labels)])
+    assert [source for _, source in report.sources] == labels
+
+
 @pytest.mark.model
 def test_health_docs_and_no_prompts_in_logs(server, http, worker, caplog):
     h = http.get("/health").json()

@@ -1,15 +1,19 @@
 """`localspec bench --clients 1,4,8`: servers under several clients at once, as a team or a chat UI
 and an agent use one.
 
-For each number of clients N, every system is started as a server with N slots (`localspec serve
---parallel N`, llama.cpp's `llama-server -np N`, the same GGUF files, threads, context per slot,
-flash attention off and no weight repacking), warmed up with one round of N short requests, then
-N clients at once, each its own open-ended prompt, stream a greedy answer of up to `max_tokens`
-tokens through the OpenAI API (`/v1/chat/completions`). Measured: the aggregate tokens/s (every
-client's tokens over the wall time from the first request to the last token), each client's time
-to first token and its own tokens/s. llama.cpp's plain batched decoding of the oracle alone
-(`llama-batched-bench`, N sequences) is the reference line. The programs come from
-scripts/build_llama_anchor.sh (the llama.cpp of the installed llama-cpp-python).
+For each workload (client_workloads: open-ended prompts, records in one format, an agent loop), each
+number of clients N and each repetition, every system is started afresh as a server with N slots
+(`localspec serve --parallel N`, llama.cpp's `llama-server -np N` with its speculative types, the
+same GGUF files, threads, context per slot, flash attention as localspec's "auto" resolves it and no
+weight repacking), warmed up with one round of N short requests none of the workloads asks, then N
+clients at once work through the workload's conversations, streaming greedy answers through the
+OpenAI API (`/v1/chat/completions`); records runs its queue twice on the same server (pass 2: what
+the server learned from pass 1). Measured per pass: the aggregate tokens/s (every request's tokens
+over the wall time from the first request to the last token), each request's time to first token
+(by turn, for the agent loop) and its own tokens/s, the draft tokens each server reports (localspec:
+by source, from /metrics), and every answer's text. llama.cpp's plain batched decoding of the oracle
+alone (`llama-batched-bench`, N sequences) is the reference line. The programs come from
+scripts/build_llama_anchor.sh (the llama.cpp of the installed llama-cpp-python) or --anchor-bin.
 """
 
 from __future__ import annotations
@@ -17,41 +21,30 @@ from __future__ import annotations
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from localspec.bench import anchor
+from localspec.bench import client_workloads as cw
+from localspec.bench.client_workloads import CLIENT_PROMPTS, Workload  # noqa: F401  (CLIENT_PROMPTS: tests use it)
 from localspec.llama.context import resolve_flash_attn
 
-# open-ended prompts, one per client (a client count above their number cycles them)
-CLIENT_PROMPTS = (
-    "Write a short story about a robot who learns to paint.",
-    "Explain how the internet works to a ten-year-old.",
-    "What are some good habits for staying healthy? Explain each one.",
-    "Describe a day in the life of a medieval blacksmith.",
-    "Give me a plan for learning a new language in six months.",
-    "Why do leaves change color in the autumn?",
-    "Write a letter to a friend about a trip to the mountains.",
-    "What should someone know before adopting a dog?",
-    "Explain the difference between weather and climate.",
-    "Describe how bread is made, from wheat to loaf.",
-    "Write a poem about a city at night.",
-    "What are the pros and cons of electric cars?",
-    "Tell me about the life cycle of a butterfly.",
-    "How does a refrigerator keep food cold?",
-    "Give me ideas for a rainy weekend at home.",
-    "Explain what makes a good team leader.",
-)
-SYSTEMS = ("localspec", "localspec-no-draft", "llama-server", "llama-server-draft")
-CTX_PER_SLOT = 1024
+# localspec serve's flags per system: today's default (the suffix cache on), as it was before the cache, no draft model
+LOCALSPEC_SYSTEMS = {"localspec": (), "localspec-no-suffix": ("--suffix-cache-tokens", "0"),
+                     "localspec-no-draft": ("--no-draft",)}
+# llama-server's --spec-type per system (draft-simple: the draft model; -md alone drafts nothing)
+LLAMA_SERVER_SYSTEMS = {"llama-server": (), "llama-server-draft": ("draft-simple",),
+                        "llama-server-ngram-mod": ("ngram-mod",), "llama-server-ngram-cache": ("ngram-cache",),
+                        "llama-server-ngram-mod-draft": ("ngram-mod", "draft-simple"),
+                        "llama-server-ngram-cache-draft": ("ngram-cache", "draft-simple")}
+SYSTEMS = (*LOCALSPEC_SYSTEMS, *LLAMA_SERVER_SYSTEMS)
 WARMUP_TOKENS = 32
+SCHEMA = "localspec-bench-clients/2"
 
 
 class ServingError(RuntimeError):
@@ -59,91 +52,137 @@ class ServingError(RuntimeError):
 
 
 @dataclass
-class ClientResult:
-    prompt: int
-    ttft: float | None  # seconds to the first content
-    seconds: float  # from the request to the end of the stream
-    tokens: int
-    text: str
+class Reply:
+    """One request of one conversation, as its client saw it. Times in seconds from the pass's start."""
+
+    conversation: str
+    turn: int
+    start: float = 0.0
+    end: float = 0.0
+    ttft: float | None = None  # from the request to its first content
+    tokens: int = 0
+    text: str = ""
+    drafted: int | None = None  # draft tokens the server reports for it (None: it reports none)
+    accepted: int | None = None
     error: str | None = None
 
     @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+    @property
     def tokens_per_second(self) -> float:
-        """The client's own decoding speed: its tokens after the first over the time after it."""
+        """The request's own decoding speed: its tokens after the first over the time after it."""
         if self.ttft is None or self.tokens <= 1 or self.seconds <= self.ttft:
             return 0.0
         return (self.tokens - 1) / (self.seconds - self.ttft)
 
 
 @dataclass
-class Round:
-    clients: list[ClientResult] = field(default_factory=list)
+class Pass:
+    """Every request of one pass through a workload, in the workload's order (conversation, turn)."""
+
+    replies: list[Reply] = field(default_factory=list)
     wall: float = 0.0
 
     @property
     def tokens(self) -> int:
-        return sum(c.tokens for c in self.clients)
+        return sum(r.tokens for r in self.replies)
 
     @property
     def aggregate(self) -> float:
         return self.tokens / self.wall if self.wall > 0 else 0.0
 
 
-def _sse_chat(url: str, model: str, prompt: str, max_tokens: int, start: float, result: ClientResult,
-              timeout: float) -> None:
+def _read_event(event: dict, reply: Reply, pieces: list[str], t0: float) -> None:
+    """One streamed chunk: its content, and the final chunk's usage (localspec: drafted and accepted
+    there; llama-server: in its `timings`)."""
+    usage, timings = event.get("usage"), event.get("timings") or {}
+    if usage:
+        reply.tokens = usage.get("completion_tokens", reply.tokens)
+        if "drafted" in usage:
+            reply.drafted, reply.accepted = usage["drafted"], usage.get("accepted")
+    if usage and "draft_n" in timings:
+        reply.drafted, reply.accepted = timings["draft_n"], timings.get("draft_n_accepted")
+    for choice in event.get("choices") or ():
+        piece = (choice.get("delta") or {}).get("content")
+        if piece:
+            if reply.ttft is None:
+                reply.ttft = time.perf_counter() - t0 - reply.start
+            pieces.append(piece)
+
+
+def stream_chat(url: str, model: str, messages: list[dict], max_tokens: int, reply: Reply, t0: float,
+                timeout: float) -> None:
+    """Send one greedy streamed chat request and fill in `reply` (times from `t0`)."""
     import httpx
 
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-    text, usage_tokens, chunks = [], None, 0
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    pieces: list[str] = []
+    reply.start = time.perf_counter() - t0
     try:
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=timeout) as r:
             if r.status_code != 200:
-                result.error = f"HTTP {r.status_code}: {r.read()[:200]!r}"
-                return
-            for line in r.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    break
-                event = json.loads(data)
-                if event.get("usage"):
-                    usage_tokens = event["usage"].get("completion_tokens")
-                for choice in event.get("choices") or ():
-                    piece = (choice.get("delta") or {}).get("content")
-                    if piece:
-                        if result.ttft is None:
-                            result.ttft = time.perf_counter() - start
-                        text.append(piece)
-                        chunks += 1
-    except Exception as e:  # a client that failed is reported, not fatal to the run
-        result.error = f"{type(e).__name__}: {e}"
-    result.seconds = time.perf_counter() - start
-    result.text = "".join(text)
-    result.tokens = usage_tokens if usage_tokens is not None else chunks
+                reply.error = f"HTTP {r.status_code}: {r.read()[:200]!r}"
+            for line in r.iter_lines() if reply.error is None else ():
+                if line.startswith("data: ") and line[6:] != "[DONE]":
+                    _read_event(json.loads(line[6:]), reply, pieces, t0)
+    except Exception as e:  # a request that failed is reported, not fatal to the run
+        reply.error = f"{type(e).__name__}: {e}"
+    reply.end = time.perf_counter() - t0
+    reply.text = "".join(pieces)
+    if not reply.tokens:
+        reply.tokens = len(pieces)  # a server without usage: its chunks
 
 
-def run_round(url: str, model: str, n_clients: int, max_tokens: int, *, first_prompt: int = 0,
-              timeout: float = 600) -> Round:
-    """N clients at once (released together), each its own prompt."""
-    results = [ClientResult(prompt=(first_prompt + i) % len(CLIENT_PROMPTS), ttft=None, seconds=0.0, tokens=0, text="")
-               for i in range(n_clients)]
+def _conversation(url: str, model: str, workload: Workload, index: int, t0: float, timeout: float) -> list[Reply]:
+    """One conversation's requests in turn, each after the reply before it (a failed one ends it)."""
+    conversation, replies = workload.conversations[index], []
+    for turn in range(conversation.turns):
+        reply = Reply(conversation.id, turn)
+        stream_chat(url, model, conversation.request([r.text for r in replies]), workload.max_tokens, reply, t0,
+                    timeout)
+        replies.append(reply)
+        if reply.error:
+            break
+    return replies
+
+
+def run_pass(url: str, model: str, workload: Workload, n_clients: int, *, timeout: float = 600) -> Pass:
+    """N clients at once (released together) working through the workload's conversations as one
+    queue: each takes the next one when it is done with one."""
+    done: list[list[Reply]] = [[] for _ in workload.conversations]
+    queue, lock = iter(range(len(workload.conversations))), threading.Lock()
     barrier = threading.Barrier(n_clients + 1)
     t0: list[float] = []
 
-    def client(i: int) -> None:
+    def client() -> None:
         barrier.wait()
-        _sse_chat(url, model, CLIENT_PROMPTS[results[i].prompt], max_tokens, t0[0], results[i], timeout)
+        while True:
+            with lock:
+                index = next(queue, None)
+            if index is None:
+                return
+            done[index] = _conversation(url, model, workload, index, t0[0], timeout)
 
-    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(n_clients)]
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(n_clients)]
     for t in threads:
         t.start()
     t0.append(time.perf_counter())
     barrier.wait()
     for t in threads:
-        t.join(timeout + 30)
-    return Round(results, wall=max(r.seconds for r in results))
+        t.join()
+    replies = [r for conversation in done for r in conversation]
+    return Pass(replies, wall=max((r.end for r in replies), default=0.0))
+
+
+def warmup_workload(n_clients: int) -> Workload:
+    """N short requests none of the workloads asks."""
+    prompts = cw.WARMUP_PROMPTS
+    return Workload("warmup", tuple(cw.Conversation(f"warmup-{i + 1}", ({"role": "user",
+                                                                         "content": prompts[i % len(prompts)]},))
+                                    for i in range(n_clients)), WARMUP_TOKENS, ctx_per_slot=256)
 
 
 # ------------------------------------------------------------------------------------ servers
@@ -201,6 +240,7 @@ class Server:
 
 
 ALL_LAYERS = "999"
+CTX_PER_SLOT = 1024  # llama-batched-bench's context per sequence
 
 
 def _placement() -> list[str]:
@@ -211,23 +251,40 @@ def _placement() -> list[str]:
     return ["-ngl", ALL_LAYERS, "-fa", resolve_flash_attn("auto", n_gpu_layers=-1), "--no-repack"]
 
 
-def start_server(system: str, *, n_slots: int, oracle: str, draft: str | None, threads: int,
-                 anchor_bin: str | None, model_name: str) -> Server:
-    port = _free_port()
-    if system.startswith("localspec"):
+def server_argv(system: str, *, port: int, n_slots: int, oracle: str, draft: str | None, threads: int,
+                anchor_bin: str | None, model_name: str, ctx_per_slot: int = CTX_PER_SLOT) -> list[str]:
+    """The command line that serves `system` on `port`."""
+    if system in LOCALSPEC_SYSTEMS:
         argv = [sys.executable, "-m", "localspec.cli", "serve", "--port", str(port), "--parallel", str(n_slots),
-                "--ctx", str(CTX_PER_SLOT), "--threads", str(threads), "--oracle", oracle, "--max-queue", "64",
-                "--model-name", model_name]
-        argv += ["--no-draft"] if system == "localspec-no-draft" or draft is None else ["--draft", draft]
-        return Server(system, argv, port)
+                "--ctx", str(ctx_per_slot), "--threads", str(threads), "--oracle", oracle, "--max-queue", "64",
+                "--model-name", model_name, *LOCALSPEC_SYSTEMS[system]]
+        if system != "localspec-no-draft":
+            argv += ["--draft", draft] if draft is not None else ["--no-draft"]
+        return argv
+    if system not in LLAMA_SERVER_SYSTEMS:
+        raise ServingError(f"no such system: {system}")
     binary = str(anchor.find_binary("llama-server", anchor_bin))
     argv = [binary, "-m", oracle, "--port", str(port), "--host", "127.0.0.1", "-np", str(n_slots),
-            "-c", str(CTX_PER_SLOT * n_slots), "-t", str(threads), *_placement(), "--no-webui"]
-    if system == "llama-server-draft":
+            "-c", str(ctx_per_slot * n_slots), "-t", str(threads), *_placement(), "--no-webui"]
+    return argv + _llama_spec_flags(LLAMA_SERVER_SYSTEMS[system], draft, threads)
+
+
+def start_server(system: str, **kw) -> Server:
+    """`system` serving on a free port of loopback (`kw`: server_argv's)."""
+    port = _free_port()
+    return Server(system, server_argv(system, port=port, **kw), port)
+
+
+def _llama_spec_flags(spec_types: tuple[str, ...], draft: str | None, threads: int) -> list[str]:
+    """llama-server's speculative flags: its --spec-type list, and the draft model for draft-simple."""
+    if not spec_types:
+        return []
+    flags = ["--spec-type", ",".join(spec_types)]
+    if "draft-simple" in spec_types:
         if draft is None:
             raise ServingError("no draft model")
-        argv += ["-md", draft, "-ngld", ALL_LAYERS, "--spec-draft-threads", str(threads)]
-    return Server(system, argv, port)
+        flags += ["-md", draft, "-ngld", ALL_LAYERS, "--spec-draft-threads", str(threads)]
+    return flags
 
 
 def batched_bench(*, oracle: str, n_clients: list[int], prompt_tokens: int, max_tokens: int, threads: int,
@@ -252,107 +309,156 @@ def batched_bench(*, oracle: str, n_clients: list[int], prompt_tokens: int, max_
 # ------------------------------------------------------------------------------------ the run
 
 
-def run_clients_bench(*, oracle: str, draft: str | None, clients: list[int], systems: list[str], reps: int,
-                      max_tokens: int, threads: int, anchor_bin: str | None, model_name: str = "bench",
-                      progress: Callable[[str], None] = lambda _: None) -> dict:
-    from localspec.bench.runner import machine_info
+@dataclass
+class ClientsConfig:
+    """What one `localspec bench --clients` run measures."""
 
+    oracle: str
+    draft: str | None
+    clients: list[int]
+    systems: list[str]
+    workloads: list[str] = field(default_factory=lambda: ["open"])
+    reps: int = 1
+    threads: int = 1
+    anchor_bin: str | None = None
+    model_name: str = "bench"
+    max_tokens: int | None = None  # every workload's (default: its own)
+    max_prompts: int | None = None  # at most this many records listings
+    turns: int = cw.AGENT_TURNS
+
+    def workload(self, name: str, n_clients: int, rep: int) -> Workload:
+        return cw.build(name, n_clients, rep, max_tokens=self.max_tokens, max_prompts=self.max_prompts,
+                        turns=self.turns)
+
+
+def metrics_by_source(url: str) -> dict[str, dict[str, float]]:
+    """localspec's draft tokens so far by source ({"suffix": {"drafted": .., "accepted": ..}, ...}),
+    from /metrics; {} from a server that does not count them so."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    names = {"localspec_spec_decode_num_draft_tokens_by_source": "drafted",
+             "localspec_spec_decode_num_accepted_tokens_by_source": "accepted"}
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text) if text.startswith("#") else ():
+        for sample in family.samples if family.name in names else ():
+            if sample.name.endswith("_total"):
+                out.setdefault(sample.labels["source"], {"drafted": 0.0, "accepted": 0.0})[names[family.name]] = sample.value
+    return out
+
+
+def _difference(after: dict, before: dict) -> dict[str, dict[str, float]]:
+    """By source, what a pass added to the counters."""
+    zero = {"drafted": 0.0, "accepted": 0.0}
+    return {source: {k: v - before.get(source, zero)[k] for k, v in counts.items()} for source, counts in after.items()
+            if any(v - before.get(source, zero)[k] for k, v in counts.items())}
+
+
+def pass_row(system: str, workload: Workload, n: int, rep: int, number: int, result: Pass,
+             by_source: dict | None) -> dict:
+    """A pass's row of the report: its figures and every request's (`by_source`: the draft tokens
+    by source, None from a server that does not count them so)."""
+    replies = result.replies
+    ttfts = sorted(r.ttft for r in replies if r.ttft is not None)
+    turns = range(max((r.turn for r in replies), default=-1) + 1)
+    reported = [r for r in replies if r.drafted is not None]
+    return {"workload": workload.name, "clients": n, "system": system, "rep": rep, "pass": number,
+            "aggregate_tokens_per_second": result.aggregate, "tokens": result.tokens, "wall": result.wall,
+            "errors": [f"{r.conversation} turn {r.turn}: {r.error}" for r in replies if r.error],
+            "ttft_p50": percentile(ttfts, 50), "ttft_p95": percentile(ttfts, 95),
+            "ttft_p50_by_turn": [percentile(sorted(r.ttft for r in replies if r.turn == t and r.ttft is not None), 50)
+                                 for t in turns],
+            "client_tokens_per_second": [r.tokens_per_second for r in replies],
+            "drafted": sum(r.drafted for r in reported) if reported else None,
+            "accepted": sum(r.accepted or 0 for r in reported) if reported else None,
+            "by_source": by_source, "requests": [asdict(r) for r in replies]}
+
+
+def _measure(server: Server, config: ClientsConfig, system: str, workload: Workload, n: int, rep: int,
+             progress: Callable[[str], None]) -> list[dict]:
+    """Warm the server up, then run the workload's passes on it."""
+    run_pass(server.url, config.model_name, warmup_workload(n), n)
     rows = []
-    notes: list[str] = []
-    for n in clients:
-        for system in systems:
-            progress(f"{n} client{'s' if n > 1 else ''}: starting {system} ...")
-            try:
-                server = start_server(system, n_slots=n, oracle=oracle, draft=draft, threads=threads,
-                                      anchor_bin=anchor_bin, model_name=model_name)
-            except (anchor.AnchorUnavailable, ServingError) as e:
-                notes.append(f"{system}: skipped ({e})")
-                continue
-            try:
-                server.wait_ready()
-                run_round(server.url, model_name, n, WARMUP_TOKENS, first_prompt=len(CLIENT_PROMPTS) // 2)
-                for rep in range(reps):
-                    r = run_round(server.url, model_name, n, max_tokens, first_prompt=rep * n)
-                    errors = [c.error for c in r.clients if c.error]
-                    ttfts = sorted(c.ttft for c in r.clients if c.ttft is not None)
-                    row = {"clients": n, "system": system, "rep": rep, "aggregate_tokens_per_second": r.aggregate,
-                           "tokens": r.tokens, "wall": r.wall, "errors": errors,
-                           "ttft_p50": _percentile(ttfts, 50), "ttft_p95": _percentile(ttfts, 95),
-                           "client_tokens_per_second": [c.tokens_per_second for c in r.clients],
-                           "texts": [c.text for c in r.clients]}
-                    rows.append(row)
-                    progress(f"{n} clients, {system}, rep {rep + 1}: {r.aggregate:.1f} tok/s aggregate, first token "
-                             f"p50 {row['ttft_p50'] or 0:.2f} s" + (f", {len(errors)} errors" if errors else ""))
-            except ServingError as e:
-                notes.append(f"{system} with {n} clients: {e}")
-            finally:
-                server.stop()
-    reference = {}
+    for number in range(1, workload.passes + 1):
+        counted = system in LOCALSPEC_SYSTEMS  # llama-server does not say where its drafts came from
+        before = metrics_by_source(server.url) if counted else {}
+        result = run_pass(server.url, config.model_name, workload, n)
+        by_source = _difference(metrics_by_source(server.url), before) if counted else None
+        row = pass_row(system, workload, n, rep, number, result, by_source)
+        rows.append(row)
+        progress(f"{workload.name}, {n} client{'s' if n > 1 else ''}, {system}, rep {rep + 1}"
+                 + (f", pass {number}" if workload.passes > 1 else "")
+                 + f": {result.aggregate:.1f} tok/s aggregate, first token p50 {row['ttft_p50'] or 0:.2f} s"
+                 + (f", {len(row['errors'])} errors" if row["errors"] else ""))
+    return rows
+
+
+def _run_system(config: ClientsConfig, system: str, workload: Workload, n: int, rep: int,
+                notes: list[str], progress: Callable[[str], None]) -> list[dict]:
+    """One system's repetition on a server of its own (nothing learned before it)."""
+    progress(f"{workload.name}, {n} client{'s' if n > 1 else ''}: starting {system} ...")
+    try:
+        server = start_server(system, n_slots=n, oracle=config.oracle, draft=config.draft, threads=config.threads,
+                              anchor_bin=config.anchor_bin, model_name=config.model_name,
+                              ctx_per_slot=workload.ctx_per_slot)
+    except (anchor.AnchorUnavailable, ServingError) as e:
+        notes.append(f"{system}: skipped ({e})")
+        return []
+    try:
+        server.wait_ready()
+        return _measure(server, config, system, workload, n, rep, progress)
+    except ServingError as e:
+        notes.append(f"{system}, {workload.name}, {n} clients: {e}")
+        return []
+    finally:
+        server.stop()
+
+
+def _reference(config: ClientsConfig, notes: list[str], progress: Callable[[str], None]) -> dict[int, float]:
     try:
         progress("llama-batched-bench (the oracle alone, plain batched decoding) ...")
-        reference = batched_bench(oracle=oracle, n_clients=clients, prompt_tokens=40, max_tokens=max_tokens,
-                                  threads=threads, anchor_bin=anchor_bin)
+        return batched_bench(oracle=config.oracle, n_clients=config.clients, prompt_tokens=40,
+                             max_tokens=config.max_tokens or 128, threads=config.threads, anchor_bin=config.anchor_bin)
     except (anchor.AnchorUnavailable, ServingError, subprocess.TimeoutExpired) as e:
         notes.append(f"llama-batched-bench: {e}")
-    return {"schema": "localspec-bench-clients/1", "machine": machine_info(threads),
-            "config": {"oracle": oracle, "draft": draft, "clients": clients, "systems": systems, "reps": reps,
-                       "max_tokens": max_tokens, "threads": threads, "ctx_per_slot": CTX_PER_SLOT,
-                       "prompts": list(CLIENT_PROMPTS)},
-            "runs": rows, "batched_bench": reference, "summary": summarize(rows, reference), "notes": notes}
+        return {}
 
 
-def _percentile(values: list[float], q: float) -> float | None:
+def run_clients_bench(config: ClientsConfig, progress: Callable[[str], None] = lambda _: None,
+                      reference: bool = True) -> dict:
+    """Every workload, client count, repetition and system (interleaved by repetition), and the
+    reference line (`reference`: llama-batched-bench)."""
+    from localspec.bench.clients_report import summarize
+    from localspec.bench.runner import machine_info
+
+    rows: list[dict] = []
+    notes: list[str] = []
+    for name in config.workloads:
+        for n in config.clients:
+            for rep in range(config.reps):
+                workload = config.workload(name, n, rep)
+                if workload.repeats:
+                    notes.append(f"{name}, {n} clients: some conversations repeat within a pass (more clients than tasks)")
+                for system in config.systems:
+                    rows += _run_system(config, system, workload, n, rep, notes, progress)
+    batched = _reference(config, notes, progress) if reference else {}
+    workloads = {name: config.workload(name, max(config.clients), 0).to_dict() for name in config.workloads}
+    return {"schema": SCHEMA, "machine": machine_info(config.threads),
+            "config": {"oracle": config.oracle, "draft": config.draft, "clients": config.clients,
+                       "systems": config.systems, "reps": config.reps, "threads": config.threads,
+                       "max_tokens": config.max_tokens, "workloads": workloads},
+            "runs": rows, "batched_bench": batched, "summary": summarize(rows, batched),
+            "notes": list(dict.fromkeys(notes))}
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile of sorted `values`, interpolated (None for none)."""
     if not values:
         return None
     k = (len(values) - 1) * q / 100
     lo, hi = int(k), min(int(k) + 1, len(values) - 1)
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
-
-
-def summarize(rows: list[dict], reference: dict) -> list[dict]:
-    """Per (clients, system): medians over repetitions, and each against llama-server's best."""
-    out = []
-    for n in sorted({r["clients"] for r in rows}):
-        at_n = [r for r in rows if r["clients"] == n]
-        best = {}
-        for system in dict.fromkeys(r["system"] for r in at_n):
-            mine = [r for r in at_n if r["system"] == system]
-            best[system] = {"clients": n, "system": system,
-                            "aggregate_tokens_per_second": statistics.median(r["aggregate_tokens_per_second"] for r in mine),
-                            "ttft_p50": statistics.median(r["ttft_p50"] for r in mine if r["ttft_p50"] is not None)
-                            if any(r["ttft_p50"] is not None for r in mine) else None,
-                            "ttft_p95": max((r["ttft_p95"] for r in mine if r["ttft_p95"] is not None), default=None),
-                            "client_tokens_per_second": statistics.median(
-                                [x for r in mine for x in r["client_tokens_per_second"]] or [0.0]),
-                            "errors": sum(len(r["errors"]) for r in mine)}
-        anchors = [v["aggregate_tokens_per_second"] for k, v in best.items() if k.startswith("llama-server")]
-        server_best = max(anchors) if anchors else None
-        for v in best.values():
-            v["vs_llama_server_best"] = v["aggregate_tokens_per_second"] / server_best if server_best else None
-            v["batched_bench"] = reference.get(n)
-            out.append(v)
-    return out
-
-
-def markdown(report: dict) -> str:
-    m, c = report["machine"], report["config"]
-    lines = ["# Serving several clients at once", "",
-             f"Machine: {m.get('cpu')} ({', '.join(m.get('cpu_flags') or [])}), {m.get('threads')} threads; "
-             f"llama-cpp-python {m.get('llama_cpp_python')}; localspec commit {m.get('git_commit')}.", "",
-             f"Oracle `{Path(c['oracle']).name}`, draft `{Path(c['draft']).name if c['draft'] else '-'}`; greedy; "
-             f"each client its own open-ended prompt, streamed answers of up to {c['max_tokens']} tokens through "
-             f"/v1/chat/completions; {c['reps']} repetitions (medians); each server with one slot per client and "
-             f"{c['ctx_per_slot']} tokens of context per slot, flash attention off, no weight repacking, one warm-up "
-             "round first.", "",
-             "| clients | system | aggregate tok/s | vs llama-server's best | first token p50 | p95 | tok/s per client "
-             "| llama-batched-bench (oracle alone) |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|"]
-    for s in report["summary"]:
-        fmt = lambda x, spec: format(x, spec) if x is not None else "–"  # noqa: E731
-        lines.append(f"| {s['clients']} | {s['system']} | {s['aggregate_tokens_per_second']:.1f} | "
-                     f"{fmt(s['vs_llama_server_best'], '.2f')}x | {fmt(s['ttft_p50'], '.2f')} s | "
-                     f"{fmt(s['ttft_p95'], '.2f')} s | {s['client_tokens_per_second']:.1f} | "
-                     f"{fmt(s['batched_bench'], '.1f')} |" + (f" {s['errors']} errors" if s["errors"] else ""))
-    if report["notes"]:
-        lines += ["", "Notes:", *[f"- {n}" for n in report["notes"]]]
-    return "\n".join(lines) + "\n"

@@ -25,8 +25,8 @@ def run(*, pair: str | None, oracle: str | None, draft: str | None, workload: st
     choice = Registry.load().choose(pair, oracle, draft)
     oracle, draft, chosen = choice.oracle, choice.draft, choice.pair
     if clients:
-        return _run_clients(oracle, draft, clients, systems, reps, max_tokens, threads, anchor_bin, json_path,
-                            markdown_path, progress, echo)
+        return _run_clients(oracle, draft, clients, systems, workload, reps, max_prompts, max_tokens, threads,
+                            anchor_bin, json_path, markdown_path, progress, echo)
     if draft is None:
         progress("no --draft for this oracle: systems that need a draft model are skipped")
     names = [w.strip() for w in workload.split(",") if w.strip()] if workload else None
@@ -56,37 +56,50 @@ def run(*, pair: str | None, oracle: str | None, draft: str | None, workload: st
     return report
 
 
-def _run_clients(oracle, draft, clients: str, systems: str | None, reps: int, max_tokens: int | None,
-                 threads: int | None, anchor_bin: str | None, json_path: str | None, markdown_path: str | None,
-                 progress: Callable[[str], None], echo: Callable[[str], None]) -> dict:
+def _run_clients(oracle, draft, clients: str, systems: str | None, workload: str | None, reps: int,
+                 max_prompts: int | None, max_tokens: int | None, threads: int | None, anchor_bin: str | None,
+                 json_path: str | None, markdown_path: str | None, progress: Callable[[str], None],
+                 echo: Callable[[str], None]) -> dict:
     """`--clients 1,4,8`: the serving benchmark (localspec.bench.clients)."""
     from localspec.llama.backend import default_threads
     from localspec.models import Registry
 
     from localspec.bench import clients as cl
+    from localspec.bench import clients_report as cr
 
+    registry = Registry.load()
+    config = cl.ClientsConfig(
+        oracle=str(registry.resolve(oracle, progress=progress)),
+        draft=str(registry.resolve(draft, progress=progress)) if draft else None,
+        clients=_client_counts(clients), systems=_names(systems, cl.SYSTEMS, "systems"),
+        workloads=_names(workload or "open", cl.cw.CLIENT_WORKLOADS, "workloads"), reps=reps,
+        threads=threads or default_threads(), anchor_bin=anchor_bin, max_tokens=max_tokens, max_prompts=max_prompts)
+    report = cl.run_clients_bench(config, progress=progress)
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=1), "utf-8")
+        progress(f"wrote {json_path}")
+    text = cr.markdown(report)
+    if markdown_path:
+        Path(markdown_path).write_text(text, "utf-8")
+        progress(f"wrote {markdown_path}")
+    echo(text)
+    return report
+
+
+def _client_counts(clients: str) -> list[int]:
     try:
         counts = sorted({int(n) for n in clients.split(",") if n.strip()})
     except ValueError:
         raise ValueError(f"--clients: give client counts such as 1,4,8 (got {clients!r})") from None
     if not counts or min(counts) < 1:
         raise ValueError("--clients: counts of at least 1")
-    names = [s.strip() for s in systems.split(",")] if systems else list(cl.SYSTEMS)
-    unknown = [s for s in names if s not in cl.SYSTEMS]
-    if unknown:
-        raise ValueError(f"--clients runs these systems: {', '.join(cl.SYSTEMS)} (not {', '.join(unknown)})")
-    registry = Registry.load()
-    oracle_path = str(registry.resolve(oracle, progress=progress))
-    draft_path = str(registry.resolve(draft, progress=progress)) if draft else None
-    report = cl.run_clients_bench(oracle=oracle_path, draft=draft_path, clients=counts, systems=names, reps=reps,
-                                  max_tokens=max_tokens or 256, threads=threads or default_threads(),
-                                  anchor_bin=anchor_bin, progress=progress)
-    if json_path:
-        Path(json_path).write_text(json.dumps(report, indent=1), "utf-8")
-        progress(f"wrote {json_path}")
-    text = cl.markdown(report)
-    if markdown_path:
-        Path(markdown_path).write_text(text, "utf-8")
-        progress(f"wrote {markdown_path}")
-    echo(text)
-    return report
+    return counts
+
+
+def _names(given: str | None, known: tuple[str, ...], what: str) -> list[str]:
+    """A comma-separated choice among `known` (all of them when none is given)."""
+    names = list(dict.fromkeys(s.strip() for s in given.split(",") if s.strip())) if given else list(known)
+    unknown = [s for s in names if s not in known]
+    if unknown or not names:
+        raise ValueError(f"--clients runs these {what}: {', '.join(known)} (not {', '.join(unknown) or 'none'})")
+    return names

@@ -10,6 +10,8 @@
 - code:     edit a given function (the answer repeats most of it)
 - long:     400+ tokens of output
 - copy:     repeat a passage, a list or code given in the prompt (prompt lookup's best case)
+- records:  product listings turned into six-field records under one system prompt and example
+            (not in the default set: `localspec bench --clients --workload records` runs them twice on a server)
 - structured: JSON answers under a JSON schema (a record's optional "json_schema"; localspec's systems
             constrain the output to it, the C++ anchor and llama-cpp-python's lookup do not)
 """

@@ -548,13 +548,16 @@ def serve(ctx: click.Context, host: str, port: int, model_name: str | None, api_
 @click.option("--oracle", default=None, help="Oracle model: a name from models.toml or a GGUF path.")
 @click.option("--draft", default=None, help="Draft model: a name or a GGUF path.")
 @click.option("--workload", default=None, help="Comma-separated workloads: chat,grounded,code,long (default: all) "
-              "or paths to .jsonl files.")
+              "or paths to .jsonl files; with --clients: open (the default: open-ended prompts), records (32 product "
+              "listings in one answer format, run twice on the same server) and agent (agent loops: a tool list, "
+              "tool calls and results over 4 turns).")
 @click.option("--systems", default=None, help="Comma-separated systems (default: baseline,k4,k8,k16,adaptive,"
               "model,lookup,llama.cpp-grid,llama.cpp-ngram,llama.cpp-ngram-fa-off,lcp-lookup; also kN, lookup-kN, hybrid, "
               "llama.cpp-kN, llama.cpp-spec, llama.cpp-ngram-kN, lcp-lookup-kN; any name but the baseline and lcp-lookup "
               "takes -fa-auto|-fa-on|-fa-off; llama.cpp-grid is llama.cpp-k4/k8/k16, each with -fa auto and off).")
 @click.option("--reps", type=click.IntRange(1), default=3, show_default=True, help="Interleaved repetitions.")
-@click.option("--max-prompts", type=click.IntRange(1), default=None, help="At most N prompts per workload.")
+@click.option("--max-prompts", type=click.IntRange(1), default=None, help="At most N prompts per workload (with "
+              "--clients: N listings of records).")
 @OPTIONS["max_tokens"].click_option(default=None, help="Cap every prompt's max_tokens.")
 @click.option("--threads", type=click.IntRange(1, 1024), default=None,
               help="CPU threads, the same for every system (default: all cores).")
@@ -572,9 +575,12 @@ def serve(ctx: click.Context, host: str, port: int, model_name: str | None, api_
               "off, in the same process, and report that ratio too (the fairest test of a few percent; twice the time).")
 @click.option("--clients", default=None, metavar="N,N,...",
               help="Serving benchmark instead: for each N, N clients at once stream greedy answers from `localspec "
-                   "serve --parallel N` and llama.cpp's llama-server -np N (with and without the draft); aggregate "
-                   "tokens/s, time to first token, tokens/s per client, and llama-batched-bench's plain batched "
-                   "decoding (--systems: localspec,localspec-no-draft,llama-server,llama-server-draft).")
+                   "serve --parallel N` and llama.cpp's llama-server -np N (with its speculative types), a fresh "
+                   "server per repetition; aggregate tokens/s, time to first token, tokens/s per request, draft "
+                   "tokens accepted, and llama-batched-bench's plain batched decoding (--workload open,records,agent; "
+                   "--systems, default all: localspec, localspec-no-suffix, localspec-no-draft, llama-server, "
+                   "llama-server-draft, llama-server-ngram-mod, llama-server-ngram-cache, "
+                   "llama-server-ngram-mod-draft, llama-server-ngram-cache-draft).")
 @click.option("--mixed-warmup", type=click.IntRange(0), default=12, show_default=True,
               help="Sampled requests (temperature 1.0 and 0.7, 48 tokens) each drafting localspec system answers "
               "before the greedy runs, as a server answering OpenAI clients does; 0: none.")

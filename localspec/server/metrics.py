@@ -54,16 +54,15 @@ class Metrics:
                                          registry=r)
         self.spec_accepted_tokens = Counter("localspec_spec_decode_num_accepted_tokens", "Draft tokens accepted.",
                                             registry=r)
-        self.spec_draft_tokens_by_source = Counter(
-            "localspec_spec_decode_num_draft_tokens_by_source", "Draft tokens verified, by where they came from: "
-            "model (the draft model), lookup (the request's own text), suffix (earlier requests' text).",
-            ["source"], registry=r)
-        self.spec_accepted_tokens_by_source = Counter(
-            "localspec_spec_decode_num_accepted_tokens_by_source", "Draft tokens accepted, by where they came from.",
-            ["source"], registry=r)
         self.spec_accepted_per_pos = Counter("localspec_spec_decode_num_accepted_tokens_per_pos",
                                              "Draft tokens accepted, by their place in the draft (0: the first).",
                                              ["position"], registry=r)
+        self.spec_draft_tokens_by_source = Counter(
+            "localspec_spec_decode_num_draft_tokens_by_source", "Draft tokens verified, by where the draft came "
+            "from: model (the draft model), lookup (prompt lookup), suffix (the suffix cache).", ["source"], registry=r)
+        self.spec_accepted_tokens_by_source = Counter(
+            "localspec_spec_decode_num_accepted_tokens_by_source", "Draft tokens accepted, by where the draft came "
+            "from.", ["source"], registry=r)
         self.host_seconds = Counter("localspec_host_seconds", "Seconds the steps of completed generations spent "
                                     "outside llama.cpp (wall time minus time in its decodes), by phase: draft "
                                     "(proposing), verify (batch, acceptance, rollback), other (emitting).",
@@ -78,8 +77,9 @@ class Metrics:
         self.spec_drafts.inc()
         self.spec_draft_tokens.inc(step.drafted)
         self.spec_accepted_tokens.inc(step.accepted)
-        self.spec_draft_tokens_by_source.labels(str(step.source)).inc(step.drafted)
-        self.spec_accepted_tokens_by_source.labels(str(step.source)).inc(step.accepted)
+        source = str(step.source)
+        self.spec_draft_tokens_by_source.labels(source).inc(step.drafted)
+        self.spec_accepted_tokens_by_source.labels(source).inc(step.accepted)
         for position in range(min(step.accepted, MAX_POSITION_LABEL + 1)):
             self.spec_accepted_per_pos.labels(str(position)).inc()
 
