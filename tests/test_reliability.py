@@ -91,11 +91,12 @@ class CappedEngine:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def prepare(self, prompt, options=None, *, tools=None, **changes):
+    def prepare(self, prompt, options=None, *, tools=None, pool="", **changes):
         if self.fail_on and self.fail_on in json.dumps(prompt):
             raise RuntimeError("injected engine fault")
         options = GenerationOptions.build(options, **changes)
-        return self._engine.prepare(prompt, options, tools=tools, max_tokens=min(options.max_tokens, self._cap))
+        return self._engine.prepare(prompt, options, tools=tools, pool=pool,
+                                    max_tokens=min(options.max_tokens, self._cap))
 
 
 @pytest.fixture(scope="module")

@@ -1104,11 +1104,14 @@ def test_stats_usage_shape():
     from localspec.server.render import usage_of
 
     u = usage_of(Stats(prompt_tokens=10, prompt_tokens_evaluated=4, completion_tokens=5, steps=3, drafted=8, accepted=6,
+                     lookup_drafted=3, lookup_accepted=2, suffix_drafted=1, suffix_accepted=1,
                      regime="temperature 0.85-1.15", idle_steps=2, idle_reason="because"))
     assert u.model_dump() == {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15,
                               "prompt_tokens_details": {"cached_tokens": 6}, "steps": 3, "drafted": 8, "accepted": 6,
                               "acceptance_rate": 0.75, "regime": "temperature 0.85-1.15", "idle_steps": 2,
-                              "idle_reason": "because"}
+                              "idle_reason": "because",
+                              "sources": {"model": {"drafted": 4, "accepted": 3}, "lookup": {"drafted": 3, "accepted": 2},
+                                          "suffix": {"drafted": 1, "accepted": 1}}}
 
 
 # ---------------------------------------------------------------- logprobs over a scripted engine

@@ -55,6 +55,17 @@ def test_a_continuation_is_cut_where_the_candidates_stop_agreeing():
     assert offered(store, [0, 2, 3, 4]) == ([5, 6, 9, 8], 3)  # two of four now: not fewer than half
 
 
+def test_a_long_match_is_not_cut_by_candidates_that_agree_only_briefly():
+    """A request sent again matches its own earlier text far back; other answers in the same format
+    match only the last few tokens and go on differently: they do not cut the repeat short."""
+    store = SuffixStore(10_000)
+    store.add(list(range(100, 140)) + [1, 2, 3, 50, 51, 52, 53])  # the request and its answer
+    for i in range(6):  # other requests, their answers in the same format: "1 2 3" then their own values
+        store.add(list(range(200 + 40 * i, 240 + 40 * i)) + [1, 2, 3, 60 + i, 70 + i])
+    assert offered(store, list(range(100, 140)) + [1, 2, 3]) == ([50, 51, 52, 53], 43)
+    assert offered(store, [9, 9, 1, 2, 3]) == ([], 3)  # a brief match: seven candidates disagree at once
+
+
 def test_the_store_keeps_at_most_its_capacity_the_oldest_going_first():
     store = SuffixStore(20)
     nbytes = store.nbytes
@@ -84,9 +95,8 @@ def test_each_pool_drafts_only_from_its_own_requests():
     pools = SuffixPools(1000)
     pools.add("alice", [[1, 2, 3, 4, 5]])
     assert offered(pools.store("alice"), [1, 2, 3]) == ([4, 5], 3)
-    assert offered(pools.store("bob"), [1, 2, 3]) == ([], 0)
-    assert offered(pools.store(""), [1, 2, 3]) == ([], 0)  # a server without keys: one pool of its own
-    assert pools.stats()["pools"] == 3 and pools.stats()["documents"] == 1
+    assert pools.store("bob") is None and pools.store("") is None  # nothing kept for them: no store made
+    assert pools.stats()["pools"] == 1 and pools.stats()["documents"] == 1
     assert SuffixPools(0).store("alice") is None  # 0: no cache
 
 

@@ -26,7 +26,7 @@ from serving import ThreadedServer, cli_serve, free_port, paced_engine, wait_rea
 API_KEY = "webui-test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 PARALLEL = 2
-SOURCES = {"draft", "lookup", "oracle"}
+SOURCES = {"draft", "lookup", "suffix", "oracle"}  # suffix: the server's cache of earlier requests (on by default)
 COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"  # greedy SmolLM2 keeps counting
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 
@@ -105,8 +105,8 @@ def test_each_chunk_says_where_its_text_came_from_and_the_last_one_gives_the_fig
     count = {s: sum(1 for _, source in pieces if source == s) for s in SOURCES}
     assert sum(count.values()) == usage["completion_tokens"]
     assert 0 < count["oracle"] <= usage["steps"]  # one per step, the last step's maybe cut off by max_tokens
-    assert 0 < count["draft"] + count["lookup"] <= usage["accepted"]
-    assert count["lookup"] <= figures["lookup_accepted"]
+    assert 0 < count["draft"] + count["lookup"] + count["suffix"] <= usage["accepted"]
+    assert count["lookup"] <= figures["lookup_accepted"] and count["suffix"] <= figures["suffix_accepted"]
     # asking changes nothing but the report
     plain = stream(url, "/v1/chat/completions", body)
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in plain if c["choices"]) \
@@ -282,7 +282,7 @@ def test_the_page_asks_for_the_key_then_streams_a_shaded_reply_with_its_figures(
     assert page.messages() == ["user", "assistant"] and page.el("status").text == ""
 
     sources = {source for _, source in reply["pieces"]}
-    assert sources <= SOURCES and "oracle" in sources and sources & {"draft", "lookup"}
+    assert sources <= SOURCES and "oracle" in sources and sources & {"draft", "lookup", "suffix"}
     expected = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": question}],
                                                   "max_tokens": 40, "temperature": 0})
     assert "".join(p for p, _ in reply["pieces"]) == expected["choices"][0]["message"]["content"]  # faithfully
@@ -291,7 +291,7 @@ def test_the_page_asks_for_the_key_then_streams_a_shaded_reply_with_its_figures(
                   "x vs the oracle alone"):
         assert words in figures, figures
     legend = page.js("return [...document.querySelectorAll('#legend .tok')].map(t => t.classList[1])")
-    assert legend == ["draft", "lookup", "oracle"]
+    assert legend == ["draft", "lookup", "suffix", "oracle"]
     live = page.wait(lambda: "tok/s" in page.el("live").text and page.el("live").text, 10, "no live panel")
     assert f"/{PARALLEL} in use" in live and "waiting 0" in live and "acceptance since start" in live, live
 

@@ -122,7 +122,7 @@ class TraceDrafter:
         self.catch_up = True
         self.last: tuple[int, int] = (0, 0)  # the last proposal's (drafted, tokens evaluated)
 
-    def start(self, *, catch_up: bool) -> None:
+    def start(self, *, catch_up: bool, pool: str = "") -> None:
         self.held, self.catch_up = 0, catch_up
 
     def resync(self) -> None:

@@ -7,7 +7,7 @@ request's prompt and answer as one document. Every position is chained to the pr
 `NGRAM` tokens before it hash the same (zlib's hash chains), so an offer walks back from the most
 recent occurrence of the text's last n-gram, compares up to `CANDIDATES` of them, and offers the
 continuation of the one whose text before it agrees longest with the text's (the latest on a tie),
-cut where the other candidates stop agreeing with it: a continuation many documents share runs long,
+cut where the candidates whose match is at least half as long stop agreeing with it: a continuation many documents share runs long,
 one that varies stops where it varies. Memory: 4 bytes a token of text, 8 of chain, 8 a bucket of the
 table (as many buckets as the capacity rounded up to a power of two): about 20 MB a million tokens.
 
@@ -106,7 +106,8 @@ class SuffixStore:
                 return _NOTHING
             conts, matched = conts[keep], matched[keep]
         best = int(matched.argmax())  # the latest on a tie
-        return _agreed(conts, best), int(matched[best])
+        peers = matched >= max(NGRAM, int(matched[best]) // 2)  # [c] what agrees about as far back as the best
+        return _agreed(conts[peers], int(peers[:best].sum())), int(matched[best])
 
     def _candidates(self, key: int) -> list[int]:
         """The positions following the latest occurrences of the n-gram hashed to `key` [<= CANDIDATES]."""
@@ -177,16 +178,21 @@ class SuffixPools:
         self._stores: dict[str, SuffixStore] = {}
         self._lock = threading.Lock()
 
-    def store(self, pool: str = "") -> SuffixStore | None:
+    def store(self, pool: str = "", *, create: bool = False) -> SuffixStore | None:
+        """`pool`'s store; None until something was kept for it (`create`: make it now), or when
+        the cache is off. A store is made on first use: a one-shot run never pays for one."""
         if self.capacity <= 0:
             return None
-        with self._lock:
-            if pool not in self._stores:
-                self._stores[pool] = SuffixStore(self.capacity)
-            return self._stores[pool]
+        store = self._stores.get(pool)
+        if store is None and create:
+            with self._lock:
+                store = self._stores.get(pool)
+                if store is None:
+                    store = self._stores[pool] = SuffixStore(self.capacity)
+        return store
 
     def add(self, pool: str, documents: Iterable[Sequence[int]]) -> None:
-        store = self.store(pool)
+        store = self.store(pool, create=True)
         if store is not None:
             for doc in documents:
                 store.add(doc)
@@ -208,7 +214,7 @@ class SuffixProposer(_Drives):
     def __init__(self, inner: Proposer | None, pools: SuffixPools, *,
                  is_end: Callable[[int], bool] | None = None) -> None:
         self.inner, self.pools, self.is_end = inner, pools, is_end
-        self.store: SuffixStore | None = pools.store("")
+        self.pool = ""  # the request's pool: its store is looked up at each offer (made when a request ends)
         self._last = DraftSource.NONE  # the source of the last draft
 
     @property
@@ -219,7 +225,7 @@ class SuffixProposer(_Drives):
         return SuffixProposer(self.inner.fork(seq) if self.inner is not None else None, self.pools, is_end=self.is_end)
 
     def start(self, *, catch_up: bool, pool: str = "") -> None:
-        self.store = self.pools.store(pool)
+        self.pool = pool
         if self.inner is not None:
             self.inner.start(catch_up=catch_up, pool=pool)
 
@@ -228,9 +234,10 @@ class SuffixProposer(_Drives):
 
     def offer(self, history: Sequence[int], limit: int, constraint=None) -> Offer:
         inner = self.inner.offer(history, limit, constraint) if self.inner is not None else NO_OFFER
-        if self.store is None or limit <= 0:
+        store = self.pools.store(self.pool)
+        if store is None or limit <= 0:
             return inner
-        tokens, matched = self.store.offer(history, limit)  # [<= limit]
+        tokens, matched = store.offer(history, limit)  # [<= limit]
         if self.is_end is not None and len(tokens):
             tokens = tokens[:next((i + 1 for i, t in enumerate(tokens.tolist()) if self.is_end(t)), len(tokens))]
         if constraint is not None and len(tokens):  # only what the grammar allows; the walk is left as it was
