@@ -398,13 +398,7 @@ class PromptLookupProposer(_Drives):
                 found = found[tokens[found - back] == tokens[-1 - back]]
             if found.size:
                 follow, held = best_source(tokens, found[-SOURCES_COMPARED:] + 1)
-                guess = tokens[follow:follow + limit].copy()  # [<= limit]
-                if self.is_end is not None:
-                    guess = guess[:next((i + 1 for i, t in enumerate(guess.tolist()) if self.is_end(t)), len(guess))]
-                if constraint is not None:  # only what the grammar allows; the walk is left as it was
-                    allowed = constraint.extend(guess.tolist())
-                    constraint.pop(allowed)
-                    guess = guess[:allowed]
+                guess = usable(tokens[follow:follow + limit].copy(), self.is_end, constraint)  # [<= limit]
                 return Offer(lookup=Found(guess, held)) if len(guess) else NO_OFFER
         return NO_OFFER
 
@@ -423,6 +417,18 @@ class PromptLookupProposer(_Drives):
 
     def fork(self, seq: int) -> "PromptLookupProposer":
         return self  # no state of its own
+
+
+def usable(tokens: np.ndarray, is_end: Callable[[int], bool] | None, constraint=None) -> np.ndarray:
+    """Found `tokens` [n] cut after the first end of generation (nothing after one can be emitted)
+    and before the first the grammar refuses; the walk is left as it was."""
+    if is_end is not None and len(tokens):
+        tokens = tokens[:next((i + 1 for i, t in enumerate(tokens.tolist()) if is_end(t)), len(tokens))]
+    if constraint is not None and len(tokens):
+        allowed = constraint.extend(tokens.tolist())
+        constraint.pop(allowed)
+        tokens = tokens[:allowed]
+    return tokens
 
 
 def found_draft(found: Found, plan: DraftPlan, constraint=None) -> Draft:

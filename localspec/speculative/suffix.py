@@ -26,7 +26,8 @@ import numpy as np
 
 from localspec.outputs import DraftSource
 from localspec.speculative.plan import NO_OFFER, DraftPlan, Found, Offer
-from localspec.speculative.proposers import EMPTY_DRAFT, MATCH_CAP, Proposer, ProposeSteps, _Drives, found_draft
+from localspec.speculative.proposers import (EMPTY_DRAFT, MATCH_CAP, Proposer, ProposeSteps, _Drives, found_draft,
+                                             usable)
 from localspec.speculative.sampling import SamplingParams
 
 NGRAM = 3  # tokens a match needs at least (and the n-gram the chains are keyed by)
@@ -238,12 +239,7 @@ class SuffixProposer(_Drives):
         if store is None or limit <= 0:
             return inner
         tokens, matched = store.offer(history, limit)  # [<= limit]
-        if self.is_end is not None and len(tokens):
-            tokens = tokens[:next((i + 1 for i, t in enumerate(tokens.tolist()) if self.is_end(t)), len(tokens))]
-        if constraint is not None and len(tokens):  # only what the grammar allows; the walk is left as it was
-            allowed = constraint.extend(tokens.tolist())
-            constraint.pop(allowed)
-            tokens = tokens[:allowed]
+        tokens = usable(tokens, self.is_end, constraint)
         return dataclasses.replace(inner, suffix=Found(tokens, matched)) if len(tokens) else inner
 
     def propose_steps(self, history: Sequence[int], plan: DraftPlan, offer: Offer, sampling: SamplingParams,
