@@ -9,11 +9,14 @@ known exactly, and the exact distribution of what the oracle alone would emit ca
 
 from __future__ import annotations
 
+import ctypes
 import time
 import zlib
 from typing import Callable, Sequence
 
 import numpy as np
+
+from localspec.llama.context import SeqState
 
 
 class ScriptedRng:
@@ -250,11 +253,22 @@ class ScriptedContext:
         for held in self._seqs:
             held.clear()
 
-    def copy_seq(self, src: int, dst: int, n: int) -> None:
+    def copy_seq(self, src: int, dst: int, n: int) -> bool:
         self._seqs[dst] = list(self._seqs[src][:n])
+        return True
 
     def copy_cache_from(self, other: "ScriptedContext", *, seq: int = 0, other_seq: int = 0) -> bool:
         return False  # scripted caches are not laid out alike: the draft evaluates the text
+
+    def save_seq(self, seq: int = 0) -> SeqState | None:
+        """A scripted cache is its tokens: the state carries them and a byte a token."""
+        if not self._seqs[seq]:
+            return None
+        return SeqState(tuple(self._seqs[seq]), (ctypes.c_uint8 * len(self._seqs[seq]))(), len(self._seqs[seq]))
+
+    def load_seq(self, state: SeqState, *, seq: int = 0) -> bool:
+        self._seqs[seq] = list(state.tokens)
+        return True
 
     def common_prefix(self, tokens: Sequence[int], *, seq: int = 0) -> int:
         n = 0

@@ -195,6 +195,8 @@ def test_localspec_systems():
                                          anchor_bin=None, model_name="m", ctx_per_slot=2048)
     assert "--suffix-cache-tokens" not in argv("localspec") and argv("localspec")[-2:] == ["--draft", "d"]
     assert argv("localspec-no-suffix")[-4:] == ["--suffix-cache-tokens", "0", "--draft", "d"]
+    assert argv("localspec-no-prompt-cache")[-4:] == ["--prompt-cache-mib", "0", "--draft", "d"]
+    assert argv("localspec-no-caches")[-6:] == ["--suffix-cache-tokens", "0", "--prompt-cache-mib", "0", "--draft", "d"]
     assert "--no-draft" in argv("localspec-no-draft") and "d" not in argv("localspec-no-draft")
     assert argv("localspec")[argv("localspec").index("--ctx") + 1] == "2048"
     assert set(clients.SYSTEMS) == {*clients.LOCALSPEC_SYSTEMS, *clients.LLAMA_SERVER_SYSTEMS}
@@ -239,7 +241,7 @@ def test_the_summary_sets_pass_2_against_pass_1_and_each_system_against_the_othe
     summary = {(s["system"], s["pass"]): s for s in clients_report.summarize(rows, {2: 50.0})}
     mine = summary["localspec", 2]
     assert mine["aggregate_tokens_per_second"] == 290.0 and mine["vs_pass_1"] == pytest.approx((2.5 + 3.0) / 2)
-    assert mine["vs_llama_server_best"] == pytest.approx(290 / 125) and mine["vs_localspec_no_suffix"] == 2.9
+    assert mine["vs_llama_server_best"] == pytest.approx(290 / 125) and mine["vs_localspec_before"] == 2.9
     assert mine["suffix_accepted"] == 50.0 and mine["accepted"] == 30 and mine["same_text_as_pass_1"] == 1.0
     assert summary["localspec-no-suffix", 2]["same_text_as_first_system"] == 0.5
     assert summary["localspec-no-suffix", 2]["same_text_as_pass_1"] == 0.5

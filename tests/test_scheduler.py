@@ -148,6 +148,24 @@ def test_a_prefix_another_slot_holds_is_copied_not_evaluated():
     assert nxt.completion_tokens == alone("lookup", follow, Request(max_tokens=4, speculative=False))
 
 
+def test_requests_that_arrive_together_with_one_system_prompt_evaluate_it_once():
+    """Three requests sharing a long prefix, added at once: the first fills it, the others wait for
+    it and copy it, then fill their own tails; each gets what it gets alone."""
+    engine = proposer_engine("lookup", parallel=3)
+    engine.policy = FixedLength(0)
+    system = engine.oracle_model.tokenize("the cat sat on the mat. " * 6)
+    tails = ["a.b.c", "xyz zyx", "then the thin"]
+    prompts = [system + engine.oracle_model.tokenize(t, add_special=False) for t in tails]
+    seqs = run_all(engine, [(p, Request(max_tokens=5)) for p in prompts])
+    assert seqs[0].stats.prompt_tokens_evaluated == len(prompts[0])
+    for seq, prompt in zip(seqs[1:], prompts[1:]):
+        assert seq.stats.prompt_tokens_evaluated <= len(prompt) - len(system) + 1
+    evaluated = sum(n for p in engine.oracle.passes for _, n in p)
+    assert evaluated < sum(len(p) for p in prompts) - len(system)  # the shared part once, not three times
+    for seq, prompt in zip(seqs, prompts):
+        assert seq.completion_tokens == alone("lookup", prompt, Request(max_tokens=5, speculative=False))
+
+
 def test_a_failed_pass_fails_its_sequences_and_the_scheduler_goes_on():
     engine = proposer_engine("lookup", parallel=2)
     a, b = (engine.scheduler.add(engine.new_seq(prompt_tokens(engine, i), Request(max_tokens=10))) for i in (0, 1))

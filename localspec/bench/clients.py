@@ -36,6 +36,8 @@ from localspec.llama.context import resolve_flash_attn
 
 # localspec serve's flags per system: today's default (the suffix cache on), as it was before the cache, no draft model
 LOCALSPEC_SYSTEMS = {"localspec": (), "localspec-no-suffix": ("--suffix-cache-tokens", "0"),
+                     "localspec-no-prompt-cache": ("--prompt-cache-mib", "0"),
+                     "localspec-no-caches": ("--suffix-cache-tokens", "0", "--prompt-cache-mib", "0"),
                      "localspec-no-draft": ("--no-draft",)}
 # llama-server's --spec-type per system (draft-simple: the draft model; -md alone drafts nothing)
 LLAMA_SERVER_SYSTEMS = {"llama-server": (), "llama-server-draft": ("draft-simple",),

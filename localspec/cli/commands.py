@@ -14,7 +14,7 @@ from typing import Any, Callable
 import click
 
 from localspec import __version__
-from localspec.options import DEFAULT_CTX, DEFAULT_SUFFIX_CACHE, OPTIONS, GenerationOptions, OptionError
+from localspec.options import DEFAULT_CTX, DEFAULT_PROMPT_CACHE_MIB, DEFAULT_SUFFIX_CACHE, OPTIONS, GenerationOptions, OptionError
 from localspec.outputs import Structure
 
 EXIT_USAGE = 2
@@ -172,6 +172,12 @@ def model_options(fn: Callable) -> Callable:
                           "request that repeats what earlier ones said is drafted for free. One cache per API "
                           "key (drafts change timing, never text, but timing could tell one client about "
                           "another's); about 20 MB a million tokens; 0: off."),
+        click.option("--prompt-cache-mib", "prompt_cache_mib", type=click.IntRange(0, 1 << 24),
+                     default=DEFAULT_PROMPT_CACHE_MIB, show_default=True,
+                     help="Host memory (MiB) that keeps the oracle's cache of finished requests when a new "
+                          "request takes their slot: a later prompt that starts the same way (the same request "
+                          "again, an agent's next turn) is copied back, not evaluated. Filled as used, the least "
+                          "recently used out first; one per API key; 0: off."),
         click.option("--cross-tokenizer", is_flag=True,
                      help="Allow a draft with a different vocabulary (text is re-tokenized between them)."),
         click.option("--gpu-layers", type=int, default=-1, show_default=True,
@@ -226,7 +232,8 @@ def request_options(kw: dict[str, Any], json_schema: str | None = None,
 
 def open_engine(*, pair, oracle, draft, no_draft, draft_max, draft_length, p_min, lookup, cross_tokenizer,
                 gpu_layers, draft_gpu_layers, n_ctx, threads, flash_attn="auto",
-                rpc=(), draft_rpc=(), parallel: int = 1, suffix_cache: int = DEFAULT_SUFFIX_CACHE, **_):
+                rpc=(), draft_rpc=(), parallel: int = 1, suffix_cache: int = DEFAULT_SUFFIX_CACHE,
+                prompt_cache_mib: int = DEFAULT_PROMPT_CACHE_MIB, **_):
     """Resolve the models (fetching them on first use) and load them, with `parallel` slots."""
     from localspec.runtime.engine import DEFAULT_P_MIN, Engine
     from localspec.models import Registry
@@ -240,7 +247,8 @@ def open_engine(*, pair, oracle, draft, no_draft, draft_max, draft_length, p_min
                   draft_max=draft_max,
                   p_min=DEFAULT_P_MIN if p_min is None else p_min, lookup=lookup,
                   cross_tokenizer=cross_tokenizer or choice.cross_tokenizer, progress=progress, rpc=rpc,
-                  draft_rpc=draft_rpc, parallel=parallel, suffix_cache=suffix_cache)
+                  draft_rpc=draft_rpc, parallel=parallel, suffix_cache=suffix_cache,
+                  prompt_cache_mib=prompt_cache_mib)
 
 
 # ---------------------------------------------------------------- commands
@@ -369,9 +377,9 @@ def check(prompts_file: str | None, max_prompts: int, max_tokens: int, as_json: 
     choice = Registry.load().choose(kw["pair"], kw["oracle"], kw["draft"])
     oracle, draft = choice.oracle, choice.draft or choice.pair.draft  # another oracle: still the pair's draft
     # the pair's own figures: its draft model alone (prompt lookup would mix in the text's repeats, the
-    # suffix cache what earlier prompts said)
+    # suffix cache what earlier prompts said; and each prompt evaluated as it would be alone)
     with open_engine(**{**kw, "oracle": oracle, "draft": draft, "cross_tokenizer": True, "lookup": False,
-                        "suffix_cache": 0}) as engine:
+                        "suffix_cache": 0, "prompt_cache_mib": 0}) as engine:
         report = run_check(engine, prompts, oracle=oracle, draft=draft, progress=progress)
     click.echo(json.dumps(report.to_dict(), indent=2) if as_json else format_report(report))
 
@@ -578,7 +586,8 @@ def serve(ctx: click.Context, host: str, port: int, model_name: str | None, api_
                    "serve --parallel N` and llama.cpp's llama-server -np N (with its speculative types), a fresh "
                    "server per repetition; aggregate tokens/s, time to first token, tokens/s per request, draft "
                    "tokens accepted, and llama-batched-bench's plain batched decoding (--workload open,records,agent; "
-                   "--systems, default all: localspec, localspec-no-suffix, localspec-no-draft, llama-server, "
+                   "--systems, default all: localspec, localspec-no-suffix, localspec-no-prompt-cache, localspec-no-caches, "
+                   "localspec-no-draft, llama-server, "
                    "llama-server-draft, llama-server-ngram-mod, llama-server-ngram-cache, "
                    "llama-server-ngram-mod-draft, llama-server-ngram-cache-draft).")
 @click.option("--mixed-warmup", type=click.IntRange(0), default=12, show_default=True,

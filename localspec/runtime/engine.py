@@ -47,12 +47,13 @@ from localspec.constraints import Constraint, ConstraintWalk
 from localspec.speculative.costs import CostBook
 from localspec.runtime.factory import (DEFAULT_DRAFT_MAX, DEFAULT_P_MIN, LOOKUP_DRAFT_MAX, NGRAM, Parts, build,  # noqa: F401
                       default_policy, kernel_identity)
-from localspec.llama.context import Detokenizer, LlamaContext, LlamaModel, Rows, on_local_gpu
+from localspec.llama.context import Detokenizer, LlamaContext, LlamaModel, Rows, on_local_gpu, shared_prefix
 from localspec.options import GenerationOptions, OptionError
 from localspec.outputs import Chunk, DraftSource, Result, Stats, StepRecord, Structure, TokenLogprob, TopLogprob
 from localspec.speculative.plan import NO_DRAFT, NO_OFFER, DraftPlan, SharedPass, unused_offers
 from localspec.speculative.policy import Learning, LengthPolicy, Regime
 from localspec.speculative.proposers import EMPTY_DRAFT, Draft, Proposer, drive_all, set_draft_p_min
+from localspec.runtime.prompt_cache import PromptCache
 from localspec.speculative.suffix import SuffixPools
 from localspec.speculative.sampling import (SamplingParams, bias_logits, coupled_choice, greedy_argmax, log_softmax, logits_to_probs,
                        mask_logits, seed_key, top_ids)
@@ -66,7 +67,7 @@ Prompt = str | Sequence[Mapping[str, Any]] | Sequence[int]  # text, chat message
 
 
 # a prefix another slot holds is copied (not evaluated) when it is this many tokens longer than
-# the slot's own: a copy of a sequence's cache costs ~0.1 ms a token here, an evaluation ~2 ms
+# the slot's own: a copy of a sequence's cache costs 0.01-0.03 ms a token here, an evaluation ~2 ms
 COPY_MIN = 16
 
 
@@ -90,16 +91,18 @@ class Engine:
     @classmethod
     def from_parts(cls, *, oracle: LlamaContext, proposer: Proposer | None = None,
                    policy: LengthPolicy | None = None, draft: LlamaContext | None = None,
-                   costs: CostBook | None = None, suffix: SuffixPools | None = None) -> "Engine":
+                   costs: CostBook | None = None, suffix: SuffixPools | None = None,
+                   prompt_cache: PromptCache | None = None) -> "Engine":
         """An engine over parts built elsewhere: the oracle's context (its `model` is the oracle
         model), an optional proposer (and the draft context it drafts on, if any), a length
         policy (default: none drafted without a proposer, else adaptive) and where the policy's
         learned state is kept (default: nowhere); `suffix`: the suffix cache's pools a
-        `SuffixProposer` reads, which finished requests add to. The caller owns the parts: `close()`
+        `SuffixProposer` reads, which finished requests add to; `prompt_cache`: where finished
+        sequences' oracle caches are kept for later prompts. The caller owns the parts: `close()`
         leaves them open. Tests plug scripted contexts in here."""
         engine = cls.__new__(cls)
-        engine._adopt(Parts(oracle=oracle, proposer=proposer, policy=policy, draft=draft, costs=costs, suffix=suffix),
-                      owned=False)
+        engine._adopt(Parts(oracle=oracle, proposer=proposer, policy=policy, draft=draft, costs=costs, suffix=suffix,
+                            prompt_cache=prompt_cache), owned=False)
         return engine
 
     def _adopt(self, parts: Parts, *, owned: bool) -> None:
@@ -111,6 +114,7 @@ class Engine:
         self.draft_model: LlamaModel | None = parts.draft.model if parts.draft is not None else None
         self.proposer = parts.proposer
         self.suffix = parts.suffix  # the suffix cache's pools (None: off)
+        self.prompt_cache = parts.prompt_cache  # finished sequences' oracle caches in host memory (None: off)
         self.policy: LengthPolicy = parts.policy if parts.policy is not None else default_policy(parts.proposer)
         self.costs = parts.costs
         self.cost_store = parts.cost_store if parts.cost_store is not None else (
@@ -120,6 +124,7 @@ class Engine:
         if self.costs is not None and isinstance(self.policy, Learning):
             self.costs.load(self.policy)
         self.n_slots = min(ctx.n_seq for ctx in self.contexts)  # sequences generated at once
+        self._slot_pools = [""] * self.n_slots  # whose text each slot of the oracle's cache holds (`Seq.pool`)
         self._drafting = 1.0  # sequences a batch's draft rounds are shared by, lately (for its prices)
         self.last_pass = (0, 0)  # the last oracle pass: sequences and tokens it carried
         # greedy requests that need nothing but the oracle's picks (no logprobs, bias or grammar)
@@ -299,30 +304,23 @@ class Engine:
     def admit(self, seq: Seq, free: Sequence[int] = (), busy: Sequence[int] = ()) -> None:
         """Ready the caches of `seq.slot` (the scheduler's choice) for `seq`: the oracle's cache
         there keeps what it shares with the prompt, or takes a longer shared prefix another slot
-        holds (a copy of that cache, not an evaluation: the same system prompt, the next turn of a
-        conversation, a finished request's text). What the slot held that the prompt does not share
-        is first moved to the emptiest of the `free` slots, for a request that comes back to it.
-        `busy`: the slots other sequences run in."""
+        holds or the prompt cache kept (a copy of that cache, not an evaluation: the same system
+        prompt, the next turn of a conversation, a request sent again). What the slot held that the
+        prompt does not share is first moved to the emptiest of the `free` slots, for a request that
+        comes back to it, or else kept in the prompt cache (if it is on). Only a prefix of the same
+        pool is reused (`Seq.pool`: an API key's requests). `busy`: the slots other sequences run in."""
         slot = seq.slot
         seq.backend_greedy = self.oracle.sample_greedy(slot, self.backend_sampling and _picks_suffice(seq))
         target = seq.history[:-1]
-        common = self.oracle.common_prefix(target, seq=slot)
-        held = len(self.oracle.seq_tokens(slot))
-        parking = min((other for other in free if other != slot), key=lambda o: len(self.oracle.seq_tokens(o)),
-                      default=None)
-        if parking is not None and held - common >= COPY_MIN and len(self.oracle.seq_tokens(parking)) < held:
-            self.oracle.copy_seq(slot, parking, held)
-        # the longest shared prefix any other slot holds (a running sequence's too), the latest
-        # finished one's first on a tie
-        source, best = max(((other, self.oracle.common_prefix(target, seq=other)) for other in range(self.n_slots)
-                            if other != slot), key=lambda t: (t[1], t[0] not in busy), default=(None, 0))
-        if source is not None and best >= common + COPY_MIN:
-            self.oracle.copy_seq(source, slot, best)
-            common = best
-        if seq.request.prompt_logprobs is not None:  # every prompt token's logits: nothing reused
+        common = self.oracle.common_prefix(target, seq=slot) if self._slot_pools[slot] == seq.pool else 0
+        self._keep_aside(slot, common, free)
+        if seq.request.prompt_logprobs is None:
+            common = self._reuse(seq, target, common, busy)
+        else:  # every prompt token's logits: nothing reused
             common = 0
             seq.prompt_logprobs = [TokenLogprob(seq.history[0], *self._text_and_bytes(seq.history[0]), None)]
         self.oracle.rollback(common, seq=slot)
+        self._slot_pools[slot] = seq.pool
         seq.stats.prompt_tokens_evaluated = len(target) - common + 1  # the last prompt token is evaluated in step one
         if seq.speculative:
             seq.proposer = self.proposer.fork(slot)
@@ -332,6 +330,74 @@ class Engine:
             # the prompt while drafting pays, copied from the oracle's cache where their layouts match;
             # else a probe's window of it while the policy is idle)
             seq.proposer.start(catch_up=not seq.policy.idle, pool=seq.pool)
+
+    def filling_for(self, seq: Seq, active: Sequence[Seq]) -> bool:
+        """Whether a sequence that came before `seq` (of its pool) is still filling its cache with a
+        prefix of `seq`'s prompt COPY_MIN or more tokens longer than `seq`'s slot holds (requests with
+        one system prompt that arrive together): `seq` then waits, and copies that prefix
+        (`share`) rather than evaluating it too."""
+        if seq.request.prompt_logprobs is not None:
+            return False
+        target, held = seq.history[:-1], len(self.oracle.seq_tokens(seq.slot))
+        for other in active:
+            if other.id < seq.id and other.status == Status.PREFILL and other.pool == seq.pool:
+                shared = shared_prefix(target, other.history[:-1])
+                if shared >= held + COPY_MIN and len(self.oracle.seq_tokens(other.slot)) < shared:
+                    return True
+        return False
+
+    def share(self, seq: Seq, busy: Sequence[int] = ()) -> None:
+        """Before `seq` fills more of its prompt: take a longer prefix of it that another slot (or
+        the prompt cache) holds by now, as `admit` does (what `filling_for` waited for)."""
+        if seq.request.prompt_logprobs is not None:
+            return
+        held = len(self.oracle.seq_tokens(seq.slot))
+        got = self._reuse(seq, seq.history[:-1], held, busy)
+        if got > held:
+            seq.stats.prompt_tokens_evaluated -= got - held
+
+    def _keep_aside(self, slot: int, common: int, free: Sequence[int]) -> None:
+        """What `slot` holds beyond the `common` prefix the next request keeps: moved to the
+        emptiest of the `free` slots where that holds less (what it held goes to the prompt cache),
+        else to the prompt cache (if it is on)."""
+        held = len(self.oracle.seq_tokens(slot))
+        if held - common < COPY_MIN:
+            return
+        parking = min((other for other in free if other != slot), key=lambda o: len(self.oracle.seq_tokens(o)),
+                      default=None)
+        if parking is not None and len(self.oracle.seq_tokens(parking)) < held:
+            self._cache_slot(parking)
+            if self.oracle.copy_seq(slot, parking, held):
+                self._slot_pools[parking] = self._slot_pools[slot]
+        else:
+            self._cache_slot(slot)
+
+    def _cache_slot(self, slot: int) -> None:
+        if self.prompt_cache is not None and len(self.oracle.seq_tokens(slot)) >= COPY_MIN:
+            state = self.oracle.save_seq(slot)
+            if state is not None:
+                self.prompt_cache.put(state, self._slot_pools[slot])
+
+    def _reuse(self, seq: Seq, target: Sequence[int], common: int, busy: Sequence[int]) -> int:
+        """Fill `seq.slot` with the longest prefix of `target` its pool has anywhere (another slot,
+        a running sequence's too, the latest finished one's first on a tie; or the prompt cache)
+        where that is COPY_MIN tokens longer than the `common` prefix the slot holds. Returns the
+        prefix the slot holds then."""
+        slot, pool = seq.slot, seq.pool
+        source, best = max(((other, self.oracle.common_prefix(target, seq=other)) for other in range(self.n_slots)
+                            if other != slot and self._slot_pools[other] == pool),
+                           key=lambda t: (t[1], t[0] not in busy), default=(None, 0))
+        kept, n = self.prompt_cache.match(target, pool) if self.prompt_cache is not None else (None, 0)
+        if kept is not None and n > best and n >= common + COPY_MIN:
+            if self.oracle.load_seq(kept, seq=slot):
+                self.oracle.rollback(n, seq=slot)  # what the kept text went on with is not this prompt's
+                self.prompt_cache.used(kept, pool, n - common)
+                return n
+            common = 0  # llama.cpp refused it: the slot is empty now
+        if source is not None and best >= common + COPY_MIN:
+            return best if self.oracle.copy_seq(source, slot, best) else 0
+        return common
+
 
     def step(self, running: Sequence[Seq], prefill: Mapping[Seq, int] | None = None, *,
              queued: bool = False) -> list[StepOutcome]:

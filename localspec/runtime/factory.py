@@ -21,6 +21,7 @@ from localspec.llama.context import LlamaContext, LlamaModel, on_local_gpu, reso
 from localspec.speculative.policy import (LOOKUP_PRIORS, LOOKUP_RUNS, AdaptiveLength, FixedLength, HybridLength, Learning,
                                          LengthPolicy, LookupLength)
 from localspec.speculative.proposers import CrossTokenizerProposer, DraftModelProposer, HybridProposer, PromptLookupProposer, Proposer
+from localspec.runtime.prompt_cache import PromptCache
 from localspec.speculative.suffix import SuffixPools, SuffixProposer
 
 log = logging.getLogger("localspec.runtime.engine")
@@ -46,6 +47,7 @@ class Parts:
     costs: CostBook | None = None
     cost_store: CostStore | None = None
     suffix: SuffixPools | None = None  # the suffix cache's pools, which every finished request adds to
+    prompt_cache: PromptCache | None = None  # finished sequences' oracle caches, kept in host memory
     closers: list[Callable[[], None]] = field(default_factory=list)
     n_threads: int = 0
     gpu_layers: int = 0
@@ -123,7 +125,7 @@ def build(oracle: str | os.PathLike, draft: str | os.PathLike | None = None, *,
           policy: LengthPolicy | None = None, cost_cache: bool = True,
           progress: Callable[[str], None] | None = None,
           rpc: str | Sequence[str] | None = None, draft_rpc: str | Sequence[str] | None = None,
-          suffix_cache: int = 0) -> Parts:
+          suffix_cache: int = 0, prompt_cache_mib: int = 0) -> Parts:
     """`oracle` / `draft`: a GGUF path or a model name from models.toml (fetched on first use);
     `draft` may also be "ngram" (prompt lookup, no model) or None (the oracle alone).
     `n_ctx`: the tokens each sequence may hold; `parallel`: sequences the contexts hold at once
@@ -143,7 +145,11 @@ def build(oracle: str | os.PathLike, draft: str | os.PathLike | None = None, *,
     Each server is checked before anything loads.
     `suffix_cache`: tokens of earlier requests' text kept per pool to draft from (see
     `localspec.speculative.suffix`; the command line's default is DEFAULT_SUFFIX_CACHE); 0, the
-    default here: none, so an engine's drafts depend on the request alone."""
+    default here: none, so an engine's drafts depend on the request alone.
+    `prompt_cache_mib`: MiB of host memory that keep the oracle's cache of finished sequences a
+    new request overwrites, for later prompts that start the same way (see
+    `localspec.runtime.prompt_cache`; the command line's default is DEFAULT_PROMPT_CACHE_MIB); 0,
+    the default here: none."""
     loader = _Loader(n_threads or default_threads(), rpc_servers(rpc), rpc_servers(draft_rpc), progress,
                      CostStore() if cost_cache else None)
     try:
@@ -153,6 +159,8 @@ def build(oracle: str | os.PathLike, draft: str | os.PathLike | None = None, *,
     except BaseException:
         loader.close()
         raise
+    if prompt_cache_mib > 0:
+        parts.prompt_cache = PromptCache(prompt_cache_mib << 20)
     if parts.proposer is not None and suffix_cache > 0:
         parts.suffix = SuffixPools(suffix_cache)
         parts.proposer = SuffixProposer(parts.proposer, parts.suffix, is_end=parts.oracle.model.is_eog)

@@ -5,7 +5,9 @@ slot is free (a slot: a sequence id of both contexts, `Engine.n_slots` of them),
 free one (what another slot's cache shares with its prompt is copied, and what the slot held moves
 to a free one first: a conversation's next turn finds its own), fills the
 oracle's cache with its prompt in chunks of at most `prefill_chunk` tokens per pass while others
-run (or `n_batch` when nobody is streaming), then steps with the running ones until it finishes or
+run (or `n_batch` when nobody is streaming; a prompt that shares a prefix with one an earlier
+sequence is still filling waits for it and copies it: requests with one system prompt that arrive
+together evaluate it once), then steps with the running ones until it finishes or
 is aborted. Each `step()` is ONE oracle pass (`Engine.step`), whose outcomes the scheduler applies:
 it is the only place a sequence's status changes (vLLM's `update_from_output`).
 
@@ -36,6 +38,10 @@ class Stepper(Protocol):
 
     def admit(self, seq: Seq, free: Sequence[int] = (), busy: Sequence[int] = ()) -> None: ...
 
+    def filling_for(self, seq: Seq, active: Sequence[Seq]) -> bool: ...
+
+    def share(self, seq: Seq, busy: Sequence[int] = ()) -> None: ...
+
     def step(self, running: Sequence[Seq], prefill: Mapping[Seq, int] | None = None, *,
              queued: bool = False) -> list[StepOutcome]: ...
 
@@ -46,6 +52,7 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self.slots: list[Seq | None] = [None] * engine.n_slots
         self.waiting: deque[Seq] = deque()
+        self._waited: set[int] = set()  # sequences that waited for another to fill a prefix they share
 
     # -- what is there
 
@@ -83,6 +90,7 @@ class Scheduler:
         self._free(seq)
 
     def _free(self, seq: Seq) -> None:
+        self._waited.discard(seq.id)
         if seq.slot is not None and self.slots[seq.slot] is seq:
             self.slots[seq.slot] = None
 
@@ -116,6 +124,12 @@ class Scheduler:
         for seq in active:
             if seq.status != Status.PREFILL or budget <= 0:
                 continue
+            if self.engine.filling_for(seq, active):  # it copies that prefix once it is in
+                self._waited.add(seq.id)
+                continue
+            if seq.id in self._waited:
+                self._waited.discard(seq.id)
+                self.engine.share(seq, [s.slot for s in active if s is not seq])
             todo = len(seq.history) - 1 - len(self.engine.oracle.seq_tokens(seq.slot))
             n = min(todo, budget)
             if n > 0:

@@ -385,7 +385,7 @@ class CompletionRequest(_Common):
 
 
 class PromptTokensDetails(BaseModel):
-    cached_tokens: int = Field(0, description="Prompt tokens reused from the previous request's cache.")
+    cached_tokens: int = Field(0, description="Prompt tokens reused, not evaluated: the slot's cache, another slot's or the prompt cache's.")
 
 
 class SourceCounts(BaseModel):
