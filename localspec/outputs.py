@@ -110,14 +110,15 @@ class Stats:
         """Count one speculative step in the totals, and keep its record."""
         self.records.append(step)
         self.steps += 1
-        self.drafted += step.drafted
-        self.accepted += step.accepted
-        if step.source == DraftSource.LOOKUP:
-            self.lookup_drafted += step.drafted
-            self.lookup_accepted += step.accepted
-        elif step.source == DraftSource.SUFFIX:
-            self.suffix_drafted += step.drafted
-            self.suffix_accepted += step.accepted
+        if step.drafted:
+            self.drafted += step.drafted
+            self.accepted += step.accepted
+            if step.source == DraftSource.LOOKUP:
+                self.lookup_drafted += step.drafted
+                self.lookup_accepted += step.accepted
+            elif step.source == DraftSource.SUFFIX:
+                self.suffix_drafted += step.drafted
+                self.suffix_accepted += step.accepted
         self.draft_time += step.draft_time
         self.draft_prompt_time += step.draft_prompt_time
         self.verify_time += step.verify_time

@@ -21,7 +21,7 @@ from localspec.speculative.compat import first_difference
 from localspec.speculative.costs import fit_steps
 from localspec.runtime.engine import Engine
 from localspec.llama.context import LlamaContext
-from localspec.speculative.policy import FixedLength, Learning
+from localspec.speculative.policy import FixedLength, learns
 
 KERNEL_CONTEXTS = (256, 1024)  # where the attention kernels are compared
 KERNEL_PASS = 9  # a verify pass of 8 drafted tokens
@@ -97,7 +97,7 @@ def run_check(engine: Engine, prompts: list, *, oracle: str, draft: str,
             report.per_token_acceptance = acceptance_from_tokens_per_step(tokens / steps if steps else 0.0, k)
             report.context = int(statistics.median(
                 r.stats.prompt_tokens + r.stats.completion_tokens / 2 for r in results))
-    if isinstance(engine.policy, Learning):  # the adaptive policy (a hybrid's or prompt lookup's too)
+    if learns(engine.policy):  # the adaptive policy (a hybrid's or prompt lookup's too)
         progress("measuring adaptive drafting ...")
         tps, results = _throughput(engine, prompts)
         records += [r for result in results for r in result.stats.records]

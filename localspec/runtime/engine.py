@@ -51,7 +51,7 @@ from localspec.llama.context import Detokenizer, LlamaContext, LlamaModel, Rows,
 from localspec.options import GenerationOptions, OptionError
 from localspec.outputs import Chunk, DraftSource, Result, Stats, StepRecord, Structure, TokenLogprob, TopLogprob
 from localspec.speculative.plan import NO_DRAFT, NO_OFFER, DraftPlan, SharedPass, unused_offers
-from localspec.speculative.policy import Learning, LengthPolicy, Regime
+from localspec.speculative.policy import LengthPolicy, Regime, learns
 from localspec.speculative.proposers import EMPTY_DRAFT, Draft, Proposer, drive_all, set_draft_p_min
 from localspec.runtime.prompt_cache import PromptCache
 from localspec.speculative.suffix import SuffixPools
@@ -121,7 +121,7 @@ class Engine:
             parts.costs.store if parts.costs is not None else None)
         self.n_threads, self.gpu_layers = parts.n_threads, parts.gpu_layers
         self.rpc, self.draft_rpc = parts.rpc, parts.draft_rpc
-        if self.costs is not None and isinstance(self.policy, Learning):
+        if self.costs is not None and learns(self.policy):
             self.costs.load(self.policy)
         self.n_slots = min(ctx.n_seq for ctx in self.contexts)  # sequences generated at once
         self._slot_pools = [""] * self.n_slots  # whose text each slot of the oracle's cache holds (`Seq.pool`)
@@ -160,7 +160,7 @@ class Engine:
     def save_costs(self, policy: LengthPolicy | None = None) -> None:
         """Write what the policy (default: the engine's) learned to the cache (after each request)."""
         policy = self.policy if policy is None else policy
-        if self.costs is not None and isinstance(policy, Learning):
+        if self.costs is not None and learns(policy):
             self.costs.save(policy)
 
     @classmethod
@@ -560,7 +560,7 @@ class Engine:
         """Emit what `seq`'s step yielded and count the step (its policy learns from it)."""
         draft, stats = seq.draft, seq.stats
         context = len(seq.history) - 1
-        could_draft = stats.steps > 0 and self._draft_limit(seq) > 0
+        could_draft = seq.request.speculative and stats.steps > 0 and self._draft_limit(seq) > 0
         emitted, finish = self._emit(out, seq, _sources(draft, n_accepted, len(out)) if seq.request.sources else None)
         step = StepRecord(k=plan.length, drafted=len(draft), accepted=n_accepted, draft_time=draft_time,
                           verify_time=verify_time, context=context, draft_evaluated=draft.evaluated,
@@ -604,7 +604,7 @@ class Engine:
         is known before batches form), and a verify pass shared by several sequences, once (a step
         alone teaches its policy through its record, as it always did), unless it also filled a
         prompt (a chunk of hundreds of tokens runs at another rate per token)."""
-        if not isinstance(self.policy, Learning):
+        if not learns(self.policy):
             return
         for held, t in rounds:
             at = {seq: context for seq, _, context in held}

@@ -18,8 +18,8 @@ from localspec.options import DEFAULT_CTX
 from localspec.speculative.costs import CostBook, CostStore, file_fingerprint, machine_identity
 from localspec.llama.backend import default_threads
 from localspec.llama.context import LlamaContext, LlamaModel, on_local_gpu, resolve_flash_attn
-from localspec.speculative.policy import (LOOKUP_PRIORS, LOOKUP_RUNS, AdaptiveLength, FixedLength, HybridLength, Learning,
-                                         LengthPolicy, LookupLength)
+from localspec.speculative.policy import (LOOKUP_PRIORS, LOOKUP_RUNS, AdaptiveLength, FixedLength, HybridLength,
+                                         LengthPolicy, LookupLength, learns)
 from localspec.speculative.proposers import CrossTokenizerProposer, DraftModelProposer, HybridProposer, PromptLookupProposer, Proposer
 from localspec.runtime.prompt_cache import PromptCache
 from localspec.speculative.suffix import SuffixPools, SuffixProposer
@@ -176,7 +176,7 @@ def build(oracle: str | os.PathLike, draft: str | os.PathLike | None = None, *,
                                     cost_ratio=draft_cost_ratio(parts.oracle.model,
                                                                 parts.draft.model if parts.draft else None))
     parts.policy = policy
-    if loader.cost_store is not None and isinstance(policy, Learning):
+    if loader.cost_store is not None and learns(policy):
         parts.costs = CostBook(loader.cost_store, loader.cost_identities(parts, gpu_layers=gpu_layers,
                                                                          draft_gpu_layers=draft_gpu_layers,
                                                                          p_min=p_min))

@@ -81,6 +81,8 @@ def plain_plan(offer: Offer, length: int) -> DraftPlan:
 def unused_offers(offer: Offer, source: DraftSource, emitted: Sequence[int]) -> tuple[OfferScore, ...]:
     """Each model-free source's offer that the step did not draft (another source did, or none),
     its first tokens compared with the `emitted` ones (see `StepRecord.unused`)."""
+    if offer is NO_OFFER:  # most steps of a request that does not draft, every step of the oracle alone
+        return ()
     scores = []
     for offered, found in offer.found():
         if offered != source:
