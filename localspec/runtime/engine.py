@@ -338,10 +338,11 @@ class Engine:
         (`share`) rather than evaluating it too."""
         if seq.request.prompt_logprobs is not None:
             return False
-        target, held = seq.history[:-1], len(self.oracle.seq_tokens(seq.slot))
+        history, held = seq.history, len(self.oracle.seq_tokens(seq.slot))
         for other in active:
             if other.id < seq.id and other.status == Status.PREFILL and other.pool == seq.pool:
-                shared = shared_prefix(target, other.history[:-1])
+                # what both prompts share, their last tokens aside (each evaluates its own in step one)
+                shared = min(shared_prefix(history, other.history), len(history) - 1, len(other.history) - 1)
                 if shared >= held + COPY_MIN and len(self.oracle.seq_tokens(other.slot)) < shared:
                     return True
         return False
@@ -397,7 +398,6 @@ class Engine:
         if source is not None and best >= common + COPY_MIN:
             return best if self.oracle.copy_seq(source, slot, best) else 0
         return common
-
 
     def step(self, running: Sequence[Seq], prefill: Mapping[Seq, int] | None = None, *,
              queued: bool = False) -> list[StepOutcome]:
