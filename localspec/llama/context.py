@@ -474,15 +474,18 @@ class LlamaContext(_Owner):
     def load_seq(self, state: "SeqState", *, seq: int = 0) -> bool:
         """Make sequence `seq` hold `state` (from `save_seq`) instead of what it held. Returns
         whether llama.cpp took it; on False the sequence is empty."""
-        llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
-        self._seqs[seq] = []
+        self._empty(seq)
         with captured_log():  # a refusal is reported by the return value (its log says why, at DEBUG)
             ok = llama_cpp.llama_state_seq_set_data(self._ctx, state.data, state.size, seq)
         if not ok:
-            llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
+            self._empty(seq)
             return False
         self._seqs[seq] = list(state.tokens)
         return True
+
+    def _empty(self, seq: int) -> None:
+        llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
+        self._seqs[seq] = []
 
     def copy_seq(self, src: int, dst: int, n: int) -> bool:
         """Make sequence `dst` hold the first `n` tokens sequence `src` holds, copied in the cache
@@ -496,14 +499,11 @@ class LlamaContext(_Owner):
         cache came out holding another's). It is dearer too on the CPU: 8-20 ms against 3-9 ms for
         270 tokens of SmolLM2-135M, 1024- and 4096-token streams (AMD EPYC, 2 threads)."""
         n = min(n, len(self._seqs[src]))
-        if n <= 0:
-            llama_cpp.llama_memory_seq_rm(self._mem, dst, -1, -1)
-            self._seqs[dst] = []
-            return True
-        state = self.save_seq(src)
-        if state is None or not self.load_seq(state, seq=dst):
-            llama_cpp.llama_memory_seq_rm(self._mem, dst, -1, -1)
-            self._seqs[dst] = []
+        state = self.save_seq(src) if n > 0 else None
+        if state is None:
+            self._empty(dst)
+            return n <= 0
+        if not self.load_seq(state, seq=dst):  # (it leaves dst empty)
             return False
         self.rollback(n, seq=dst)
         return True
