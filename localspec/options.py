@@ -33,7 +33,7 @@ NONE_WORDS = ("none", "off", "default", "random")  # what /set takes for "no val
 
 
 DEFAULT_CTX = 4096  # tokens one sequence may hold unless --ctx / n_ctx says otherwise (an engine setting)
-# tokens of earlier requests' text the suffix cache keeps per pool (~20 MB a million: speculative/suffix.py)
+# tokens of earlier requests' text the suffix cache keeps per pool (~28 MB a million: speculative/suffix.py)
 DEFAULT_SUFFIX_CACHE = 1_000_000
 # MiB of host memory that keep finished sequences' oracle caches for later prompts (runtime/prompt_cache.py)
 DEFAULT_PROMPT_CACHE_MIB = 2048

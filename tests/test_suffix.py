@@ -16,7 +16,7 @@ from localspec.speculative.plan import DraftPlan, Found, Offer, plain_plan
 from localspec.speculative.policy import FixedLength
 from localspec.speculative.proposers import DraftModelProposer, PromptLookupProposer, drive
 from localspec.speculative.sampling import SamplingParams
-from localspec.speculative.suffix import NGRAM, SuffixPools, SuffixProposer, SuffixStore
+from localspec.speculative.suffix import CANDIDATES, LONG, NGRAM, SuffixPools, SuffixProposer, SuffixStore
 from scripted import EOS, ScriptedContext, ScriptedModel, hashed_logits, related_logits
 
 GREEDY = SamplingParams()
@@ -64,6 +64,21 @@ def test_a_long_match_is_not_cut_by_candidates_that_agree_only_briefly():
         store.add(list(range(200 + 40 * i, 240 + 40 * i)) + [1, 2, 3, 60 + i, 70 + i])
     assert offered(store, list(range(100, 140)) + [1, 2, 3]) == ([50, 51, 52, 53], 43)
     assert offered(store, [9, 9, 1, 2, 3]) == ([], 3)  # a brief match: seven candidates disagree at once
+
+
+def test_a_repeat_is_found_behind_more_recent_documents_that_share_only_its_last_tokens():
+    """The records workload sent again: the request's earlier answer lies behind many later ones
+    that end their prompts the same way (a chat template's turn marker, a format's first field);
+    the short n-gram's latest occurrences are all theirs, the long n-gram's is the repeat's."""
+    store = SuffixStore(10_000)
+    turn = [1, 2, 3, 4, 5]  # the template's end of prompt, then the format's first tokens
+    store.add(list(range(100, 140)) + turn + [50, 51, 52, 53])  # the request and its answer
+    for i in range(3 * CANDIDATES):
+        store.add(list(range(1000 + 40 * i, 1040 + 40 * i)) + turn + [60 + i, 70 + i])
+    assert offered(store, list(range(100, 140)) + turn) == ([50, 51, 52, 53], 45)
+    # text that shares fewer than LONG tokens with it: the short n-gram's candidates, as before
+    short = [9] * 30 + list(range(140 - (LONG - len(turn)) + 1, 140)) + turn
+    assert offered(store, short)[0] != [50, 51, 52, 53]
 
 
 def test_the_store_keeps_at_most_its_capacity_the_oldest_going_first():

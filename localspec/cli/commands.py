@@ -171,7 +171,7 @@ def model_options(fn: Callable) -> Callable:
                      help="Tokens of earlier requests' text (prompts and answers) kept to draft from: a "
                           "request that repeats what earlier ones said is drafted for free. One cache per API "
                           "key (drafts change timing, never text, but timing could tell one client about "
-                          "another's); about 20 MB a million tokens; 0: off."),
+                          "another's); about 28 MB a million tokens; 0: off."),
         click.option("--prompt-cache-mib", "prompt_cache_mib", type=click.IntRange(0, 1 << 24),
                      default=DEFAULT_PROMPT_CACHE_MIB, show_default=True,
                      help="Host memory (MiB) that keeps the oracle's cache of finished requests when a new "

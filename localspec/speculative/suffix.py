@@ -8,8 +8,12 @@ request's prompt and answer as one document. Every position is chained to the pr
 recent occurrence of the text's last n-gram, compares up to `CANDIDATES` of them, and offers the
 continuation of the one whose text before it agrees longest with the text's (the latest on a tie),
 cut where the candidates whose match is at least half as long stop agreeing with it: a continuation many documents share runs long,
-one that varies stops where it varies. Memory: 4 bytes a token of text, 8 of chain, 8 a bucket of the
-table (as many buckets as the capacity rounded up to a power of two): about 20 MB a million tokens.
+one that varies stops where it varies. A short n-gram's latest occurrences are often only the text
+many documents share (a format's field name, a chat template's turn marker), the one document that
+goes on as this text does lying further back; so the latest occurrence of the text's last `LONG`
+tokens is a candidate too (a second table, of heads only). Memory: 4 bytes a token of text, 8 of
+chain, 8 a bucket of each table (as many buckets as the capacity rounded up to a power of two):
+about 28 MB a million tokens.
 
 `SuffixPools` keeps one store per pool (an API key's requests; a server without keys has one), so
 drafts never carry one client's text into another's timing.
@@ -31,6 +35,7 @@ from localspec.speculative.proposers import (EMPTY_DRAFT, MATCH_CAP, Proposer, P
 from localspec.speculative.sampling import SamplingParams
 
 NGRAM = 3  # tokens a match needs at least (and the n-gram the chains are keyed by)
+LONG = 16  # the long n-gram: its latest occurrence is compared beside the short one's
 CANDIDATES = 8  # earlier occurrences compared per offer (the latest first)
 AGREEMENT = 0.5  # a continuation is cut where fewer than this share of the candidates still agree
 SENTINEL = -1  # between documents: never a token, so no match or continuation runs across one
@@ -49,6 +54,7 @@ class SuffixStore:
         self.prev = array.array("q", bytes(8 * capacity))  # [capacity] the previous position of the same hash
         size = 1 << max(10, (capacity - 1).bit_length())
         self.heads = array.array("q", bytes(8 * size))  # [size] the latest position of each hash bucket (0: none)
+        self.long_heads = np.zeros(size, dtype=np.int64)  # [size] the same, of the LONG-token n-grams
         self.mask = size - 1
         self.end = 0  # positions written so far (absolute: position p is in ring[p % capacity])
         self.documents = 0
@@ -61,7 +67,7 @@ class SuffixStore:
 
     @property
     def nbytes(self) -> int:
-        return self.ring.nbytes + 8 * (len(self.prev) + len(self.heads))
+        return self.ring.nbytes + 8 * (len(self.prev) + len(self.heads)) + self.long_heads.nbytes
 
     def add(self, tokens: Sequence[int]) -> None:
         """Keep one document (a request's prompt and answer); the oldest text makes room for it."""
@@ -74,6 +80,10 @@ class SuffixStore:
             self.ring[positions % self.capacity] = np.concatenate(([SENTINEL], doc))
             self.end = start + len(doc)
             self._chain(start + NGRAM + np.arange(len(doc) - NGRAM), _hashes(doc)[:-1])  # the last n-gram: nothing follows yet
+            if len(doc) > LONG:
+                buckets = (_hashes(doc, LONG)[:-1] & np.uint64(self.mask)).astype(np.int64)  # [n - LONG]
+                last, first = np.unique(buckets[::-1], return_index=True)  # a bucket's latest occurrence wins
+                self.long_heads[last] = start + LONG + (len(buckets) - 1 - first)
             self.documents += 1
 
     def _chain(self, positions: np.ndarray, keys: np.ndarray) -> None:
@@ -94,6 +104,10 @@ class SuffixStore:
         n = min(len(history), MATCH_CAP)
         with self.lock:
             candidates = self._candidates(_hash_tail(history))
+            if candidates and len(history) >= LONG:
+                latest = self._long_candidate(history)
+                if latest and latest not in candidates:
+                    candidates.append(latest)
             if not candidates:
                 return _NOTHING
             window = self._read(candidates, -n - 1, min(limit, MATCH_CAP))  # [c, n + 1 + L]
@@ -120,6 +134,16 @@ class SuffixStore:
             position = self.prev[position % self.capacity]
         return out
 
+    def _long_candidate(self, history: Sequence[int]) -> int:
+        """The position after the latest occurrence of `history`'s last LONG tokens (0: none, or
+        a hash collision its first and last tokens tell apart)."""
+        position = int(self.long_heads[_hash_tail(history, LONG) & self.mask])
+        ring, capacity = self.ring, self.capacity
+        if (position < max(1, self.end - self.capacity) or ring[(position - 1) % capacity] != history[-1]
+                or ring[(position - LONG) % capacity] != history[-LONG]):
+            return 0
+        return position
+
     def _read(self, candidates: list[int], start: int, stop: int) -> np.ndarray:
         """The tokens from `start` to `stop` around each candidate position [c, stop - start]
         (SENTINEL where the ring holds none: overwritten, or not written yet)."""
@@ -135,20 +159,20 @@ _OFFSETS = np.arange(-MATCH_CAP - 1, MATCH_CAP)  # positions around a candidate:
 _NOTHING = (np.zeros(0, dtype=np.int32), 0)
 
 
-def _hashes(tokens: np.ndarray) -> np.ndarray:
-    """The hash of each window of NGRAM consecutive `tokens` [n] -> [n - NGRAM + 1] (uint64)."""
+def _hashes(tokens: np.ndarray, n: int = NGRAM) -> np.ndarray:
+    """The hash of each window of `n` consecutive `tokens` [m] -> [m - n + 1] (uint64)."""
     t = tokens.astype(np.uint64)
-    h = np.zeros(len(t) - NGRAM + 1, dtype=np.uint64)
+    h = np.zeros(len(t) - n + 1, dtype=np.uint64)
     with np.errstate(over="ignore"):
-        for i in range(NGRAM):
-            h = (h ^ t[i:len(t) - NGRAM + 1 + i]) * _MIX
+        for i in range(n):
+            h = (h ^ t[i:len(t) - n + 1 + i]) * _MIX
         return h ^ (h >> np.uint64(29))
 
 
-def _hash_tail(history: Sequence[int]) -> int:
-    """`_hashes` of the last NGRAM tokens of `history`, in plain Python (an offer's one hash)."""
+def _hash_tail(history: Sequence[int], n: int = NGRAM) -> int:
+    """`_hashes` of the last `n` tokens of `history`, in plain Python (an offer's hash)."""
     h = 0
-    for token in history[-NGRAM:]:
+    for token in history[-n:]:
         h = ((h ^ int(token)) * _MIX_INT) & _M64
     return h ^ (h >> 29)
 
