@@ -204,6 +204,30 @@ def test_localspec_systems():
         argv("vllm")
 
 
+def test_localspec_base_is_served_from_the_checkout_it_names(tmp_path):
+    """`bench --clients --base-tree DIR`: the system localspec-base runs DIR's localspec (its
+    package first on the path, DIR the working directory), with the same command line."""
+    tree = tmp_path / "tree"
+    (tree / "localspec" / "cli").mkdir(parents=True)
+    (tree / "localspec" / "__init__.py").write_text("")
+    (tree / "localspec" / "cli" / "__init__.py").write_text("")
+    (tree / "localspec" / "cli" / "__main__.py").write_text(
+        "import json, os, sys, localspec\n"
+        f"open({str(tmp_path / 'ran.json')!r}, 'w').write(json.dumps([os.getcwd(), localspec.__file__, sys.argv[1:]]))\n")
+    kw = dict(n_slots=2, oracle="o", draft="d", threads=2, anchor_bin=None, model_name="m")
+    server = clients.start_server("localspec-base", base_tree=str(tree), **kw)
+    try:
+        assert server.proc.wait(timeout=60) == 0
+    finally:
+        server.stop()
+    cwd, package, args = json.loads((tmp_path / "ran.json").read_text())
+    assert cwd == str(tree.resolve()) and package == str(tree.resolve() / "localspec" / "__init__.py")
+    assert args[0] == "serve" and args[args.index("--parallel") + 1] == "2" and args[-2:] == ["--draft", "d"]
+    for missing in (None, str(tmp_path)):  # no tree, or a folder that is not a checkout
+        with pytest.raises(clients.ServingError, match="--base-tree"):
+            clients.start_server("localspec-base", base_tree=missing, **kw)
+
+
 # ------------------------------------------------------------------------------------ the report
 
 
@@ -277,6 +301,22 @@ def test_the_cli_checks_its_choices():
         command._names("open,chat", cw.CLIENT_WORKLOADS, "workloads")
     with pytest.raises(ValueError):
         command._client_counts("0")
+    assert "localspec-base" not in command._client_systems(None, None)  # it needs a checkout to serve from
+    assert command._client_systems(None, "/tree") == list(clients.SYSTEMS)
+    assert command._client_systems("localspec-base,localspec", "/tree") == ["localspec-base", "localspec"]
+    with pytest.raises(ValueError, match="--base-tree"):
+        command._client_systems("localspec-base", None)
+
+
+def test_the_report_sets_each_system_against_localspec_base_where_it_ran():
+    rows = [_row("agent", "localspec-base", 0, 1, 40.0, ["a", "b"], turns=4),
+            _row("agent", "localspec", 0, 1, 60.0, ["a", "b"], suffix=3.0, turns=4)]
+    summary = {s["system"]: s for s in clients_report.summarize(rows, {2: 50.0})}
+    assert summary["localspec"]["vs_localspec_base"] == 1.5 and summary["localspec-base"]["vs_localspec_base"] == 1.0
+    text = clients_report.markdown(_report(rows))
+    assert "| vs localspec before its caches | vs localspec-base | first token p50 |" in text
+    assert "| agent | 2 | localspec | 1 | 60.0 | – | – | – | 1.50x | 0.10 s |" in text
+    assert "vs localspec-base" not in clients_report.markdown(_report(rows[1:]))  # no column where it did not run
 
 
 # ------------------------------------------------------------------------------------ a real run

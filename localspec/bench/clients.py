@@ -27,6 +27,7 @@ import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from localspec.bench import anchor
@@ -38,7 +39,9 @@ from localspec.llama.context import resolve_flash_attn
 LOCALSPEC_SYSTEMS = {"localspec": (), "localspec-no-suffix": ("--suffix-cache-tokens", "0"),
                      "localspec-no-prompt-cache": ("--prompt-cache-mib", "0"),
                      "localspec-no-caches": ("--suffix-cache-tokens", "0", "--prompt-cache-mib", "0"),
-                     "localspec-no-draft": ("--no-draft",)}
+                     "localspec-no-draft": ("--no-draft",),
+                     # localspec served from another checkout (`base_tree`: an earlier commit's worktree)
+                     "localspec-base": ()}
 # llama-server's --spec-type per system (draft-simple: the draft model; -md alone drafts nothing)
 LLAMA_SERVER_SYSTEMS = {"llama-server": (), "llama-server-draft": ("draft-simple",),
                         "llama-server-ngram-mod": ("ngram-mod",), "llama-server-ngram-cache": ("ngram-cache",),
@@ -201,12 +204,12 @@ def _free_port() -> int:
 class Server:
     """A server process on loopback, its log in a temporary file."""
 
-    def __init__(self, name: str, argv: list[str], port: int, env: dict | None = None) -> None:
+    def __init__(self, name: str, argv: list[str], port: int, env: dict | None = None, cwd: str | None = None) -> None:
         self.name, self.port = name, port
         self.url = f"http://127.0.0.1:{port}"
         self.log = tempfile.NamedTemporaryFile(prefix=f"localspec-serve-{name}-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=env, start_new_session=True)
+                                     env=env, cwd=cwd, start_new_session=True)
 
     def wait_ready(self, timeout: float = 180) -> None:
         import httpx
@@ -271,10 +274,18 @@ def server_argv(system: str, *, port: int, n_slots: int, oracle: str, draft: str
     return argv + _llama_spec_flags(LLAMA_SERVER_SYSTEMS[system], draft, threads)
 
 
-def start_server(system: str, **kw) -> Server:
-    """`system` serving on a free port of loopback (`kw`: server_argv's)."""
+def start_server(system: str, *, base_tree: str | None = None, **kw) -> Server:
+    """`system` serving on a free port of loopback (`kw`: server_argv's). "localspec-base" runs
+    the localspec of the checkout at `base_tree` (its package first on the path), with this one's
+    Python and models."""
     port = _free_port()
-    return Server(system, server_argv(system, port=port, **kw), port)
+    if system != "localspec-base":
+        return Server(system, server_argv(system, port=port, **kw), port)
+    if not base_tree or not (Path(base_tree) / "localspec" / "cli").is_dir():
+        raise ServingError(f"localspec-base needs --base-tree: a localspec checkout (got {base_tree!r})")
+    tree = str(Path(base_tree).resolve())
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (tree, os.environ.get("PYTHONPATH"))))}
+    return Server(system, server_argv(system, port=port, **kw), port, env=env, cwd=tree)
 
 
 def _llama_spec_flags(spec_types: tuple[str, ...], draft: str | None, threads: int) -> list[str]:
@@ -323,6 +334,7 @@ class ClientsConfig:
     reps: int = 1
     threads: int = 1
     anchor_bin: str | None = None
+    base_tree: str | None = None  # the checkout "localspec-base" serves from
     model_name: str = "bench"
     max_tokens: int | None = None  # every workload's (default: its own)
     max_prompts: int | None = None  # at most this many records listings
@@ -406,7 +418,7 @@ def _run_system(config: ClientsConfig, system: str, workload: Workload, n: int, 
     try:
         server = start_server(system, n_slots=n, oracle=config.oracle, draft=config.draft, threads=config.threads,
                               anchor_bin=config.anchor_bin, model_name=config.model_name,
-                              ctx_per_slot=workload.ctx_per_slot)
+                              ctx_per_slot=workload.ctx_per_slot, base_tree=config.base_tree)
     except (anchor.AnchorUnavailable, ServingError) as e:
         notes.append(f"{system}: skipped ({e})")
         return []

@@ -14,6 +14,7 @@ import statistics
 from pathlib import Path
 
 BEFORE_CACHES = ("localspec-no-caches", "localspec-no-suffix")  # the reference: the first of these that ran
+BASE = "localspec-base"  # localspec served from another checkout (bench --base-tree): an earlier commit
 
 
 def _median(values) -> float | None:
@@ -69,16 +70,18 @@ def _system_entry(mine: list[dict], find) -> dict:
 
 
 def _compare(entries: list[dict], rows: list[dict], first_system: str, find) -> None:
-    """Each entry against llama-server's best and localspec before its caches (BEFORE_CACHES) at the
-    same point, and its texts against the first system's."""
+    """Each entry against llama-server's best, localspec before its caches (BEFORE_CACHES) and the
+    earlier checkout (BASE, where it ran) at the same point, and its texts against the first system's."""
     servers = [e["aggregate_tokens_per_second"] for e in entries if e["system"].startswith("llama-server")]
     best = max(servers) if servers else None
     before = next((e["aggregate_tokens_per_second"] for name in BEFORE_CACHES for e in entries
                    if e["system"] == name), None)
+    base = next((e["aggregate_tokens_per_second"] for e in entries if e["system"] == BASE), None)
     for e in entries:
         agg = e["aggregate_tokens_per_second"]
         e["vs_llama_server_best"] = agg / best if best else None
         e["vs_localspec_before"] = agg / before if before else None
+        e["vs_localspec_base"] = agg / base if base else None
         mine = [r for r in rows if r["system"] == e["system"]]
         e["same_text_as_first_system"] = _same_share(mine, [find(r, first_system, r["pass"]) for r in mine])
 
@@ -126,16 +129,19 @@ def _header(report: dict) -> list[str]:
 
 
 def _table(summary: list[dict]) -> list[str]:
+    based = any(s.get("vs_localspec_base") is not None for s in summary)  # a column only where BASE ran
     lines = ["| workload | clients | system | pass | aggregate tok/s | vs pass 1 | vs llama-server's best "
-             "| vs localspec before its caches | first token p50 | p95 | tok/s per request | accepted draft tokens "
-             "(suffix cache) | same text as first system | llama-batched-bench (oracle alone) |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| vs localspec before its caches |" + (f" vs {BASE} |" if based else "") + " first token p50 | p95 "
+             "| tok/s per request | accepted draft tokens (suffix cache) | same text as first system "
+             "| llama-batched-bench (oracle alone) |",
+             "|---|---:|---|---:|---:|---:|---:|---:|" + ("---:|" if based else "") + "---:|---:|---:|---:|---:|---:|"]
     for s in summary:
         accepted = _fmt(s["accepted"], ".0f") + (f" ({s['suffix_accepted']:.0f})" if s["suffix_accepted"] is not None
                                                  else "")
         lines.append(f"| {s['workload']} | {s['clients']} | {s['system']} | {s['pass']} | "
                      f"{_fmt(s['aggregate_tokens_per_second'], '.1f')} | {_fmt(s['vs_pass_1'], '.2f', 'x')} | "
                      f"{_fmt(s['vs_llama_server_best'], '.2f', 'x')} | {_fmt(s['vs_localspec_before'], '.2f', 'x')} | "
+                     + (f"{_fmt(s.get('vs_localspec_base'), '.2f', 'x')} | " if based else "") +
                      f"{_fmt(s['ttft_p50'], '.2f', ' s')} | {_fmt(s['ttft_p95'], '.2f', ' s')} | "
                      f"{s['client_tokens_per_second']:.1f} | {accepted} | "
                      f"{_percent(s['same_text_as_first_system'])} | "

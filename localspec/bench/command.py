@@ -19,14 +19,16 @@ def run(*, pair: str | None, oracle: str | None, draft: str | None, workload: st
         reps: int, max_prompts: int | None, max_tokens: int | None, threads: int | None, n_ctx: int,
         json_path: str | None, charts_dir: str | None, markdown_path: str | None, anchor_bin: str | None,
         cross_tokenizer: bool, paired: bool, one_shot: bool, mixed_warmup: int, clients: str | None,
-        progress: Callable[[str], None], echo: Callable[[str], None]) -> dict:
+        progress: Callable[[str], None], echo: Callable[[str], None], base_tree: str | None = None) -> dict:
     from localspec.models import Registry
 
     choice = Registry.load().choose(pair, oracle, draft)
     oracle, draft, chosen = choice.oracle, choice.draft, choice.pair
+    if base_tree and not clients:
+        raise ValueError("--base-tree goes with --clients (the serving benchmark)")
     if clients:
         return _run_clients(oracle, draft, clients, systems, workload, reps, max_prompts, max_tokens, threads,
-                            anchor_bin, json_path, markdown_path, progress, echo)
+                            anchor_bin, json_path, markdown_path, progress, echo, base_tree=base_tree)
     if draft is None:
         progress("no --draft for this oracle: systems that need a draft model are skipped")
     names = [w.strip() for w in workload.split(",") if w.strip()] if workload else None
@@ -59,8 +61,9 @@ def run(*, pair: str | None, oracle: str | None, draft: str | None, workload: st
 def _run_clients(oracle, draft, clients: str, systems: str | None, workload: str | None, reps: int,
                  max_prompts: int | None, max_tokens: int | None, threads: int | None, anchor_bin: str | None,
                  json_path: str | None, markdown_path: str | None, progress: Callable[[str], None],
-                 echo: Callable[[str], None]) -> dict:
-    """`--clients 1,4,8`: the serving benchmark (localspec.bench.clients)."""
+                 echo: Callable[[str], None], base_tree: str | None = None) -> dict:
+    """`--clients 1,4,8`: the serving benchmark (localspec.bench.clients); `base_tree`: a checkout
+    served as "localspec-base" (first, where --systems does not choose)."""
     from localspec.llama.backend import default_threads
     from localspec.models import Registry
 
@@ -71,9 +74,10 @@ def _run_clients(oracle, draft, clients: str, systems: str | None, workload: str
     config = cl.ClientsConfig(
         oracle=str(registry.resolve(oracle, progress=progress)),
         draft=str(registry.resolve(draft, progress=progress)) if draft else None,
-        clients=_client_counts(clients), systems=_names(systems, cl.SYSTEMS, "systems"),
+        clients=_client_counts(clients), systems=_client_systems(systems, base_tree),
         workloads=_names(workload or "open", cl.cw.CLIENT_WORKLOADS, "workloads"), reps=reps,
-        threads=threads or default_threads(), anchor_bin=anchor_bin, max_tokens=max_tokens, max_prompts=max_prompts)
+        threads=threads or default_threads(), anchor_bin=anchor_bin, base_tree=base_tree, max_tokens=max_tokens,
+        max_prompts=max_prompts)
     report = cl.run_clients_bench(config, progress=progress)
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=1), "utf-8")
@@ -94,6 +98,19 @@ def _client_counts(clients: str) -> list[int]:
     if not counts or min(counts) < 1:
         raise ValueError("--clients: counts of at least 1")
     return counts
+
+
+def _client_systems(given: str | None, base_tree: str | None) -> list[str]:
+    """--systems of the serving benchmark: all but localspec-base by default, which runs only from
+    a --base-tree (then it is among the defaults, and either way asked for it needs one)."""
+    from localspec.bench import clients as cl
+
+    if given is None:
+        return [s for s in cl.SYSTEMS if s != "localspec-base" or base_tree]
+    names = _names(given, cl.SYSTEMS, "systems")
+    if "localspec-base" in names and not base_tree:
+        raise ValueError("localspec-base is localspec served from another checkout: give it with --base-tree DIR")
+    return names
 
 
 def _names(given: str | None, known: tuple[str, ...], what: str) -> list[str]:

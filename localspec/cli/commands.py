@@ -577,6 +577,9 @@ def serve(ctx: click.Context, host: str, port: int, model_name: str | None, api_
               help="Write a results document (machine, setup, table, charts).")
 @click.option("--anchor-bin", type=click.Path(file_okay=False), default=None,
               help="Directory of llama.cpp's built speculative programs (default: scripts/build_llama_anchor.sh's).")
+@click.option("--base-tree", type=click.Path(file_okay=False, exists=True), default=None,
+              help="With --clients: a localspec checkout (a git worktree of an earlier commit, say) served as the "
+                   "system localspec-base, beside this one in the same run.")
 @click.option("--cross-tokenizer", is_flag=True, help="The draft's vocabulary differs from the oracle's: draft "
               "through text (set by pairs that need it).")
 @click.option("--paired", is_flag=True, help="Also run every prompt of each localspec drafting system with drafting "
@@ -587,7 +590,7 @@ def serve(ctx: click.Context, host: str, port: int, model_name: str | None, api_
                    "server per repetition; aggregate tokens/s, time to first token, tokens/s per request, draft "
                    "tokens accepted, and llama-batched-bench's plain batched decoding (--workload open,records,agent; "
                    "--systems, default all: localspec, localspec-no-suffix, localspec-no-prompt-cache, localspec-no-caches, "
-                   "localspec-no-draft, llama-server, "
+                   "localspec-no-draft, localspec-base (with --base-tree), llama-server, "
                    "llama-server-draft, llama-server-ngram-mod, llama-server-ngram-cache, "
                    "llama-server-ngram-mod-draft, llama-server-ngram-cache-draft).")
 @click.option("--mixed-warmup", type=click.IntRange(0), default=12, show_default=True,
