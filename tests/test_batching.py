@@ -169,6 +169,33 @@ def test_a_context_holds_sequences_apart(pair_paths):
         model.close()
 
 
+def test_filler_evens_rows_out_for_the_pass_and_leaves_nothing_behind(pair_paths):
+    """`Rows.pad`: filler after a short row makes the rows one length (one llama.cpp pass instead
+    of several), gives no logits, changes none of the real rows' (up to a batch's rounding) and is
+    gone from the cache once the decode returns."""
+    model = LlamaModel(pair_paths[0])
+    try:
+        with LlamaContext(model, n_ctx=256, n_seq=3, n_threads=2) as ctx:
+            prompts = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10]]
+            ragged = [Rows(s, p, len(p)) for s, p in enumerate(prompts)]
+            assert len(ctx.ubatches([(r.seq, len(r.tokens)) for r in ragged])) > 1
+            plain = np.array(ctx.decode_rows(ragged))
+            after_plain = np.array(ctx.decode_rows([Rows(s, [11], 1) for s in range(3)]))
+            ctx.reset()
+            even = [Rows(s, p, len(p), pad=5 - len(p)) for s, p in enumerate(prompts)]
+            assert len(ctx.ubatches([(r.seq, len(r.tokens) + r.pad) for r in even])) == 1
+            padded = np.array(ctx.decode_rows(even))
+            assert padded.shape == plain.shape  # the filler has no logits
+            assert [ctx.seq_tokens(s) for s in range(3)] == prompts
+            np.testing.assert_allclose(padded, plain, atol=NEAR_TIE)
+            # the next token sees the real rows only: the filler left the cache
+            np.testing.assert_allclose(np.array(ctx.decode_rows([Rows(s, [11], 1) for s in range(3)])), after_plain,
+                                       atol=NEAR_TIE)
+            assert [len(ctx.seq_tokens(s)) for s in range(3)] == [6, 3, 4]
+    finally:
+        model.close()
+
+
 def test_a_batch_file_runs_several_at_a_time_with_the_same_texts(pair_paths, tmp_path):
     inp = tmp_path / "in.jsonl"
     inp.write_text("".join(json.dumps({"id": i, "prompt": CLIENT_PROMPTS[i], "max_tokens": 32}) + "\n" for i in range(6)))

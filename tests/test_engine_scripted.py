@@ -643,3 +643,62 @@ def test_host_time_is_the_steps_wall_time_less_the_time_inside_the_decodes():
     assert s.host_ms_per_step < 15 and s.host_other_time >= 0
     assert s.to_dict()["host_ms_per_token"] == pytest.approx(1000 * s.host_time / s.completion_tokens)
     assert oracle.llama_seconds >= 0.03 * (s.steps + 1) and draft.llama_seconds >= 0.03 * s.steps
+
+
+# --- ragged verify rows evened out with filler where one pass costs less than llama.cpp's split ----
+
+
+class SplitContext(TimedContext):
+    """A timed oracle that splits a batch as llama.cpp does (`LlamaContext.ubatches`: a run of
+    consecutive sequences of one length per pass), every pass costing `fixed` plus `per_token` a
+    token, filler included; the filler (`Rows.pad`) is evaluated and dropped, as llama.cpp's is."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.pads: list[list[int]] = []
+
+    def ubatches(self, rows):
+        from localspec.llama.context import LlamaContext
+
+        return LlamaContext.ubatches(self, rows)
+
+    def decode_rows(self, rows) -> np.ndarray:
+        import dataclasses
+
+        passes = self.ubatches([(r.seq, len(r.tokens) + r.pad) for r in rows])
+        spent = sum(self.fixed + self.per_token * sum(n for _, n in p) for p in passes)
+        self.clock.now += spent
+        self.llama_seconds += spent
+        self.pads.append([r.pad for r in rows])
+        return self._decode([dataclasses.replace(r, pad=0) for r in rows])
+
+
+def test_ragged_verify_rows_are_evened_out_where_a_pass_costs_more_than_its_tokens(monkeypatch):
+    """Requests four at a time drafted by prompt lookup (each its own draft length): where a pass
+    costs far more than a token (a GPU; a memory-bound CPU pass), short rows get filler and the
+    decode runs as fewer passes in less time; the text is the same token for token. Where a token
+    costs as much as a pass, nothing is padded once the first passes are measured."""
+    from localspec.runtime.factory import lookup_policy
+
+    def run(fixed: float, per_token: float, even_out: bool):
+        clock = VirtualClock()
+        monkeypatch.setattr("time.perf_counter", clock)
+        model = ScriptedModel.sized(ORACLE_VOCAB, "oracle")
+        oracle = SplitContext(model, copying(hashed_logits(1, ORACLE_VOCAB), bonus=6.0), clock=clock, fixed=fixed,
+                              per_token=per_token, n_seq=4)
+        engine = Engine.from_parts(oracle=oracle, proposer=PromptLookupProposer(), policy=lookup_policy(k_max=8))
+        if not even_out:
+            monkeypatch.setattr(engine, "_even_out", lambda rows, contexts, verifying: rows)
+        seqs = [engine.scheduler.add(engine.prepare(prompt, max_tokens=48))  # 8 for 4 slots: each drafts when it can
+                for prompt in 2 * ("the cat sat on the mat and the cat sat", "a b c d e f a b c d e f a b",
+                                   "one two three one two three one two", "he said she said he said she")]
+        while engine.scheduler.has_work:
+            engine.scheduler.step()
+        return [s.completion_tokens for s in seqs], oracle.pads, clock.now
+
+    ragged, no_pads, t_ragged = run(0.050, 0.001, even_out=False)
+    even, pads, t_even = run(0.050, 0.001, even_out=True)
+    assert even == ragged and not any(any(p) for p in no_pads)
+    assert sum(any(p) for p in pads) >= 5 and t_even < 0.95 * t_ragged
+    dear, dear_pads, _ = run(0.001, 0.050, even_out=True)  # a token costs as much as a pass: no filler pays
+    assert dear == ragged and sum(any(p) for p in dear_pads) <= 1  # one, at most, on the prior's guess

@@ -307,11 +307,14 @@ def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 @dataclass(frozen=True)
 class Rows:
     """One sequence's part of a batch: `tokens` appended to sequence `seq` (at the positions after
-    what it holds), with logits for the last `n_logits` of them."""
+    what it holds), with logits for the last `n_logits` of them. `pad` more tokens (the last one repeated) go in
+    after them and out again once the batch is decoded: llama.cpp runs rows of one length as one
+    pass (`LlamaContext.ubatches`), so evening ragged rows out can save passes."""
 
     seq: int
     tokens: Sequence[int]
     n_logits: int = 0
+    pad: int = 0  # filler tokens after `tokens`: evaluated, no logits, dropped again (rows of one length: fewer passes)
 
 
 class LlamaContext(_Owner):
@@ -537,22 +540,28 @@ class LlamaContext(_Owner):
         if len(rows) == 1 and 0 < len(rows[0].tokens) <= self.n_batch:
             return self._decode_one(rows[0])
         flat_tokens, flat_pos, flat_seq, flat_out = [], [], [], []
+        padded: list[tuple[int, int]] = []  # (sequence, where its filler starts)
         n_out = 0
         for r in rows:
             n = len(r.tokens)
             if n == 0:
                 continue
             held = self._seqs[r.seq]
+            pad = min(r.pad, self.n_ctx - len(held) - n)  # no filler where the sequence has no room
             if len(held) + n > self.n_ctx:
                 raise ContextFullError(f"context full: {len(held)} + {n} tokens > n_ctx {self.n_ctx}"
                                        + (f" (sequence {r.seq})" if self.n_seq > 1 else ""))
             k = min(r.n_logits, n)
             start = len(held)
             flat_tokens.append(np.asarray(r.tokens, dtype=np.int32))
+            out = np.zeros(n + max(pad, 0), dtype=np.int8)
+            out[n - k:n] = 1
+            if pad > 0:
+                flat_tokens.append(np.full(pad, flat_tokens[-1][-1], dtype=np.int32))
+                padded.append((r.seq, start + n))
+                n += pad
             flat_pos.append(np.arange(start, start + n, dtype=np.int32))
             flat_seq.append(np.full(n, r.seq, dtype=np.int32))
-            out = np.zeros(n, dtype=np.int8)
-            out[n - k:] = 1
             flat_out.append(out)
             n_out += k
         if not flat_tokens:
@@ -600,6 +609,8 @@ class LlamaContext(_Owner):
             raise
         finally:
             self.llama_seconds += time.perf_counter() - t0
+        for seq, start in padded:
+            llama_cpp.llama_memory_seq_rm(self._mem, seq, start, -1)
         for r in rows:
             if len(r.tokens):
                 self._seqs[r.seq].extend(int(t) for t in r.tokens)

@@ -30,6 +30,7 @@ bonus tokens come from it), and the walk pops back to the accepted prefix.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import numbers
 import os
@@ -69,6 +70,11 @@ Prompt = str | Sequence[Mapping[str, Any]] | Sequence[int]  # text, chat message
 # a prefix another slot holds is copied (not evaluated) when it is this many tokens longer than
 # the slot's own: a copy of a sequence's cache costs 0.01-0.03 ms a token here, an evaluation ~2 ms
 COPY_MIN = 16
+# a padded decode must be predicted this much cheaper than the ragged one: the pass-cost fit is off
+# by about this much on one pass (costs.NOISE: a step here varies 10-20%), and a filler token that
+# buys nothing must not be paid for on a guess (measured on the reference CPU, records answered a
+# second time, big verify rows: taking savings of 2-5% made the passes slower)
+EVEN_OUT_MARGIN = 0.1
 
 
 class Engine:
@@ -417,6 +423,7 @@ class Engine:
         t1, l1 = time.perf_counter(), self._llama_seconds()
         rows = self._rows(running, prefill)
         contexts = {r.seq: len(self.oracle.seq_tokens(r.seq)) for r in rows}
+        rows = self._even_out(rows, contexts, {seq.slot for seq in running})
         logits = self.oracle.decode_rows(rows)  # [sum of n_logits, vocab], in slot order
         picked = self.oracle.last_sampled  # [sum of running's k+1] the backend's greedy ids, or None
         t_decoded = time.perf_counter()
@@ -444,6 +451,32 @@ class Engine:
                      n if seq.request.prompt_logprobs is not None else 0) for seq, n in prefill.items()]
         rows += [Rows(seq.slot, [seq.history[-1]] + seq.draft.tokens.tolist(), len(seq.draft) + 1) for seq in running]
         return sorted(rows, key=lambda r: r.seq)
+
+    def _even_out(self, rows: list[Rows], contexts: Mapping[int, int], verifying: set[int]) -> list[Rows]:
+        """The verify rows (of the sequences in `verifying`), the short ones padded with filler up to
+        the length that makes the decode cheapest as the policy learned the oracle's passes:
+        llama.cpp runs consecutive sequences of one length as one pass and splits ragged rows into
+        several (`LlamaContext.ubatches`), each reading the weights again. A pass that costs little
+        per token (a GPU; a memory-bound CPU pass) is evened out; one that pays for every token
+        seldom is: a saving under EVEN_OUT_MARGIN of the pass is within the fit's error and not
+        taken. Unchanged before a pass was measured, and for a policy that does not learn."""
+        sizes = [(r.seq, len(r.tokens)) for r in rows]
+        lengths = sorted({n for seq, n in sizes if seq in verifying})
+        if len(lengths) < 2 or not learns(self.policy):
+            return rows
+        least = self.policy.decode_time(self._passes(self.oracle, sizes, contexts))
+        if least is None:
+            return rows
+        bar, best = least * (1.0 - EVEN_OUT_MARGIN), None
+        for target in lengths[1:]:
+            t = self.policy.decode_time(self._passes(self.oracle, [(seq, max(n, target) if seq in verifying else n)
+                                                                   for seq, n in sizes], contexts))
+            if t < min(least, bar):
+                best, least = target, t
+        if best is None:
+            return rows
+        return [dataclasses.replace(r, pad=best - len(r.tokens)) if r.seq in verifying and len(r.tokens) < best else r
+                for r in rows]
 
     @staticmethod
     def _rows_of(seq: Seq, logits: np.ndarray, picked: np.ndarray | None,
@@ -610,7 +643,7 @@ class Engine:
             at = {seq: context for seq, _, context in held}
             self.policy.observe_draft_round(self._passes(self.draft_ctx, [(seq, n) for seq, n, _ in held], at), t)
         if len(rows) > 1 and not prefill:
-            self.policy.observe_pass(self._passes(self.oracle, [(r.seq, len(r.tokens)) for r in rows], contexts), seconds)
+            self.policy.observe_pass(self._passes(self.oracle, [(r.seq, len(r.tokens) + r.pad) for r in rows], contexts), seconds)
 
     @staticmethod
     def _passes(ctx, rows: Sequence[tuple[int, int]], contexts: Mapping[int, int]) -> list[tuple[list[int], list[int]]]:

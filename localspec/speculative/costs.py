@@ -209,6 +209,22 @@ class PassCost:
             raise ValueError("no cost observed yet")
         return self._at(self.weights(), pass_features(ns, contexts))
 
+    def decode_time(self, passes: Sequence[tuple[Sequence[int], Sequence[int]]]) -> float:
+        """Seconds for one decode that llama.cpp runs as `passes` (its ubatches: each (tokens per
+        sequence, their contexts)), as `observe_passes` learns them."""
+        if self.scale is None:
+            raise ValueError("no cost observed yet")
+        phi = [0.0] * N_FEATURES  # pass_features summed, in plain Python (a step may ask this several times)
+        for ns, contexts in passes:
+            total = sum(ns)
+            phi[0] += 1.0
+            phi[1] += total > 1
+            phi[2] += total
+            phi[3] += sum(contexts) / CONTEXT_UNIT
+            phi[4] += sum(n * c for n, c in zip(ns, contexts)) / CONTEXT_UNIT
+            phi[5] += len(ns) - 1
+        return self._at(self.weights(), np.array(phi))
+
     def pass_overhead(self, context: int) -> float:
         """Seconds a pass of two or more tokens costs beyond its tokens (its weights read once): what
         another pass, a ubatch llama.cpp splits off a batch, adds."""

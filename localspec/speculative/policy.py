@@ -70,6 +70,10 @@ class Learning(Protocol):
     def observe_draft_round(self, passes, seconds: float) -> None:
         """A draft decode (a round of drafting), run as `passes`."""
 
+    def decode_time(self, passes) -> float | None:
+        """Seconds an oracle decode run as `passes` would take, as the policy learned its passes;
+        None before it measured one."""
+
     def known_regimes(self) -> list[dict[str, Any]]:
         """What the policy knows of each sampling regime it met, for people (`localspec check`)."""
 
@@ -736,6 +740,9 @@ class AdaptiveLength:
         """A draft decode (a round of drafting, one sequence's or several's) took `seconds`."""
         self.learned.draft_round_cost.observe_passes(passes, seconds)
 
+    def decode_time(self, passes: Sequence[tuple[Sequence[int], Sequence[int]]]) -> float | None:
+        return self.verify_cost.decode_time(passes) if self.verify_cost.ready else None
+
     def batch_price(self, contexts: Sequence[int], context: int, drafting: float) -> BatchPrice | None:
         """The price of a draft for a sequence at `context` whose pass carries the sequences at
         `contexts` (its own among them), `drafting` of them expected to draft with the model; None
@@ -969,6 +976,9 @@ class HybridLength(_FreeSources):
     def observe_draft_round(self, passes, seconds: float) -> None:
         self.model.observe_draft_round(passes, seconds)
 
+    def decode_time(self, passes) -> float | None:
+        return self.model.decode_time(passes)
+
     @property
     def idle(self) -> bool:
         return self.model.idle
@@ -1049,6 +1059,9 @@ class LookupLength(_FreeSources):
 
     def observe_draft_round(self, passes, seconds: float) -> None:
         pass  # nothing to decode
+
+    def decode_time(self, passes) -> float | None:
+        return self.main.decode_time(passes)
 
     @property
     def idle(self) -> bool:
