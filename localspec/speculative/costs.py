@@ -90,9 +90,22 @@ def features(ns: np.ndarray, context: float) -> np.ndarray:
 
 def pass_features(ns: Sequence[int], contexts: Sequence[int]) -> np.ndarray:
     """phi [6] of one pass carrying n_s tokens of each sequence s over its context c_s."""
-    total = float(sum(ns))
-    return np.array((1.0, float(total > 1), total, sum(contexts) / CONTEXT_UNIT,
-                     sum(n * c for n, c in zip(ns, contexts)) / CONTEXT_UNIT, float(len(ns) - 1)))
+    return passes_features([(ns, contexts)])
+
+
+def passes_features(passes: Sequence[tuple[Sequence[int], Sequence[int]]]) -> np.ndarray:
+    """phi [6] of one decode llama.cpp runs as `passes` (each (ns, contexts)): the passes' features
+    add up (summed in plain Python: a step may price several decodes)."""
+    phi = [0.0] * N_FEATURES
+    for ns, contexts in passes:
+        total = sum(ns)
+        phi[0] += 1.0
+        phi[1] += total > 1
+        phi[2] += total
+        phi[3] += sum(contexts) / CONTEXT_UNIT
+        phi[4] += sum(n * c for n, c in zip(ns, contexts)) / CONTEXT_UNIT
+        phi[5] += len(ns) - 1
+    return np.array(phi)
 
 
 class PassCost:
@@ -140,7 +153,7 @@ class PassCost:
         their contexts)) took `seconds` in all: the model is linear, so their features add up."""
         if not passes or any(not ns or min(ns) < 1 for ns, _ in passes) or not seconds > 0:
             return
-        phi = sum(pass_features(ns, contexts) for ns, contexts in passes)  # [6]
+        phi = passes_features(passes)  # [6]
         if self.observations < START:
             self._start.append((phi, seconds))
             self.observations += 1
@@ -214,16 +227,7 @@ class PassCost:
         sequence, their contexts)), as `observe_passes` learns them."""
         if self.scale is None:
             raise ValueError("no cost observed yet")
-        phi = [0.0] * N_FEATURES  # pass_features summed, in plain Python (a step may ask this several times)
-        for ns, contexts in passes:
-            total = sum(ns)
-            phi[0] += 1.0
-            phi[1] += total > 1
-            phi[2] += total
-            phi[3] += sum(contexts) / CONTEXT_UNIT
-            phi[4] += sum(n * c for n, c in zip(ns, contexts)) / CONTEXT_UNIT
-            phi[5] += len(ns) - 1
-        return self._at(self.weights(), np.array(phi))
+        return self._at(self.weights(), passes_features(passes))
 
     def pass_overhead(self, context: int) -> float:
         """Seconds a pass of two or more tokens costs beyond its tokens (its weights read once): what

@@ -124,9 +124,14 @@ class SuffixStore:
         peers = matched >= max(NGRAM, int(matched[best]) // 2)  # [c] what agrees about as far back as the best
         return _agreed(conts[peers], int(peers[:best].sum())), int(matched[best])
 
+    @property
+    def _oldest(self) -> int:
+        """The first position the ring still holds (positions start at 1: 0 is "none" in the tables)."""
+        return max(1, self.end - self.capacity)
+
     def _candidates(self, key: int) -> list[int]:
         """The positions following the latest occurrences of the n-gram hashed to `key` [<= CANDIDATES]."""
-        oldest = max(1, self.end - self.capacity)
+        oldest = self._oldest
         out = []
         position = self.heads[key & self.mask]
         while position >= oldest and len(out) < CANDIDATES:
@@ -139,7 +144,7 @@ class SuffixStore:
         a hash collision its first and last tokens tell apart)."""
         position = int(self.long_heads[_hash_tail(history, LONG) & self.mask])
         ring, capacity = self.ring, self.capacity
-        if (position < max(1, self.end - self.capacity) or ring[(position - 1) % capacity] != history[-1]
+        if (position < self._oldest or ring[(position - 1) % capacity] != history[-1]
                 or ring[(position - LONG) % capacity] != history[-LONG]):
             return 0
         return position
