@@ -343,3 +343,21 @@ class TimedContext(ScriptedContext):
             self.clock.now += self.fixed + self.per_token * n
             self.llama_seconds += self.fixed + self.per_token * n
         return self._decode(rows)
+
+
+class CostedContext(ScriptedContext):
+    """A scripted context whose every decode takes `cost(tokens in it)` seconds of `clock`: a
+    card's cost shape, e.g. a one-token pass much cheaper than a pass of two (a GPU's CUDA graph of
+    matrix-vector kernels)."""
+
+    def __init__(self, model: ScriptedModel, logits: Logits, *, clock: VirtualClock, cost: Callable[[int], float],
+                 n_ctx: int = 512, n_seq: int = 1) -> None:
+        super().__init__(model, logits, n_ctx=n_ctx, n_seq=n_seq)
+        self.clock, self.cost = clock, cost
+
+    def decode_rows(self, rows) -> np.ndarray:
+        n = sum(len(r.tokens) for r in rows)
+        if n:
+            self.clock.now += self.cost(n)
+            self.llama_seconds += self.cost(n)
+        return self._decode(rows)

@@ -94,10 +94,61 @@ def test_adaptive_is_the_default_and_learns_its_costs_from_the_steps_alone(pair_
         assert isinstance(alone.policy, AdaptiveLength)
         assert (alone.policy.verify_cost(9, 100), alone.policy.draft_cost(4, 100),
                 alone.policy.est.acceptance) == pytest.approx(learned)
+    with Engine(*pair_paths, n_ctx=1024, n_threads=2) as sized:  # another context size (`generate` fits
+        model = sized.policy.model  # one to each prompt): the same costs
+        assert (model.verify_cost(9, 100), model.draft_cost(4, 100)) == pytest.approx(learned[:2])
     with Engine(*pair_paths, n_ctx=512, n_threads=1) as other:  # another thread count: other costs
         model = other.policy.model
         assert not model.verify_cost.ready and not model.draft_cost.ready
         assert model.est.acceptance == pytest.approx(learned[2])  # acceptance does not depend on threads
+
+
+def test_a_fresh_process_never_drafts_with_a_draft_as_dear_as_its_oracle(pair_paths):
+    """A draft that costs what its oracle costs (here the oracle itself) cannot pay whatever its
+    acceptance: a fresh engine never drafts with it (it drafted 52 tokens of 128 at 0.94x before,
+    learning that), and says why; prompt lookup, free to make, may still draft."""
+    oracle = pair_paths[0]
+    with Engine(oracle, oracle, n_ctx=512, n_threads=2, cost_cache=False) as engine:
+        messages = [{"role": "user", "content": "Explain how a refrigerator works, step by step."}]
+        r = engine.generate(messages, max_tokens=96)
+        assert not [x for x in r.stats.records if x.source == "model"]
+        assert r.stats.idle_steps > 80 and "a draft token" in r.stats.idle_reason
+        assert r.text == engine.generate(messages, max_tokens=96, speculative=False).text
+
+
+def test_calibrating_at_load_times_both_models_and_leaves_the_contexts_empty(pair_paths):
+    """What the engine does at load on a GPU (`calibrate=None` there), asked for on the CPU: the
+    policy knows the oracle's passes (one token and several), the draft's proposals and, with
+    several slots, the batched passes and draft rounds before the first request; every sequence is
+    empty after, and the first request's text is the oracle's."""
+    with Engine(*pair_paths, n_ctx=512, n_threads=2, parallel=2, cost_cache=False, calibrate=True) as engine:
+        model = engine.policy.model
+        assert engine.policy.needs_costs() == (False, False) and model.learned.draft_round_cost.ready
+        assert model.verify_cost.observations >= 5 and model.draft_cost.observations >= 3
+        assert all(not ctx.seq_tokens(s) for ctx in engine.contexts for s in range(2))
+        messages = [{"role": "user", "content": "Name three fruits."}]
+        assert engine.generate(messages, max_tokens=24).text == engine.generate(messages, max_tokens=24,
+                                                                                speculative=False).text
+    with Engine(*pair_paths, n_ctx=512, n_threads=2, cost_cache=False) as cpu:  # the default on a CPU: none
+        assert cpu.policy.needs_costs() == (True, True)
+
+
+def test_a_decode_nobody_reads_is_waited_for_in_its_own_time(pair_paths, monkeypatch):
+    """llama_decode returns before a GPU has done the work; reading logits waits for it. A prompt
+    chunk's decode reads nothing: it waits for its work itself (llama_synchronize, inside the time
+    counted as llama.cpp's), so a request's first step is not charged its prompt."""
+    from localspec.llama import context as llama_context
+
+    waits = []
+    real = llama_context.llama_cpp.llama_synchronize
+    monkeypatch.setattr(llama_context.llama_cpp, "llama_synchronize", lambda ctx: waits.append(ctx) or real(ctx))
+    with LlamaModel(pair_paths[1]) as model, LlamaContext(model, n_ctx=256, n_threads=2, n_seq=2) as ctx:
+        ctx.decode([1, 2, 3, 4], n_logits=0)
+        assert len(waits) == 1
+        ctx.decode([5], n_logits=1)  # its logits are read: that waits
+        from localspec.llama.context import Rows
+        ctx.decode_rows([Rows(0, [6, 7], 0), Rows(1, [8, 9, 10], 0)])
+        assert len(waits) == 2 and ctx.llama_seconds > 0
 
 
 def test_a_draft_takes_the_oracles_cache_of_the_prompt_where_their_layouts_match(pair_paths):

@@ -25,7 +25,8 @@ import numpy as np
 
 from localspec.outputs import DraftSource, StepRecord
 from localspec.speculative.plan import NO_DRAFT, NO_OFFER, DraftPlan, Offer, unused_offers
-from localspec.speculative.policy import GREEDY, LengthPolicy
+from localspec.runtime.calibrate import CONTEXT, calibrate
+from localspec.speculative.policy import GREEDY, LengthPolicy, learns
 from localspec.speculative.proposers import EMPTY_DRAFT, MODEL_OFFER, Draft, HybridProposer, PromptLookupProposer
 from localspec.speculative.sampling import SamplingParams
 
@@ -59,6 +60,23 @@ class Costs:
     oracle: Table
     draft: Table
     host_step: float = 0.0  # seconds of the controller's own work per step (outside llama.cpp)
+    host_draft_token: float = 0.0  # ... and per token the draft model drafts (picking it from its logits)
+    gpu: bool = False  # the engine times both models at load there (`runtime.calibrate`), and so does a replay
+
+    def calibrate(self, policy: LengthPolicy, context: int = CONTEXT) -> None:
+        """What the engine's `runtime.calibrate.measure_engine` teaches `policy` at load, from this
+        table: the costs it has not learned yet."""
+        if not learns(policy):
+            return
+        verify, draft = policy.needs_costs()
+        calibrate(policy, verify=(lambda n: self.oracle.seconds(n, context)) if verify else None,
+                  draft=(lambda k: self.proposal(k, 2, context)) if draft else None, context=context)
+
+    def proposal(self, drafted: int, catch_up: int, context: int) -> float:
+        """Seconds for the draft model to propose `drafted` tokens after catching up on `catch_up`
+        (one decode of those, then one a drafted token but the last)."""
+        return (self.draft.seconds(max(1, catch_up), context)
+                + (drafted - 1) * self.draft.seconds(1, context) + drafted * self.host_draft_token)
 
     @classmethod
     def gpu_like(cls, *, oracle_ms: float = 10.0, draft_ms: float = 2.5) -> "Costs":
@@ -67,7 +85,19 @@ class Costs:
         ns = (1, 2, 4, 8, 17)
         oracle = Table((0, 2048), ns, np.array([[oracle_ms * (1 + 0.01 * (n - 1)) for n in ns]] * 2))
         draft = Table((0, 2048), ns, np.array([[draft_ms * (1 + 0.02 * (n - 1)) for n in ns]] * 2))
-        return cls("gpu-like", oracle, draft, host_step=0.0003)
+        return cls("gpu-like", oracle, draft, host_step=0.0003, gpu=True)
+
+    @classmethod
+    def h200_smollm2(cls) -> "Costs":
+        """The default pair on an NVIDIA H200 (CUDA 13.0, every layer offloaded; ../shared/gpu/
+        h200-2026-11-27): both models launch-bound, so a draft token (1.4-1.8 ms) costs more than the
+        oracle's one-token pass (1.2-1.3 ms, a CUDA graph of matrix-vector kernels), and a pass of two
+        or more tokens 2.5-3.7x that (3.1 ms at 2, 4.4 at 17). Host time: 0.07-0.10 ms a plain step,
+        2.2-3.2 ms a speculative one (~0.4 ms a drafted token)."""
+        ns = (1, 2, 5, 9, 17)
+        oracle = Table((0, 2048), ns, np.array([[1.25, 3.1, 3.4, 3.7, 4.4], [1.3, 3.2, 3.5, 3.8, 4.6]]))
+        draft = Table((0, 2048), ns, np.array([[1.4, 3.0, 3.3, 3.6, 4.2], [1.5, 3.1, 3.4, 3.7, 4.4]]))
+        return cls("h200-smollm2", oracle, draft, host_step=0.0001, host_draft_token=0.0004, gpu=True)
 
 
 @dataclass(frozen=True)
@@ -193,6 +223,8 @@ def replay(trace: Trace, policy: LengthPolicy, costs: Costs, *, lookup: bool = T
     prompt lookup. A shared machine's timings: `noise`, each pass's time multiplied by a lognormal
     factor of this sigma; `stalls`, the share of passes that take three times as long."""
     rng = rng if rng is not None else np.random.default_rng(0)
+    if costs.gpu:
+        costs.calibrate(policy)  # as the engine does at load on a GPU (a no-op once the costs are known)
     drafter = TraceDrafter(trace, p_min)
     finder = PromptLookupProposer()
     proposer = HybridProposer(finder, drafter) if lookup and model else drafter if model else finder
@@ -232,8 +264,7 @@ def replay(trace: Trace, policy: LengthPolicy, costs: Costs, *, lookup: bool = T
                 draft = done.value
             drafted, evaluated = drafter.last
             if draft.source == DraftSource.MODEL and drafted:
-                draft_time += charge(costs.draft.seconds(max(1, evaluated), context)
-                                     + (drafted - 1) * costs.draft.seconds(1, context))
+                draft_time += charge(costs.proposal(drafted, evaluated, context))
         n = len(draft)
         accepted = 0
         while accepted < n and emitted + accepted < len(answer) and draft.tokens[accepted] == answer[emitted + accepted]:
@@ -268,8 +299,7 @@ def hindsight(trace: Trace, costs: Costs, *, k_max: int = 16) -> ReplayResult:
         accepted = min(drafted, agree)
         seconds = costs.oracle.seconds(drafted + 1, context) + costs.host_step
         if drafted:
-            seconds += costs.draft.seconds(2 if out.steps > 1 else 1, context) \
-                + (drafted - 1) * costs.draft.seconds(1, context)
+            seconds += costs.proposal(drafted, 2 if out.steps > 1 else 1, context)
         gained = min(accepted + 1, answer - emitted)
         emitted += gained
         out.add(gained=gained, drafted=drafted, accepted=accepted, seconds=seconds)

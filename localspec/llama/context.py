@@ -603,6 +603,8 @@ class LlamaContext(_Owner):
                             sampled[j] = llama_cpp.llama_get_sampled_token_ith(self._ctx, i - lo)
                 if n_chunk_out and len(chunks) > 1 and host_rows:  # the next chunk overwrites the buffer
                     pieces.append(self._logits(n_chunk_out).copy())
+            if n_out == 0:
+                self._wait()  # nothing is read back: the work is waited for here, not in the next decode
         except BaseException:
             for seq, start in starts.items():  # leave every cache exactly as its mirror says
                 llama_cpp.llama_memory_seq_rm(self._mem, seq, start, -1)
@@ -657,7 +659,11 @@ class LlamaContext(_Owner):
                 logits = np.zeros((k, 0), dtype=np.float32)
             else:
                 sampled = None
-                logits = self._logits(k) if k else np.zeros((0, self.n_vocab), dtype=np.float32)
+                if k:
+                    logits = self._logits(k)
+                else:
+                    self._wait()
+                    logits = np.zeros((0, self.n_vocab), dtype=np.float32)
         except BaseException:
             llama_cpp.llama_memory_seq_rm(self._mem, r.seq, start, -1)
             raise
@@ -694,6 +700,14 @@ class LlamaContext(_Owner):
             for i in group:
                 remaining[i] -= n
         return out
+
+    def _wait(self) -> None:
+        """Wait for the decodes queued on this context to finish. llama_decode returns before a GPU
+        has done the work (a CPU does it first), and reading logits or sampled tokens waits for it:
+        a decode whose outputs nobody reads (a prompt's chunk) waits here, so its time is its own
+        and not the next decode's (a request's first one-token step had seemed to cost its whole
+        prompt on CUDA, which priced the oracle's one-token pass far too high). A no-op on a CPU."""
+        llama_cpp.llama_synchronize(self._ctx)
 
     def _logits(self, n: int) -> np.ndarray:
         ptr = llama_cpp.llama_get_logits(self._ctx)

@@ -54,6 +54,7 @@ from localspec.outputs import Chunk, DraftSource, Result, Stats, StepRecord, Str
 from localspec.speculative.plan import NO_DRAFT, NO_OFFER, DraftPlan, SharedPass, unused_offers
 from localspec.speculative.policy import LengthPolicy, Regime, learns
 from localspec.speculative.proposers import EMPTY_DRAFT, Draft, Proposer, drive_all, set_draft_p_min
+from localspec.runtime.calibrate import measure_engine
 from localspec.runtime.prompt_cache import PromptCache
 from localspec.speculative.suffix import SuffixPools
 from localspec.speculative.sampling import (SamplingParams, bias_logits, coupled_choice, greedy_argmax, log_softmax, logits_to_probs,
@@ -98,17 +99,18 @@ class Engine:
     def from_parts(cls, *, oracle: LlamaContext, proposer: Proposer | None = None,
                    policy: LengthPolicy | None = None, draft: LlamaContext | None = None,
                    costs: CostBook | None = None, suffix: SuffixPools | None = None,
-                   prompt_cache: PromptCache | None = None) -> "Engine":
+                   prompt_cache: PromptCache | None = None, calibrate: bool = False) -> "Engine":
         """An engine over parts built elsewhere: the oracle's context (its `model` is the oracle
         model), an optional proposer (and the draft context it drafts on, if any), a length
         policy (default: none drafted without a proposer, else adaptive) and where the policy's
         learned state is kept (default: nowhere); `suffix`: the suffix cache's pools a
         `SuffixProposer` reads, which finished requests add to; `prompt_cache`: where finished
-        sequences' oracle caches are kept for later prompts. The caller owns the parts: `close()`
+        sequences' oracle caches are kept for later prompts; `calibrate`: time the contexts' passes
+        first (`runtime.calibrate`). The caller owns the parts: `close()`
         leaves them open. Tests plug scripted contexts in here."""
         engine = cls.__new__(cls)
         engine._adopt(Parts(oracle=oracle, proposer=proposer, policy=policy, draft=draft, costs=costs, suffix=suffix,
-                            prompt_cache=prompt_cache), owned=False)
+                            prompt_cache=prompt_cache, calibrate=calibrate), owned=False)
         return engine
 
     def _adopt(self, parts: Parts, *, owned: bool) -> None:
@@ -142,6 +144,8 @@ class Engine:
         layers = self.gpu_layers or 0
         self.backend_sampling = on_local_gpu(layers) and (layers < 0 or layers > self.oracle_model.n_layer)
         self.scheduler = Scheduler(self)
+        if parts.calibrate:
+            measure_engine(self)
 
     @property
     def contexts(self) -> list[LlamaContext]:

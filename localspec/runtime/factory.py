@@ -48,6 +48,7 @@ class Parts:
     cost_store: CostStore | None = None
     suffix: SuffixPools | None = None  # the suffix cache's pools, which every finished request adds to
     prompt_cache: PromptCache | None = None  # finished sequences' oracle caches, kept in host memory
+    calibrate: bool = False  # time both models' passes before the first request (runtime.calibrate)
     closers: list[Callable[[], None]] = field(default_factory=list)
     n_threads: int = 0
     gpu_layers: int = 0
@@ -125,7 +126,7 @@ def build(oracle: str | os.PathLike, draft: str | os.PathLike | None = None, *,
           policy: LengthPolicy | None = None, cost_cache: bool = True,
           progress: Callable[[str], None] | None = None,
           rpc: str | Sequence[str] | None = None, draft_rpc: str | Sequence[str] | None = None,
-          suffix_cache: int = 0, prompt_cache_mib: int = 0) -> Parts:
+          suffix_cache: int = 0, prompt_cache_mib: int = 0, calibrate: bool | None = None) -> Parts:
     """`oracle` / `draft`: a GGUF path or a model name from models.toml (fetched on first use);
     `draft` may also be "ngram" (prompt lookup, no model) or None (the oracle alone).
     `n_ctx`: the tokens each sequence may hold; `parallel`: sequences the contexts hold at once
@@ -149,7 +150,10 @@ def build(oracle: str | os.PathLike, draft: str | os.PathLike | None = None, *,
     `prompt_cache_mib`: MiB of host memory that keep the oracle's cache of finished sequences a
     new request overwrites, for later prompts that start the same way (see
     `localspec.runtime.prompt_cache`; the command line's default is DEFAULT_PROMPT_CACHE_MIB); 0,
-    the default here: none."""
+    the default here: none.
+    `calibrate`: time both models' passes at load, for the costs the policy has not learned yet
+    (`localspec.runtime.calibrate`); None: where a model runs on a local GPU (passes of a few ms,
+    whose shape is not a CPU's), not on a CPU (its first steps teach the costs)."""
     loader = _Loader(n_threads or default_threads(), rpc_servers(rpc), rpc_servers(draft_rpc), progress,
                      CostStore() if cost_cache else None)
     try:
@@ -176,6 +180,8 @@ def build(oracle: str | os.PathLike, draft: str | os.PathLike | None = None, *,
                                     cost_ratio=draft_cost_ratio(parts.oracle.model,
                                                                 parts.draft.model if parts.draft else None))
     parts.policy = policy
+    parts.calibrate = (on_local_gpu(gpu_layers) or parts.draft is not None and on_local_gpu(draft_gpu_layers)
+                       if calibrate is None else calibrate)
     if loader.cost_store is not None and learns(policy):
         parts.costs = CostBook(loader.cost_store, loader.cost_identities(parts, gpu_layers=gpu_layers,
                                                                          draft_gpu_layers=draft_gpu_layers,
@@ -310,8 +316,11 @@ class _Loader:
                           "flash_attn": parts.draft.flash_attn if parts.draft is not None else None, **machine,
                           **({"rpc": list(self.draft_rpc)} if self.draft_rpc else {})}
         return {
+            # not the context's size: a pass costs what the tokens it attends to cost (the fit's context
+            # term), and `generate` sizes the context to each prompt, so a key with it kept no costs
+            # from one run to the next
             "verify": {"model": oracle, "threads": self.n_threads, "gpu_layers": gpu_layers,
-                       "n_ctx": parts.oracle.n_ctx, "flash_attn": parts.oracle.flash_attn, **machine,
+                       "flash_attn": parts.oracle.flash_attn, **machine,
                        **({"rpc": list(self.rpc)} if self.rpc else {})},
             "draft": draft_identity,
             "draft_round": draft_identity,

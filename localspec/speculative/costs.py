@@ -76,7 +76,9 @@ DRAFT_ROUND_SHAPE = (0.6, 0.1, 0.4, 0.15, 0.05, 0.05)
 # measured step (a shared VM's steps vary by 10-20%): together they say how much evidence moves it
 PRIOR_SPREAD = (1.0, 0.5, 0.5, 0.1, 0.03, 0.2)
 NOISE = 0.15
-STATE_VERSION = 6
+# 7: a decode whose outputs nobody read had its GPU time land in the next decode (a request's first
+# one-token step seemed to cost its prompt): costs kept before that was fixed are dropped
+STATE_VERSION = 7
 START = 3  # passes whose median sets the prior's scale
 
 

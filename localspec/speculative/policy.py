@@ -25,6 +25,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
+from localspec.speculative.costs import START as COST_START
 from localspec.speculative.costs import DRAFT_ROUND_SHAPE, DRAFT_SHAPE, VERIFY_SHAPE, PassCost, expected_tokens_by_place
 from localspec.outputs import DraftSource, StepRecord
 from localspec.speculative.plan import NO_DRAFT, DraftPlan, Offer, SharedPass, plain_plan
@@ -73,6 +74,14 @@ class Learning(Protocol):
     def decode_time(self, passes) -> float | None:
         """Seconds an oracle decode run as `passes` would take, as the policy learned its passes;
         None before it measured one."""
+
+    def observe_draft(self, evaluated: int, context: int, seconds: float) -> None:
+        """A draft-model proposal that evaluated `evaluated` tokens at `context`, timed apart from a
+        step (`runtime.calibrate`)."""
+
+    def needs_costs(self) -> tuple[bool, bool]:
+        """Whether the oracle's pass costs, and the draft model's, are still to be measured (none
+        learned here nor kept from an earlier process)."""
 
     def known_regimes(self) -> list[dict[str, Any]]:
         """What the policy knows of each sampling regime it met, for people (`localspec check`)."""
@@ -485,8 +494,9 @@ class AdaptiveLength:
 
     @property
     def idle(self) -> bool:
-        return (self.verify_cost.ready and self.est.fresh_trials >= self.min_trials
-                and self.best_length(self.k_max) == 0)
+        if not self.verify_cost.ready or self.best_length(self.k_max, optimistic=self.est.exploring) > 0:
+            return False
+        return self.est.fresh_trials >= self.min_trials or not self.can_pay(self.k_max, optimistic=self.est.exploring)
 
     def expected_tokens(self, k: int) -> float:
         return float(self._expected_tokens(k)[k])
@@ -558,6 +568,26 @@ class AdaptiveLength:
         expected = self._expected_tokens(k_top, acceptance)
         return expected / self._step_times(k_top, self.context if context is None else context,
                                            optimistic=optimistic)
+
+    def can_pay(self, limit: int, context: int | None = None, *, optimistic: bool = False) -> bool:
+        """Whether drafting could beat the oracle alone by `min_gain` at all: were every draft token
+        accepted, at the costs measured (the prior guess where the draft's is not; `optimistic`: see
+        draft_times). Where it could not
+        (a draft that costs as much as its oracle: the default pair on a GPU), no acceptance
+        evidence can change that, so nothing is drafted to gather it: no first trials, no probes, no
+        re-tries (a re-try, begun at a new request, prices the draft optimistically, so a cost
+        measured on a busy machine does not keep it idle for good). True before a pass was measured."""
+        if limit <= 0:
+            return False
+        if not self.verify_cost.ready or self.price is not None:
+            # NOTE: in a pass other sequences share, a draft's price depends on how many of them draft
+            # (`BatchPrice.drafting`), which only drafting teaches: gated, requests four at a time
+            # drafted by prompt lookup stopped drafting together and ran 8% slower
+            return True
+        # a draft cost from fewer than START proposals may be one caught in a stall: the guess bounds it
+        settled = not self.model_draft or self.draft_cost.observations >= COST_START
+        rate = self.rates(limit, context, acceptance=1.0, optimistic=optimistic or not settled)  # [K+1]
+        return bool(rate[1:].max(initial=0.0) >= (1.0 + self.min_gain) * rate[0])
 
     def best_length(self, limit: int, context: int | None = None, *, optimistic: bool = False) -> int:
         if not self.verify_cost.ready:
@@ -676,8 +706,9 @@ class AdaptiveLength:
             return 0
         if self._retry_wanted:  # at once, while the text is easy; its cost delays the next probes
             self._retry_wanted = False
-            self._begin_retry()  # judge min_trials draft tokens afresh, on the whole text
-            self._catch_up = True
+            if self.can_pay(available):
+                self._begin_retry()  # judge min_trials draft tokens afresh, on the whole text
+                self._catch_up = True
         # idle, k is judged afresh every recheck_every steps: meanwhile only the oracle's cost moved
         resting = self.est.idle_steps % self.recheck_every and self.est.fresh_trials >= self.min_trials
         # a re-try drafts at the length the prior guess of the draft's cost would choose, so what it
@@ -685,7 +716,7 @@ class AdaptiveLength:
         k = 0 if resting else self.best_length(available, optimistic=self.est.exploring)
         if k > 0:
             self.est.idle_steps = 0
-        elif self.est.fresh_trials < self.min_trials:
+        elif self.est.fresh_trials < self.min_trials and self.can_pay(available, optimistic=self.est.exploring):
             k = min(self.probe_length, available)  # one or two early rejections are not evidence enough
         elif resting or not self._near_the_end(limit):
             k = self._idle_step(available)
@@ -702,7 +733,7 @@ class AdaptiveLength:
         """k for a step where no draft pays: 0, or a probe's short draft every `probe_every` such
         steps while the probe budget allows."""
         self.est.idle_steps += 1
-        if self.est.idle_steps < self.probe_every or not self._probe_budget_left():
+        if self.est.idle_steps < self.probe_every or not self._probe_budget_left() or not self.can_pay(available):
             return 0
         self.est.idle_steps = 0
         self._probing = True
@@ -742,6 +773,22 @@ class AdaptiveLength:
 
     def decode_time(self, passes: Sequence[tuple[Sequence[int], Sequence[int]]]) -> float | None:
         return self.verify_cost.decode_time(passes) if self.verify_cost.ready else None
+
+    def observe_draft(self, evaluated: int, context: int, seconds: float) -> None:
+        """(See `Learning`.) Measured beside the oracle's passes, it also sets the prior guess of a
+        draft token's cost (`draft_cost_ratio`) where it is dearer than guessed: a re-try prices
+        the draft at the lower of its fit and that guess, and a guess from the models' sizes (0.4 of
+        an oracle pass for the default pair) priced a draft that costs 1.3 of them on a GPU (both
+        models launch-bound) as paying."""
+        if not self.model_draft:
+            return
+        self.draft_cost.observe(evaluated, context, seconds)
+        if self.verify_cost.ready:
+            per_token = seconds / max(1.0, DRAFT_SHAPE[0] + DRAFT_SHAPE[2] * evaluated)
+            self.draft_cost_ratio = max(self.draft_cost_ratio, per_token / self.verify_cost(1, context))
+
+    def needs_costs(self) -> tuple[bool, bool]:
+        return not self.verify_cost.ready, self.model_draft and not self.draft_cost.ready
 
     def batch_price(self, contexts: Sequence[int], context: int, drafting: float) -> BatchPrice | None:
         """The price of a draft for a sequence at `context` whose pass carries the sequences at
@@ -852,7 +899,7 @@ class AdaptiveLength:
         if self.verify_cost.ready:
             state["verify"] = self.verify_cost.state()
         if self.draft_cost.ready:
-            state["draft"] = self.draft_cost.state()
+            state["draft"] = {**self.draft_cost.state(), "guess_ratio": self.draft_cost_ratio}
         if self.learned.draft_round_cost.ready:
             state["draft_round"] = self.learned.draft_round_cost.state()
         if self.judged:
@@ -865,6 +912,8 @@ class AdaptiveLength:
         elif kind in ("verify", "draft", "draft_round"):
             {"verify": self.verify_cost, "draft": self.draft_cost,
              "draft_round": self.learned.draft_round_cost}[kind].load(state)
+            if kind == "draft" and "guess_ratio" in state:  # as measured here (observe_draft), if dearer
+                self.draft_cost_ratio = max(self.draft_cost_ratio, min(4.0, float(state["guess_ratio"])))
         else:
             raise ValueError(f"unknown cost state {kind!r}")
 
@@ -979,6 +1028,12 @@ class HybridLength(_FreeSources):
     def decode_time(self, passes) -> float | None:
         return self.model.decode_time(passes)
 
+    def observe_draft(self, evaluated: int, context: int, seconds: float) -> None:
+        self.model.observe_draft(evaluated, context, seconds)
+
+    def needs_costs(self) -> tuple[bool, bool]:
+        return self.model.needs_costs()
+
     @property
     def idle(self) -> bool:
         return self.model.idle
@@ -1062,6 +1117,12 @@ class LookupLength(_FreeSources):
 
     def decode_time(self, passes) -> float | None:
         return self.main.decode_time(passes)
+
+    def observe_draft(self, evaluated: int, context: int, seconds: float) -> None:
+        pass  # no draft model
+
+    def needs_costs(self) -> tuple[bool, bool]:
+        return not self.main.verify_cost.ready, False
 
     @property
     def idle(self) -> bool:

@@ -1,0 +1,160 @@
+"""Measuring both models' passes at load, where they cost milliseconds (a GPU), before any request.
+
+On a CPU the policy learns the costs from its first steps: a pass costs tens of milliseconds there,
+and a handful of timed decodes at start-up would cost a one-shot `generate` more than it saves. On
+a GPU a pass costs 1-10 ms, and its shape is not a CPU's: a one-token pass runs as a CUDA graph of
+matrix-vector kernels and a pass of two or more tokens costs 2-3x as much, and a small draft may
+cost as much as its oracle (the default pair on an H200: oracle 1.2 ms a token, 3.1 ms for two,
+4.4 ms for 17; draft 1.4-1.8 ms a token). A fresh process that learned this from its steps drafted
+at a loss until it had (`../shared/gpu/`); a few dozen decodes here, tens of milliseconds, let
+the first request's first step know.
+
+`calibrate(policy, verify=..., draft=...)` feeds a learning policy what the timers measured;
+`measure_engine(engine)` builds the timers over an engine's contexts (sequence 0, left empty after).
+The replay (`localspec.bench.replay`) feeds the same function from its cost tables.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import numpy as np
+
+from localspec.speculative.policy import LengthPolicy, learns
+from localspec.speculative.sampling import greedy_argmax, top_probability_at_least
+
+if TYPE_CHECKING:
+    from localspec.runtime.engine import Engine
+
+VERIFY_SIZES = (1, 2, 5, 9, 17)  # oracle passes timed: a plain step, then verify passes of 1-16 drafted tokens
+DRAFT_LENGTHS = (1, 4, 8)  # draft proposals timed (a catch-up of two tokens, then a decode a token)
+BATCH_SIZES = (1, 2, 5)  # with several sequences: passes of this many tokens of each
+ROUND_SIZES = (1, 2)  # ... and the draft's rounds
+CONTEXT = 64  # tokens each pass attends to (a short prompt's)
+ROUNDS = 2  # the first round warms up (CUDA graphs, kernels chosen per shape), the last is kept
+
+Timer = Callable[[int], float]  # size -> seconds
+
+
+def calibrate(policy: LengthPolicy, *, verify: Timer | None, draft: Timer | None = None,
+              batch: tuple[int, Timer, Timer | None] | None = None, context: int = CONTEXT) -> None:
+    """Teach `policy` (a `Learning` one; others are left alone) what the timers measure:
+    `verify(n)`, an oracle pass of n tokens; `draft(k)`, a draft proposal of k tokens (it evaluates
+    k + 1: a catch-up of two, then one a token); `batch` = (S, verify(n), draft_round(n)) for a
+    context of S sequences, a pass of n tokens of each of them."""
+    if not learns(policy):
+        return
+    for n in VERIFY_SIZES if verify is not None else ():
+        policy.observe_pass([([n], [context])], verify(n))
+    for k in DRAFT_LENGTHS if draft is not None else ():
+        policy.observe_draft(k + 1, context, draft(k))
+    if batch is not None:
+        sequences, verify_batch, draft_round = batch
+        for n in BATCH_SIZES:
+            policy.observe_pass([([n] * sequences, [context] * sequences)], verify_batch(n))
+        for n in ROUND_SIZES if draft_round is not None else ():
+            policy.observe_draft_round([([n] * sequences, [context] * sequences)], draft_round(n))
+
+
+def measure_engine(engine: "Engine", *, context: int = CONTEXT) -> None:
+    """Time the engine's oracle and draft on filler text at sequence 0 (and all its sequences, for
+    a batch) and `calibrate` its policy from that: the costs it has not learned yet (none kept from an
+    earlier process). Leaves every sequence empty."""
+    policy = engine.policy
+    if not learns(policy):
+        return
+    needs_verify, needs_draft = policy.needs_costs()
+    needs_draft = needs_draft and engine.draft_ctx is not None
+    if not (needs_verify or needs_draft):
+        return
+    oracle, drafter = engine.oracle, engine.draft_ctx
+    n_vocab = min(ctx.n_vocab for ctx in engine.contexts)
+    filler = np.random.default_rng(0).integers(2, n_vocab, size=context + max(VERIFY_SIZES) + 1).tolist()
+    sequences = min(ctx.n_seq for ctx in engine.contexts)
+    greedy = engine.backend_sampling and oracle.sample_greedy(0, True)  # a verify pass's reads, as a request's
+    try:  # each timer set up right before its rounds (they share sequence 0 of a context)
+        verify = _measured(_timer(oracle, filler, context), VERIFY_SIZES) if needs_verify else None
+        draft = _measured(_draft_timer(drafter, filler, context), DRAFT_LENGTHS) if needs_draft else None
+        batch = None
+        if sequences > 1 and needs_verify:
+            batch = (sequences, _measured(_batch_timer(oracle, filler, context, sequences), BATCH_SIZES),
+                     _measured(_batch_timer(drafter, filler, context, sequences), ROUND_SIZES) if needs_draft else None)
+    finally:
+        if greedy:
+            oracle.sample_greedy(0, False)
+        for ctx in engine.contexts:
+            ctx.reset()
+    calibrate(policy, verify=verify, draft=draft, batch=batch, context=context)
+
+
+def _measured(timer: Timer, sizes: Sequence[int]) -> Timer:
+    """Every size timed round by round (the first round a warm-up), the best of the rest kept."""
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(ROUNDS):
+        for n in sizes:
+            times[n].append(timer(n))
+    return lambda n: _best(times[n])
+
+
+def _best(times: Sequence[float]) -> float:
+    return min(times[ROUNDS // 2:] or times)
+
+
+def _timer(ctx, filler: list[int], context: int) -> Timer:
+    """An oracle pass of n tokens after `context` tokens of filler, its logits (or the backend's
+    picks) read as a verify pass reads them."""
+    ctx.rollback(0)
+    ctx.decode(filler[:context], n_logits=0)
+
+    def timed(n: int) -> float:
+        t0 = time.perf_counter()
+        ctx.decode(filler[context:context + n], n_logits=n)
+        seconds = time.perf_counter() - t0
+        ctx.rollback(context)
+        return seconds
+
+    return timed
+
+
+def _draft_timer(ctx, filler: list[int], context: int) -> Timer:
+    """A draft proposal of k tokens as the draft model proposes: a catch-up of two tokens, then one
+    decode a drafted token but the last, each row picked from on the host."""
+    ctx.rollback(0)
+    ctx.decode(filler[:context - 2], n_logits=0)
+
+    def timed(k: int) -> float:
+        t0 = time.perf_counter()
+        logits = ctx.decode(filler[context - 2:context], n_logits=1)
+        for i in range(k):
+            row = logits[0]
+            token = int(greedy_argmax(row))
+            top_probability_at_least(row, token, 0.3)
+            if i < k - 1:
+                logits = ctx.decode([filler[context + i]], n_logits=1)
+        seconds = time.perf_counter() - t0
+        ctx.rollback(context - 2)
+        return seconds
+
+    return timed
+
+
+def _batch_timer(ctx, filler: list[int], context: int, sequences: int) -> Timer:
+    """A pass of n tokens of each of `sequences` sequences, each after `context` tokens of filler."""
+    from localspec.llama.context import Rows
+
+    ctx.rollback(0)
+    ctx.decode(filler[:context], n_logits=0)
+    for seq in range(1, sequences):
+        ctx.copy_seq(0, seq, context)
+
+    def timed(n: int) -> float:
+        rows = [Rows(seq, filler[context:context + n], n) for seq in range(sequences)]
+        t0 = time.perf_counter()
+        ctx.decode_rows(rows)
+        seconds = time.perf_counter() - t0
+        for seq in range(sequences):
+            ctx.rollback(context, seq=seq)
+        return seconds
+
+    return timed
