@@ -866,3 +866,20 @@ def test_a_catch_up_after_prompt_lookups_tokens_is_not_taken_for_the_drafts_own(
         p.observe(StepRecord(k=4, drafted=4, accepted=2, draft_time=(caught_up + 3) * 0.005, verify_time=0.035,
                             context=CONTEXT, draft_evaluated=caught_up + 3, source="model"))
     assert p.catch_up == pytest.approx(1.5, abs=0.05)
+
+
+def test_an_idle_step_where_no_acceptance_would_pay_rests_between_rechecks():
+    """A draft as dear as its oracle's one-token pass: the policy drafts nothing, and between its
+    rechecks (every recheck_every steps) an idle step computes no rates at all, probes none: its
+    host time is the oracle alone's."""
+    verify = lambda n: 0.00125 if n == 1 else 0.0026 + 0.0001 * n  # noqa: E731 (an H200's shape)
+    p = primed(verify, 0.0016)
+    calls = []
+    real = p.rates
+    p.rates = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    ks = []
+    for _ in range(64):
+        ks.append(p.draft_length(16, CONTEXT))
+        p.observe(step(0, 0, 0.0, verify(1)))
+    assert ks == [0] * 64
+    assert len(calls) <= 3 * (64 // p.recheck_every), len(calls)  # a recheck's, a probe's; 2 a step before

@@ -444,6 +444,7 @@ class AdaptiveLength:
         self.recheck_every = 8  # while idle, judge k afresh every this many steps
         self.retry_weight = 4.0  # on a re-try, the costs' history counts as this many steps
         self._probing = False
+        self._hopeless = False  # this request's last recheck found that no acceptance would pay
         self._retry_wanted = False  # a probe was fully accepted: re-try drafting on the whole text
         self._catch_up = False  # the draft must catch up on everything before the next proposal
         self.last_k = 0
@@ -469,7 +470,7 @@ class AdaptiveLength:
         failures, a probe or re-try under way), started on `regime` when given."""
         twin = copy.copy(self)
         twin._run, twin.last_k, twin.context = 0, 0, 0
-        twin._probing = twin._retry_wanted = twin._catch_up = False
+        twin._probing = twin._retry_wanted = twin._catch_up = twin._hopeless = False
         twin._text_failed = twin._text_predicted = 0.0
         twin.price = None
         if regime is not None:
@@ -606,6 +607,7 @@ class AdaptiveLength:
             self._retry_wanted = False
         self._run = 0  # nothing drafted yet for this text
         self._text_failed = self._text_predicted = 0.0
+        self._hopeless = False
         self.est.since_retry += 1
         if not self.idle or not (self._probe_budget_left() or self.est.since_retry >= self.est.retry_wait):
             return
@@ -710,19 +712,29 @@ class AdaptiveLength:
                 self._begin_retry()  # judge min_trials draft tokens afresh, on the whole text
                 self._catch_up = True
         # idle, k is judged afresh every recheck_every steps: meanwhile only the oracle's cost moved
-        resting = self.est.idle_steps % self.recheck_every and self.est.fresh_trials >= self.min_trials
+        # (a step that rests costs next to nothing: an idle step's host time is the oracle alone's)
+        resting = self.est.idle_steps % self.recheck_every and (self.est.fresh_trials >= self.min_trials
+                                                               or self._hopeless)
         # a re-try drafts at the length the prior guess of the draft's cost would choose, so what it
         # measures is the cost of the drafts the policy would go on with
         k = 0 if resting else self.best_length(available, optimistic=self.est.exploring)
         if k > 0:
             self.est.idle_steps = 0
-        elif self.est.fresh_trials < self.min_trials and self.can_pay(available, optimistic=self.est.exploring):
+        elif resting:
+            k = self._idle_step(available)
+        elif self.est.fresh_trials < self.min_trials and not self._judge_hopeless(available):
             k = min(self.probe_length, available)  # one or two early rejections are not evidence enough
-        elif resting or not self._near_the_end(limit):
+        elif not self._near_the_end(limit):
             k = self._idle_step(available)
         self.last_k = k
         self.est.drafting = k > 0
         return k
+
+    def _judge_hopeless(self, available: int) -> bool:
+        """Whether no acceptance could make drafting pay here (`can_pay`): then this request's
+        idle steps rest between rechecks as a judged regime's do."""
+        self._hopeless = not self.can_pay(available, optimistic=self.est.exploring)
+        return self._hopeless
 
     def _near_the_end(self, limit: int) -> bool:
         """Too few tokens left for a draft to pay (the generation's end), where a longer one would:
@@ -733,9 +745,11 @@ class AdaptiveLength:
         """k for a step where no draft pays: 0, or a probe's short draft every `probe_every` such
         steps while the probe budget allows."""
         self.est.idle_steps += 1
-        if self.est.idle_steps < self.probe_every or not self._probe_budget_left() or not self.can_pay(available):
+        if self.est.idle_steps < self.probe_every or not self._probe_budget_left():
             return 0
         self.est.idle_steps = 0
+        if not self.can_pay(available):
+            return 0  # no acceptance a probe could find would pay
         self._probing = True
         return min(self.probe_length, available)
 
