@@ -88,3 +88,32 @@ def test_a_batch_runs_as_the_passes_llama_cpp_splits_it_into():
                                                                [(1, 3)]]
     assert ubatches(ctx, [(0, 1), (2, 1), (3, 1)]) == [[(0, 1)], [(2, 1), (3, 1)]]  # a gap at 1
     assert ubatches(SimpleNamespace(n_seq=1, n_batch=512), [(0, 700)]) == [[(0, 512)], [(0, 188)]]
+
+
+def test_a_thread_python_did_not_start_logs_nothing_until_a_python_thread_flushes_it(caplog):
+    """llama.cpp may log from threads of its own (a GPU backend's, a loader's workers): there the
+    callback only keeps the pieces (Python's logging on such a thread is where a CUDA load under
+    DEBUG logging crashed); the next Python-thread line or `flush_log` logs them, whole lines."""
+    import ctypes
+    import ctypes.util
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    seen_during: list[int] = []
+
+    @ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)
+    def foreign(_arg):  # runs on a thread pthread_create made, unknown to threading
+        emit(3, "ggml_cuda_init: found ")
+        emit(5, "1 CUDA devices\n")
+        seen_during.append(len(caplog.records))
+        return None
+
+    with caplog.at_level(logging.DEBUG, logger="localspec.llama.context"):
+        tid = ctypes.c_ulong()
+        assert libc.pthread_create(ctypes.byref(tid), None, foreign, None) == 0
+        assert libc.pthread_join(tid, None) == 0
+        assert seen_during == [0] and not caplog.records  # kept, not logged, on that thread
+        emit(2, "llama_model_loader: loaded meta data\n")  # a Python thread's line flushes first
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.WARNING, "ggml_cuda_init: found 1 CUDA devices"),
+        (logging.INFO, "llama_model_loader: loaded meta data")]
+    backend.flush_log()  # nothing left

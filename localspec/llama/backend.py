@@ -7,6 +7,7 @@ depend on it, not on each other.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import logging
@@ -26,6 +27,14 @@ _LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERR
 # llama.cpp logs from the thread that called it, in pieces: each thread assembles its own lines, and
 # a thread may capture its own lines for a while (a model load its errors, the quantizer everything)
 _log_state = threading.local()
+# what threads Python did not start log (a GPU backend's or a loader's own workers): kept as it came,
+# (thread, level, bytes), and logged later by a Python thread (`flush_log`). On such a thread the
+# callback runs in a thread state made for the call alone: Python's logging there (a record asks
+# for the current thread, a handler takes its locks, pytest's caplog formats) is what the GPU check's
+# load under DEBUG logging crashed in (segmentation fault in llama_model_load_from_file), so it does
+# nothing there but append
+_foreign: collections.deque[tuple[int, int, bytes]] = collections.deque()
+_foreign_lines: dict[int, tuple[int, list[str]]] = {}  # a foreign thread's line so far: (level, pieces)
 
 
 def _thread_log_state():
@@ -35,8 +44,23 @@ def _thread_log_state():
     return state
 
 
+def _python_thread() -> bool:
+    """Whether the calling thread is one Python started (or the main thread); asks without making
+    a `threading._DummyThread` for a foreign one, as `threading.current_thread()` would."""
+    return threading.get_ident() in threading._active  # type: ignore[attr-defined]
+
+
 @llama_cpp.llama_log_callback
 def _log_callback(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
+    if not _python_thread():
+        _foreign.append((threading.get_ident(), level, text or b""))
+        return
+    if _foreign:
+        flush_log()
+    _log_piece(level, text or b"")
+
+
+def _log_piece(level: int, text: bytes) -> None:
     state = _thread_log_state()
     if level != 5:  # 5 (CONT) continues the previous line
         state.level = _LEVELS.get(level, logging.DEBUG)
@@ -50,6 +74,25 @@ def _log_callback(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
                 log.debug("%s", line)
             else:
                 log.log(state.level, "%s", line)
+
+
+def flush_log() -> None:
+    """Log what threads Python did not start logged since the last flush (see `_foreign`): called
+    by the next line a Python thread logs, and after each model load and context creation."""
+    while _foreign:
+        try:
+            thread, level, text = _foreign.popleft()
+        except IndexError:  # another Python thread flushed it first
+            return
+        pending = _foreign_lines.get(thread)
+        if level != 5 or pending is None:  # 5 (CONT) continues the previous line
+            pending = _foreign_lines[thread] = (_LEVELS.get(level, logging.DEBUG), [])
+        pending[1].append(text.decode("utf-8", errors="replace"))
+        if pending[1][-1].endswith("\n"):
+            del _foreign_lines[thread]
+            line = "".join(pending[1]).rstrip()
+            if line:
+                log.log(pending[0], "%s", line)
 
 
 def _ensure_backend() -> None:
@@ -77,6 +120,7 @@ def captured_log(level: int = logging.DEBUG) -> Iterator[list[str]]:
         yield lines
     finally:
         state.capture = outer
+        flush_log()
 
 
 

@@ -23,7 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
-from localspec.llama.backend import _ensure_backend, captured_log, default_threads
+from localspec.llama.backend import _ensure_backend, captured_log, default_threads, flush_log
 from localspec.llama.bindings import PACKAGE_DIR, VERSION, llama_cpp
 from localspec.llama.gguf import GGUF_MAGIC, GgufHeader, remembered_header
 
@@ -357,6 +357,7 @@ class LlamaContext(_Owner):
         # verify pass's k+1 rows), not llama.cpp's default of one; without samplers it changes nothing
         params.n_outputs_max_per_seq = 0
         self._ctx = llama_cpp.llama_init_from_model(model.handle, params)
+        flush_log()  # what its backends' own threads logged meanwhile
         if not self._ctx:
             raise LlamaError(f"could not create a context (n_ctx={n_ctx}, {n_seq} sequences) for {model.path.name}")
         self._mem = llama_cpp.llama_get_memory(self._ctx)
