@@ -1246,14 +1246,17 @@ def test_text_keys_of_logit_bias_bias_every_token_of_the_text(scripted_server):
 
 @pytest.mark.parametrize("echo", [False, True])
 def test_logprobs_zero_gives_the_chosen_tokens_logprobs_and_no_alternatives(scripted_server, echo):
-    """/v1/completions' legacy `logprobs: 0`: each chosen token's logprob and text offset, no
-    alternatives; with echo, the prompt's tokens in front (the first with a null logprob)."""
+    """/v1/completions' legacy `logprobs: 0`: each chosen token's logprob and text offset, and as
+    `top_logprobs` the chosen token alone (OpenAI's reference: the sampled token's logprob is always
+    returned, up to logprobs + 1 of them; vLLM does so too); with echo, the prompt's tokens in front
+    (the first with a null logprob)."""
     url, _ = scripted_server
     body = {"prompt": "abc abc ", "max_tokens": 6, "temperature": 0, "logprobs": 0, "echo": echo}
     choice = httpx.post(url + "/v1/completions", json=body, timeout=30).json()["choices"][0]
     lp = choice["logprobs"]
     assert "".join(lp["tokens"]) == choice["text"]
     assert len(lp["token_logprobs"]) == len(lp["text_offset"]) == len(lp["tokens"])
-    assert lp["top_logprobs"] is None  # no alternatives asked
+    assert lp["top_logprobs"] == [None if v is None else {t: v}  # no alternatives asked: the chosen one
+                                  for t, v in zip(lp["tokens"], lp["token_logprobs"])]
     assert lp["text_offset"][0] == (0 if echo else len(body["prompt"])) and lp["text_offset"] == sorted(lp["text_offset"])
     assert (lp["token_logprobs"][0] is None) == echo and all(v <= 0 for v in lp["token_logprobs"][1:])

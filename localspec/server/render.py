@@ -76,13 +76,14 @@ class _TextOffsets:
         return at
 
 
-def _completion_logprobs(logprobs: list[TokenLogprob], offsets: _TextOffsets, top_n: int) -> S.CompletionLogprobs:
+def _completion_logprobs(logprobs: list[TokenLogprob], offsets: _TextOffsets) -> S.CompletionLogprobs:
     """OpenAI's legacy shape; an echoed prompt's first token has null logprobs (nothing predicts it)."""
     return S.CompletionLogprobs(
         tokens=[lp.text for lp in logprobs],
         token_logprobs=[None if lp.logprob is None else _lp(lp.logprob) for lp in logprobs],
-        top_logprobs=[None if lp.logprob is None else {t.text: _lp(t.logprob) for t in lp.top} for lp in logprobs]
-        if top_n > 0 else None,
+        # OpenAI's reference: the sampled token's own logprob is always among them (up to logprobs + 1)
+        top_logprobs=[None if lp.logprob is None else {**{t.text: _lp(t.logprob) for t in lp.top},
+                                                        lp.text: _lp(lp.logprob)} for lp in logprobs],
         text_offset=[offsets.advance(lp.bytes) for lp in logprobs])
 
 
@@ -193,7 +194,7 @@ class CompletionReply(Reply):
                  first: Reply | None = None) -> None:
         """`prompt`: the prompt's text (token ids detokenized)."""
         super().__init__(model_name, body.stream_options, index, first)
-        self.logprobs, self.top_n = body.logprobs, body.logprobs or 0
+        self.logprobs = body.logprobs
         self.echo = prompt if body.echo else None  # sent in front of the text, once
         self.offsets = _TextOffsets(0 if body.echo else len(prompt))  # where each token starts in the text
         self.report = R.asked(body)  # where each token came from, and the figures: only when asked
@@ -214,19 +215,19 @@ class CompletionReply(Reply):
         if self.echo is not None:
             lp = None
             if event.prompt_logprobs is not None and self.logprobs is not None:
-                lp = _completion_logprobs(event.prompt_logprobs, self.offsets, self.top_n)
+                lp = _completion_logprobs(event.prompt_logprobs, self.offsets)
             yield self.chunk(self._choice(self.echo, None, lp)).model_dump_json(exclude=self.exclude)
             self.echo = None
         lp = None
         if event.logprobs is not None and self.logprobs is not None:
-            lp = _completion_logprobs(event.logprobs, self.offsets, self.top_n)
+            lp = _completion_logprobs(event.logprobs, self.offsets)
         if event.text or lp or event.finish_reason:
             yield self.chunk(self._choice(event.text, event.finish_reason, lp, self._report(event))).model_dump_json(
                 exclude=self.exclude)
 
     def choice(self, text: str, logprobs: list[TokenLogprob], final: Chunk) -> S.CompletionChoice:
         """`logprobs`: the prompt's first when echoed (collect puts them in front)."""
-        lp = _completion_logprobs(logprobs, self.offsets, self.top_n) if self.logprobs is not None else None
+        lp = _completion_logprobs(logprobs, self.offsets) if self.logprobs is not None else None
         return self._choice((self.echo or "") + text, final.finish_reason, lp, self._report(final))[0]
 
     def whole(self, choices: list, usage: S.Usage) -> S.Completion:
