@@ -61,7 +61,7 @@ llama_version() {
 }
 
 # the wheels localspec and this check need, for the device's Python (3.12, manylinux x86-64)
-WHEELS=(numpy click pydantic jinja2 fastapi uvicorn prometheus-client llguidance huggingface_hub tqdm
+WHEELS=(numpy click pydantic jinja2 fastapi uvicorn prometheus-client llguidance huggingface_hub tqdm gguf
         diskcache typing-extensions pytest httpx setuptools wheel scikit-build-core pathspec packaging)
 # what the trimmed llama.cpp source leaves out: other backends, models, docs, tests, conversion
 TRIM=(models docs media benches gguf-py conversion tests skills .github app

@@ -158,10 +158,17 @@ def _parse_source(where: str, raw: object) -> Source:
         if not isinstance(revision, str) or not revision:
             raise ModelError(f"{where}: source.revision must be a string")
         return HFSource(repo, file, revision)
-    allow("from", "ftype")
+    allow("from", "ftype", "widen")
     base, ftype = raw["from"], raw.get("ftype")
     if not isinstance(base, str) or not base:
         raise ModelError(f"{where}: source.from must be a model name")
+    if "widen" in raw:
+        from localspec.models import widen
+
+        if ftype not in widen.FTYPES:
+            raise ModelError(f"{where}: a widened model's source.ftype must be one of {', '.join(widen.FTYPES)}, "
+                             f"not {ftype!r}")
+        return DerivedSource(base, ftype, widen.Shape.from_table(where, raw["widen"]))
     if ftype not in FTYPES:
         raise ModelError(f"{where}: source.ftype must be one of {', '.join(FTYPES)}, not {ftype!r}")
     return DerivedSource(base, ftype)
@@ -395,8 +402,15 @@ class Registry:
             say(progress, f"fetching {spec.name}{size} from {src.describe()} ...")
             return fetch.hf_download(src, dest, sha256=spec.sha256, label=spec.name, progress=progress)
         base = self._resolve(self.model(src.from_model), fetch=True, progress=progress)
-        say(progress, f"deriving {spec.name}{size} from {src.from_model} (llama.cpp quantize to {src.ftype}) ...")
         t0 = time.monotonic()
-        sha = derive.derive_gguf(base, dest, src.ftype, label=spec.name, progress=progress)
+        if src.widen is not None:
+            from localspec.models import widen
+
+            say(progress, f"deriving {spec.name}{size} from {src.from_model} (widened with zeros to "
+                          f"{src.widen.describe()}, {src.ftype}) ...")
+            sha = widen.widen_gguf(base, dest, src.widen, src.ftype, label=spec.name, progress=progress)
+        else:
+            say(progress, f"deriving {spec.name}{size} from {src.from_model} (llama.cpp quantize to {src.ftype}) ...")
+            sha = derive.derive_gguf(base, dest, src.ftype, label=spec.name, progress=progress)
         say(progress, f"  {spec.name}: derived in {time.monotonic() - t0:.1f}s")
         return sha
