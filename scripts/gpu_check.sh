@@ -14,7 +14,9 @@
 #
 # Options: --results DIR (default benchmarks/gpu/<card> with CUDA, <work>/results with --cpu),
 #          --jobs N (compile jobs; default: every core), --full (with --cpu: the
-#          full benchmark sizes, not CI's small ones).
+#          full benchmark sizes, not CI's small ones), --wide (with CUDA: also derive the
+#          8B-shaped oracle smollm2-135m-as-8b, 13.4 GB of which ~2 GB written, and benchmark its
+#          pairs with the Q4_1 and the Q2_K drafts; not yet run on a card).
 # Environment: PYTHON (default python3), LOCALSPEC_CACHE (models, builds), GPU_CHECK_CMAKE_ARGS
 #   (extra cmake arguments), GPU_CHECK_ARCH (CUDA architectures; default: the card's, from nvidia-smi).
 #
@@ -35,16 +37,17 @@ PART_MB=${GPU_CHECK_PART_MB:-56}
 die() { echo "gpu_check: $*" >&2; exit 1; }
 say() { echo "gpu_check: $*" >&2; }
 
-mode=cuda results="" jobs="" full=0
+mode=cuda results="" jobs="" full=0 wide=0
 while (($#)); do
     case $1 in
         --prepare) mode=prepare ;;
         --stage) mode=stage ;;
         --cpu) mode=cpu ;;
         --full) full=1 ;;
+        --wide) wide=1 ;;
         --results) results=$2; shift ;;
         --jobs) jobs=$2; shift ;;
-        -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
         *) die "unknown argument: $1 (see --help)" ;;
     esac
     shift
@@ -284,6 +287,17 @@ run_bench clients-smollm2 "${clients_args[@]}"
 if [[ $mode == cuda ]] && "$VENV/bin/python" -c 'from localspec.models import Registry; import sys
 sys.exit(0 if Registry.load().is_present("gemma-3-270m-q4_k_m") else 1)' 2>/dev/null; then   # never fetched here
     run_bench bench-gemma --pair gemma3-270m-smollm2 "${bench_args[@]}"
+fi
+if [[ $mode == cuda && $wide == 1 ]]; then   # an 8B model's cost with SmolLM2's answers (issue 50)
+    w0=$SECONDS
+    "$VENV/bin/localspec" pull smollm2-as-8b smollm2-as-8b-q2k 2>&1 | tail -n 3 >&2 || bench_rc=1
+    say "the 8B-shaped oracle derived in $((SECONDS - w0)) s"
+    run_bench bench-as-8b --pair smollm2-as-8b --workload chat,code --max-prompts 2 --max-tokens 256 --reps 1 \
+        --mixed-warmup 0 --systems baseline,k8,adaptive,lookup,llama.cpp-k4,llama.cpp-k8,llama.cpp-k16
+    run_bench bench-as-8b-q2k --pair smollm2-as-8b-q2k --workload chat,code --max-prompts 2 --max-tokens 256 \
+        --reps 1 --mixed-warmup 0 --systems baseline,adaptive,llama.cpp-k8
+    run_bench clients-as-8b --pair smollm2-as-8b --clients 1,4,8 --max-tokens 128 --reps 1 \
+        --systems localspec,localspec-no-draft,llama-server,llama-server-draft
 fi
 
 cat >"$results/SUMMARY.md" <<EOF
