@@ -275,7 +275,8 @@ class GenerationOptions:
     top_k: int = option(Kind.INT, 0, "Keep the k most likely tokens (0 disables).", ge=0, note="0 = disabled")
     min_p: float = option(Kind.NUMBER, 0.0, "Keep the tokens at least min_p times as likely as the most likely "
                                             "one (0 disables).", ge=0, le=1, note="0 = disabled")
-    seed: int | None = option(Kind.INT, None, "Makes sampled output reproducible.", nullable=True)
+    seed: int | None = option(Kind.INT, None, "Makes sampled output reproducible (a 64-bit integer, signed or not: "
+                                              "-2^63 to 2^64 - 1).", nullable=True, ge=-(1 << 63), le=(1 << 64) - 1)
     stop: tuple[str, ...] = option(Kind.STOPS, (), "Stop string: the output ends before it.")
     logprobs: int | None = option(Kind.INT, None, "Return the oracle's log-probability of each emitted token, and "
                                                   "of this many most likely tokens.", ge=0, le=20, nullable=True)

@@ -1260,3 +1260,47 @@ def test_logprobs_zero_gives_the_chosen_tokens_logprobs_and_no_alternatives(scri
                                   for t, v in zip(lp["tokens"], lp["token_logprobs"])]
     assert lp["text_offset"][0] == (0 if echo else len(body["prompt"])) and lp["text_offset"] == sorted(lp["text_offset"])
     assert (lp["token_logprobs"][0] is None) == echo and all(v <= 0 for v in lp["token_logprobs"][1:])
+
+
+def test_a_lone_surrogate_is_refused_in_the_requests_own_terms(scripted_server):
+    """JSON lets a string hold half a UTF-16 surrogate pair ("\\ud800"): no Unicode character, which
+    no tokenizer takes. The 400 names the field and says so (it was Python's codec error)."""
+    url, _ = scripted_server
+    r = httpx.post(url + "/v1/chat/completions", timeout=30, content=b'{"messages": [{"role": "user", '
+                   b'"content": "caf\\u00e9 \\ud800 ok"}], "max_tokens": 4}', headers={"Content-Type": "application/json"})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "messages[0].content" and error["code"] == "invalid_value"
+    assert "lone UTF-16 surrogate (U+D800) at character 5" in error["message"] and "codec" not in error["message"]
+    r = httpx.post(url + "/v1/completions", timeout=30, content=b'{"prompt": "ab", "stop": ["x", "\\udc00"], '
+                   b'"max_tokens": 4}', headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop[1]"
+    r = httpx.post(url + "/v1/completions", timeout=30, content=b'{"prompt": "ab \\ud83d\\ude00", "max_tokens": 4}',
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 200, r.text  # a whole pair is a character (here an emoji)
+
+
+@pytest.mark.parametrize("seed, ok", [((1 << 64) - 1, True), (-(1 << 63), True), (1 << 64, False),
+                                      (-(1 << 63) - 1, False)])
+def test_a_seed_is_a_64_bit_integer(scripted_server, seed, ok):
+    """Seeds of -2^63 to 2^64 - 1 (signed or unsigned 64-bit) are taken; others are refused rather
+    than reduced without a word (2^64 had silently been the seed 0)."""
+    url, _ = scripted_server
+    r = httpx.post(url + "/v1/completions", timeout=30,
+                   json={"prompt": "ab", "max_tokens": 4, "temperature": 1.0, "seed": seed})
+    if ok:
+        assert r.status_code == 200, r.text
+    else:
+        assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+
+
+def test_logit_bias_takes_at_most_1024_entries(scripted_server):
+    """A text key is tokenized before the request is queued: their number is bounded (300,000 of
+    them, a 4 MB body, took 8.7 s of the server's event loop), and that work runs off the loop."""
+    url, _ = scripted_server
+    body = {"prompt": "ab", "max_tokens": 2, "temperature": 0}
+    r = httpx.post(url + "/v1/completions", timeout=30, json={**body, "logit_bias": {f"w{i}": 1 for i in range(1025)}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+    assert "at most 1024 entries" in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/completions", timeout=30, json={**body, "logit_bias": {f"w{i}": 1 for i in range(1024)}})
+    assert r.status_code == 200, r.text

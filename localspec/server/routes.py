@@ -4,12 +4,14 @@ GenerationOptions) and the replies that render them, for the service (service.py
 
 from __future__ import annotations
 
+import re
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any, Iterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 
 from localspec.options import GenerationOptions
 from localspec.server import schemas as S
@@ -33,13 +35,36 @@ def _invalid_params() -> Iterator[None]:
 
 
 def _checked(svc: Service, body: S.ChatCompletionRequest | S.CompletionRequest) -> None:
-    """A request for a model this server serves, with nothing unsupported in it; its logit_bias by
-    token id."""
+    """A request for a model this server serves, with nothing unsupported in it and only valid
+    Unicode in its text; its logit_bias by token id."""
     svc.check_model(body.model)
+    _no_lone_surrogates(body.model_dump(exclude_unset=True, by_alias=True))
     model = svc.worker.engine.oracle_model
     body.bias_by_id(lambda text: model.tokenize(text, add_special=False, parse_special=False))
     with _invalid_params():
         body.check_supported()
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _no_lone_surrogates(value: Any, path: str = "") -> None:
+    """A 400 naming the field whose text holds half of a UTF-16 surrogate pair (JSON lets a string
+    say "\\ud800" alone; it is no Unicode character, and no tokenizer can take it)."""
+    if isinstance(value, str):
+        found = _SURROGATE.search(value)
+        if found is not None:
+            raise APIError(400, f"{path or 'the request'}: the text holds a lone UTF-16 surrogate "
+                                f"(U+{ord(found.group()):04X}) at character {found.start()}, which is not a Unicode "
+                                "character: send the pair whole, or the character itself",
+                           param=path or None, code="invalid_value")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _no_lone_surrogates(key, f"{path}.{key}" if path else str(key))
+            _no_lone_surrogates(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _no_lone_surrogates(item, f"{path}[{i}]")
 
 
 def _per_choice(options: GenerationOptions, n: int, n_prompts: int = 1) -> list[GenerationOptions]:
@@ -112,10 +137,7 @@ async def get_model(model_id: str, request: Request) -> S.Model:
 async def chat_completions(body: S.ChatCompletionRequest, request: Request):
     """Chat completion; `stream: true` answers with server-sent `chat.completion.chunk`s."""
     svc = _service(request)
-    _checked(svc, body)
-    with _invalid_params():
-        prompt, plan, constraint, tools = _structured(svc, body)
-        options = body.generation_options(svc.max_tokens_limit, constraint)
+    prompt, plan, tools, options = await run_in_threadpool(_prepare_chat, svc, body)
     first = ChatReply(svc.model_name, body, plan)
     replies = [first] + [ChatReply(svc.model_name, body, plan, i, first) for i in range(1, body.n)]
     return await svc.respond(request, replies, [prompt] * body.n, _per_choice(options, body.n), body.stream,
@@ -126,14 +148,30 @@ async def chat_completions(body: S.ChatCompletionRequest, request: Request):
 async def completions(body: S.CompletionRequest, request: Request):
     """Text completion of a raw prompt (no chat template); `stream: true` for server-sent events."""
     svc = _service(request)
+    options, prompts, texts = await run_in_threadpool(_prepare_completion, svc, body)
+    first = CompletionReply(svc.model_name, body, texts[0])
+    replies = [first] + [CompletionReply(svc.model_name, body, t, i, first) for i, t in enumerate(texts) if i]
+    return await svc.respond(request, replies, prompts, _per_choice(options, body.n, len(body.prompts())), body.stream)
+
+
+# NOTE: a request's own work before it is queued (its checks, logit_bias's texts tokenized, a schema or
+# grammar compiled, a token prompt's text) runs in a worker thread, not on the event loop, so one
+# request's cost cannot hold up every other client's
+
+
+def _prepare_chat(svc: Service, body: S.ChatCompletionRequest) -> tuple[list, T.ToolPlan | None, list | None, Any]:
+    _checked(svc, body)
+    with _invalid_params():
+        prompt, plan, constraint, tools = _structured(svc, body)
+        return prompt, plan, tools, body.generation_options(svc.max_tokens_limit, constraint)
+
+
+def _prepare_completion(svc: Service, body: S.CompletionRequest) -> tuple[Any, list, list[str]]:
     _checked(svc, body)
     with _invalid_params():
         options = body.generation_options(svc.max_tokens_limit, T.grammar_constraint(body.grammar))
     prompts = [p for p in body.prompts() for _ in range(body.n)]  # choice i: prompt i // n
-    texts = [p if isinstance(p, str) else _prompt_text(svc, p) for p in prompts]
-    first = CompletionReply(svc.model_name, body, texts[0])
-    replies = [first] + [CompletionReply(svc.model_name, body, t, i, first) for i, t in enumerate(texts) if i]
-    return await svc.respond(request, replies, prompts, _per_choice(options, body.n, len(body.prompts())), body.stream)
+    return options, prompts, [p if isinstance(p, str) else _prompt_text(svc, p) for p in prompts]
 
 
 def _prompt_text(svc: Service, tokens: list[int]) -> str:
