@@ -64,7 +64,7 @@ class Costs:
     gpu: bool = False  # the engine times both models at load there (`runtime.calibrate`), and so does a replay
 
     def calibrate(self, policy: LengthPolicy, context: int = CONTEXT) -> None:
-        """What the engine's `runtime.calibrate.measure_engine` teaches `policy` at load, from this
+        """What the engine's `runtime.calibrate.measure` teaches `policy` at load, from this
         table: the costs it has not learned yet."""
         if not learns(policy):
             return

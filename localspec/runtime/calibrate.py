@@ -10,22 +10,20 @@ at a loss until it had (`../shared/gpu/`); a few dozen decodes here, tens of mil
 the first request's first step know.
 
 `calibrate(policy, verify=..., draft=...)` feeds a learning policy what the timers measured;
-`measure_engine(engine)` builds the timers over an engine's contexts (sequence 0, left empty after).
+`measure(policy, oracle, draft)` builds the timers over an engine's contexts (sequence 0, left empty
+after).
 The replay (`localspec.bench.replay`) feeds the same function from its cost tables.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from localspec.speculative.policy import LengthPolicy, learns
 from localspec.speculative.sampling import greedy_argmax, top_probability_at_least
-
-if TYPE_CHECKING:
-    from localspec.runtime.engine import Engine
 
 VERIFY_SIZES = (1, 2, 5, 9, 17)  # oracle passes timed: a plain step, then verify passes of 1-16 drafted tokens
 DRAFT_LENGTHS = (1, 4, 8)  # draft proposals timed (a catch-up of two tokens, then a decode a token)
@@ -57,35 +55,36 @@ def calibrate(policy: LengthPolicy, *, verify: Timer | None, draft: Timer | None
             policy.observe_draft_round([([n] * sequences, [context] * sequences)], draft_round(n))
 
 
-def measure_engine(engine: "Engine", *, context: int = CONTEXT) -> None:
-    """Time the engine's oracle and draft on filler text at sequence 0 (and all its sequences, for
-    a batch) and `calibrate` its policy from that: the costs it has not learned yet (none kept from an
-    earlier process). Leaves every sequence empty."""
-    policy = engine.policy
+def measure(policy: LengthPolicy, oracle, draft=None, *, backend_sampling: bool = False,
+            context: int = CONTEXT) -> None:
+    """Time an engine's `oracle` and `draft` contexts on filler text at sequence 0 (and all their
+    sequences, for a batch) and `calibrate` its `policy` from that: the costs it has not learned yet
+    (none kept from an earlier process). `backend_sampling`: a verify pass's picks are llama.cpp's
+    (`LlamaContext.sample_greedy`), as a greedy request's are. Leaves every sequence empty."""
     if not learns(policy):
         return
     needs_verify, needs_draft = policy.needs_costs()
-    needs_draft = needs_draft and engine.draft_ctx is not None
+    needs_draft = needs_draft and draft is not None
     if not (needs_verify or needs_draft):
         return
-    oracle, drafter = engine.oracle, engine.draft_ctx
-    n_vocab = min(ctx.n_vocab for ctx in engine.contexts)
+    contexts = [oracle] + ([draft] if draft is not None else [])
+    n_vocab = min(ctx.n_vocab for ctx in contexts)
     filler = np.random.default_rng(0).integers(2, n_vocab, size=context + max(VERIFY_SIZES) + 1).tolist()
-    sequences = min(ctx.n_seq for ctx in engine.contexts)
-    greedy = engine.backend_sampling and oracle.sample_greedy(0, True)  # a verify pass's reads, as a request's
+    sequences = min(ctx.n_seq for ctx in contexts)
+    greedy = backend_sampling and oracle.sample_greedy(0, True)  # a verify pass's reads, as a request's
     try:  # each timer set up right before its rounds (they share sequence 0 of a context)
         verify = _measured(_timer(oracle, filler, context), VERIFY_SIZES) if needs_verify else None
-        draft = _measured(_draft_timer(drafter, filler, context), DRAFT_LENGTHS) if needs_draft else None
+        proposal = _measured(_draft_timer(draft, filler, context), DRAFT_LENGTHS) if needs_draft else None
         batch = None
         if sequences > 1 and needs_verify:
             batch = (sequences, _measured(_batch_timer(oracle, filler, context, sequences), BATCH_SIZES),
-                     _measured(_batch_timer(drafter, filler, context, sequences), ROUND_SIZES) if needs_draft else None)
+                     _measured(_batch_timer(draft, filler, context, sequences), ROUND_SIZES) if needs_draft else None)
     finally:
         if greedy:
             oracle.sample_greedy(0, False)
-        for ctx in engine.contexts:
+        for ctx in contexts:
             ctx.reset()
-    calibrate(policy, verify=verify, draft=draft, batch=batch, context=context)
+    calibrate(policy, verify=verify, draft=proposal, batch=batch, context=context)
 
 
 def _measured(timer: Timer, sizes: Sequence[int]) -> Timer:

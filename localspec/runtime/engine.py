@@ -54,7 +54,7 @@ from localspec.outputs import Chunk, DraftSource, Result, Stats, StepRecord, Str
 from localspec.speculative.plan import NO_DRAFT, NO_OFFER, DraftPlan, SharedPass, unused_offers
 from localspec.speculative.policy import LengthPolicy, Regime, learns
 from localspec.speculative.proposers import EMPTY_DRAFT, Draft, Proposer, drive_all, set_draft_p_min
-from localspec.runtime.calibrate import measure_engine
+from localspec.runtime.calibrate import measure
 from localspec.runtime.prompt_cache import PromptCache
 from localspec.speculative.suffix import SuffixPools
 from localspec.speculative.sampling import (SamplingParams, bias_logits, coupled_choice, greedy_argmax, log_softmax, logits_to_probs,
@@ -144,8 +144,8 @@ class Engine:
         layers = self.gpu_layers or 0
         self.backend_sampling = on_local_gpu(layers) and (layers < 0 or layers > self.oracle_model.n_layer)
         self.scheduler = Scheduler(self)
-        if parts.calibrate:
-            measure_engine(self)
+        if parts.calibrate:  # (where a model runs on a GPU: see runtime.calibrate)
+            measure(self.policy, self.oracle, self.draft_ctx, backend_sampling=self.backend_sampling)
 
     @property
     def contexts(self) -> list[LlamaContext]:
