@@ -39,6 +39,16 @@ DEFAULT_SUFFIX_CACHE = 1_000_000
 DEFAULT_PROMPT_CACHE_MIB = 2048
 
 
+
+def _integer_words(value: float) -> str:
+    """An integer bound in words: 64, or a power of two as one (a seed's 2^64 - 1)."""
+    value = int(value)
+    for k in (63, 64):
+        for exact, words in (((1 << k) - 1, f"2^{k} - 1"), (1 << k, f"2^{k}"), (-(1 << k), f"-2^{k}")):
+            if value == exact:
+                return words
+    return str(value)
+
 class OptionError(ValueError):
     """A generation option with a value its rule does not allow: `name` is the option's, `rule` its
     rule in words (`Option.rule`), `value` what was given. The message quotes the value as Python
@@ -186,12 +196,13 @@ class Option:
                  Kind.SCHEMA: "a JSON schema", Kind.GRAMMAR: "a string",
                  Kind.BIAS: f"a map of token ids to biases in [{-LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]"}[self.kind]
         low = self.ge if self.gt is None else self.gt
+        say = _integer_words if self.kind == Kind.INT else "{:g}".format
         if low is not None and self.le is not None:
-            words += f" in {'(' if self.gt is not None else '['}{low:g}, {self.le:g}]"
+            words += f" in {'(' if self.gt is not None else '['}{say(low)}, {say(self.le)}]"
         elif low is not None:
-            words += f" {'>' if self.gt is not None else '>='} {low:g}"
+            words += f" {'>' if self.gt is not None else '>='} {say(low)}"
         elif self.le is not None:
-            words += f" <= {self.le:g}"
+            words += f" <= {say(self.le)}"
         return words + (" or none" if self.nullable else "")
 
     @property
@@ -275,8 +286,8 @@ class GenerationOptions:
     top_k: int = option(Kind.INT, 0, "Keep the k most likely tokens (0 disables).", ge=0, note="0 = disabled")
     min_p: float = option(Kind.NUMBER, 0.0, "Keep the tokens at least min_p times as likely as the most likely "
                                             "one (0 disables).", ge=0, le=1, note="0 = disabled")
-    seed: int | None = option(Kind.INT, None, "Makes sampled output reproducible (a 64-bit integer, signed or not: "
-                                              "-2^63 to 2^64 - 1).", nullable=True, ge=-(1 << 63), le=(1 << 64) - 1)
+    seed: int | None = option(Kind.INT, None, "Makes sampled output reproducible (a 64-bit integer, signed or "
+                                              "not).", nullable=True, ge=-(1 << 63), le=(1 << 64) - 1)
     stop: tuple[str, ...] = option(Kind.STOPS, (), "Stop string: the output ends before it.")
     logprobs: int | None = option(Kind.INT, None, "Return the oracle's log-probability of each emitted token, and "
                                                   "of this many most likely tokens.", ge=0, le=20, nullable=True)

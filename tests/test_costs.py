@@ -5,7 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from localspec.speculative.costs import DRAFT_SHAPE, VERIFY_SHAPE, CostStore, PassCost, file_fingerprint
+from localspec.runtime.learning import CostStore, file_fingerprint
+from localspec.speculative.costs import DRAFT_SHAPE, VERIFY_SHAPE, PassCost
 
 
 def cpu_like(n, c):

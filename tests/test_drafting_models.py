@@ -319,7 +319,7 @@ def test_a_hybrids_draft_model_keeps_its_costs_under_its_own_kind(registry, pair
 def test_auto_follows_the_kernel_check_measured_here(pair_paths, tmp_path, monkeypatch):
     """`localspec check` records the faster attention kernel for this oracle, threads and machine;
     --flash-attn auto uses it from then on (and the rule, off on a CPU, without a record)."""
-    from localspec.speculative.costs import CostStore
+    from localspec.runtime.learning import CostStore
 
     monkeypatch.setenv("LOCALSPEC_COST_CACHE", str(tmp_path))
     with Engine(pair_paths[0], None, n_ctx=256, n_threads=2) as engine:

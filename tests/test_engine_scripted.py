@@ -418,7 +418,7 @@ def test_the_policy_is_restored_when_the_block_raises():
 def test_an_adaptive_policys_learned_state_is_kept_between_engines(tmp_path):
     """What the policy learns goes to the cost book after each request; an engine built later over
     the same book starts from it. A fixed length learns nothing and saves nothing."""
-    from localspec.speculative.costs import CostBook, CostStore
+    from localspec.runtime.learning import CostBook, CostStore
     from localspec.speculative.policy import AdaptiveLength
 
     keys = {"verify": {"oracle": "o"}, "draft": {"draft": "d"}, "acceptance": {"pair": "o+d"}}
@@ -442,7 +442,7 @@ def test_an_adaptive_policys_learned_state_is_kept_between_engines(tmp_path):
 
 
 def test_a_malformed_saved_state_is_ignored(tmp_path):
-    from localspec.speculative.costs import CostBook, CostStore
+    from localspec.runtime.learning import CostBook, CostStore
     from localspec.speculative.policy import AdaptiveLength
 
     keys = {"verify": {"oracle": "o"}, "acceptance": {"pair": "o+d"}}

@@ -132,7 +132,7 @@ def test_every_rule_has_its_words():
     assert OPTIONS["top_p"].rule == "top_p must be a number in (0, 1] (1 = disabled)"
     assert OPTIONS["temperature"].rule == "temperature must be a finite number >= 0 (0 = greedy)"
     assert OPTIONS["draft_max"].rule == "draft_max must be an integer in [0, 64] or none"
-    assert OPTIONS["seed"].rule == "seed must be an integer or none"
+    assert OPTIONS["seed"].rule == "seed must be an integer in [-2^63, 2^64 - 1] or none"
     with pytest.raises(OptionError) as e:
         GenerationOptions(top_k=-1)
     assert (e.value.name, e.value.rule, e.value.value) == ("top_k", OPTIONS["top_k"].rule, -1)
@@ -314,7 +314,7 @@ def test_set_parses_text_by_the_rule():
                                 ("top_p", "0", "top_p must be a number in (0, 1] (1 = disabled), got '0'"),
                                 ("draft_max", "65", "draft_max must be an integer in [0, 64] or none, got '65'"),
                                 ("max_tokens", "1.5", "max_tokens must be an integer >= 1, got '1.5'"),
-                                ("seed", "x", "seed must be an integer or none, got 'x'"),
+                                ("seed", "x", "seed must be an integer in [-2^63, 2^64 - 1] or none, got 'x'"),
                                 ("logprobs", "1", "unknown setting 'logprobs'")]:
         with pytest.raises(SettingError) as e:
             set_option(s, name, text)

@@ -23,6 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
+from localspec.batch import Rows  # noqa: F401 (a decode's rows: callers import it from here too)
 from localspec.llama.backend import _ensure_backend, captured_log, default_threads, flush_log
 from localspec.llama.bindings import PACKAGE_DIR, VERSION, llama_cpp
 from localspec.llama.gguf import GGUF_MAGIC, GgufHeader, remembered_header
@@ -302,19 +303,6 @@ def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     if list(a[:n]) == list(b[:n]):  # the usual case, at C speed
         return n
     return int((np.asarray(a[:n]) != np.asarray(b[:n])).argmax())
-
-
-@dataclass(frozen=True)
-class Rows:
-    """One sequence's part of a batch: `tokens` appended to sequence `seq` (at the positions after
-    what it holds), with logits for the last `n_logits` of them. `pad` more tokens (the last one repeated) go in
-    after them and out again once the batch is decoded: llama.cpp runs rows of one length as one
-    pass (`LlamaContext.ubatches`), so evening ragged rows out can save passes."""
-
-    seq: int
-    tokens: Sequence[int]
-    n_logits: int = 0
-    pad: int = 0  # filler tokens after `tokens`: evaluated, no logits, dropped again (rows of one length: fewer passes)
 
 
 class LlamaContext(_Owner):

@@ -140,7 +140,7 @@ def _draft_timer(ctx, filler: list[int], context: int) -> Timer:
 
 def _batch_timer(ctx, filler: list[int], context: int, sequences: int) -> Timer:
     """A pass of n tokens of each of `sequences` sequences, each after `context` tokens of filler."""
-    from localspec.llama.context import Rows
+    from localspec.batch import Rows
 
     ctx.rollback(0)
     ctx.decode(filler[:context], n_logits=0)

@@ -45,10 +45,11 @@ from localspec.runtime import chat
 from localspec import constraints
 from localspec.speculative.acceptance import accept_draft, accept_greedy
 from localspec.constraints import Constraint, ConstraintWalk
-from localspec.speculative.costs import CostBook
+from localspec.runtime.learning import CostBook
 from localspec.runtime.factory import (DEFAULT_DRAFT_MAX, DEFAULT_P_MIN, LOOKUP_DRAFT_MAX, NGRAM, Parts, build,  # noqa: F401
                       default_policy, kernel_identity)
-from localspec.llama.context import Detokenizer, LlamaContext, LlamaModel, Rows, on_local_gpu, shared_prefix
+from localspec.batch import Rows
+from localspec.llama.context import Detokenizer, LlamaContext, LlamaModel, on_local_gpu, shared_prefix
 from localspec.options import GenerationOptions, OptionError
 from localspec.outputs import Chunk, DraftSource, Result, Stats, StepRecord, Structure, TokenLogprob, TopLogprob
 from localspec.speculative.plan import NO_DRAFT, NO_OFFER, DraftPlan, SharedPass, unused_offers

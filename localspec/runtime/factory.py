@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 from localspec.speculative.compat import check_compatible, first_difference
 from localspec.options import DEFAULT_CTX
-from localspec.speculative.costs import CostBook, CostStore, file_fingerprint, machine_identity
+from localspec.runtime.learning import CostBook, CostStore, file_fingerprint, machine_identity
 from localspec.llama.backend import default_threads
 from localspec.llama.context import LlamaContext, LlamaModel, on_local_gpu, resolve_flash_attn
 from localspec.speculative.policy import (LOOKUP_PRIORS, LOOKUP_RUNS, AdaptiveLength, FixedLength, HybridLength,

@@ -33,29 +33,18 @@ context. They are also held at or above zero (attention never makes a pass cheap
 made at short contexts never predicts a long context's passes cheaper than a short one's. Nothing
 is timed on purpose: every step is a measurement.
 
-`CostStore` keeps fitted models (and the draft's acceptance) in the cache between processes, one
-file per key in `<cache>/costs` (`$LOCALSPEC_COST_CACHE` moves it); the key holds everything that
-changes the costs (model file, threads, build and backend, CPU model, attention kernel, GPU
-offload), so a changed setting starts afresh.
+What a policy learned is kept between processes by `localspec.runtime.learning` (the store, keyed
+by everything that changes the costs): this module is the pure fit and its algebra.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import logging
-import os
-import platform
-from functools import lru_cache
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
 if TYPE_CHECKING:
     from localspec.outputs import StepRecord
-
-log = logging.getLogger("localspec.speculative.costs")
 
 N_FEATURES = 6
 CONTEXT_UNIT = 1024.0  # context lengths enter the fit in units of 1024 tokens
@@ -76,9 +65,6 @@ DRAFT_ROUND_SHAPE = (0.6, 0.1, 0.4, 0.15, 0.05, 0.05)
 # measured step (a shared VM's steps vary by 10-20%): together they say how much evidence moves it
 PRIOR_SPREAD = (1.0, 0.5, 0.5, 0.1, 0.03, 0.2)
 NOISE = 0.15
-# 7: a decode whose outputs nobody read had its GPU time land in the next decode (a request's first
-# one-token step seemed to cost its prompt): costs kept before that was fixed are dropped
-STATE_VERSION = 7
 START = 3  # passes whose median sets the prior's scale
 
 
@@ -449,111 +435,3 @@ def predicted_speedup(steps: Sequence["StepRecord"], verify: PassCost, draft: Pa
 
     spent = sum(verify(s.drafted + 1, s.context) + proposing(s) for s in steps)
     return speedup(oracle_alone_time(steps, alone or verify), spent)
-
-
-# ------------------------------------------------------------------------------------ the store
-
-
-def file_fingerprint(path: str | os.PathLike) -> str:
-    """A cheap content fingerprint of a (large) file: its size and three 1 MiB samples (start,
-    middle, end). Reading gigabytes to hash them on every start would cost more than it saves."""
-    path = Path(path)
-    size = path.stat().st_size
-    h = hashlib.sha256(str(size).encode())
-    chunk = 1 << 20
-    with open(path, "rb") as f:
-        for offset in sorted({0, max(0, size // 2 - chunk // 2), max(0, size - chunk)}):
-            f.seek(offset)
-            h.update(f.read(chunk))
-    return h.hexdigest()[:32]
-
-
-@lru_cache(maxsize=1)
-def machine_identity() -> dict[str, str]:
-    """The CPU model and llama.cpp's build and backends: what a cost depends on beyond the model."""
-    from localspec.llama.bindings import VERSION, llama_cpp
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        system = llama_cpp.llama_print_system_info().decode("utf-8", errors="replace").strip()
-    except Exception:  # pragma: no cover - every binding has it; the key then just says less
-        system = ""
-    return {"cpu": cpu, "llama_cpp_python": VERSION, "system": system}
-
-
-class CostStore:
-    """Fitted cost models and acceptance estimates in `<cache>/costs/<kind>-<key hash>.json`.
-
-    `identity` (a JSON-able mapping) is the key; it is stored beside the state so a person can tell
-    what a file is about. A file that is missing, unreadable or of another key reads as nothing."""
-
-    def __init__(self, directory: str | os.PathLike | None = None) -> None:
-        if directory is None:
-            from localspec.cache import cache_dir
-
-            directory = os.environ.get("LOCALSPEC_COST_CACHE") or cache_dir() / "costs"
-        self.directory = Path(directory)
-
-    def path(self, kind: str, identity: Mapping[str, Any]) -> Path:
-        key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
-        return self.directory / f"{kind}-{key}.json"
-
-    def load(self, kind: str, identity: Mapping[str, Any]) -> dict[str, Any] | None:
-        path = self.path(kind, identity)
-        try:
-            data = json.loads(path.read_text("utf-8"))
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError) as e:
-            log.debug("ignoring %s: %s", path, e)
-            return None
-        if not isinstance(data, dict) or data.get("version") != STATE_VERSION or data.get("identity") != dict(identity):
-            return None
-        state = data.get("state")
-        return state if isinstance(state, dict) else None
-
-    def save(self, kind: str, identity: Mapping[str, Any], state: Mapping[str, Any]) -> None:
-        """Write atomically (a reader never sees half a file); a failure is logged, never raised:
-        a cost model is worth keeping, not worth failing a generation for."""
-        from localspec.cache import write_text_atomically
-
-        path = self.path(kind, identity)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_text_atomically(path, json.dumps({"version": STATE_VERSION, "identity": dict(identity),
-                                                    "state": dict(state)}))
-        except OSError as e:
-            log.debug("could not save %s: %s", path, e)
-
-
-class CostBook:
-    """Where a length policy's learned state is kept between processes: the store, and the identity
-    each kind of state is kept under there (what it depends on: model files, threads, attention
-    kernel, machine, ...). See `policy.Learning.cost_state`."""
-
-    def __init__(self, store: CostStore, keys: Mapping[str, Mapping[str, Any]]) -> None:
-        self.store = store
-        self.keys = {kind: dict(identity) for kind, identity in keys.items()}
-
-    def load(self, policy) -> None:
-        """Hand `policy` what earlier processes kept for it; a malformed state is ignored."""
-        for kind, identity in self.keys.items():
-            state = self.store.load(kind, identity)
-            try:
-                if state:
-                    policy.load_cost_state(kind, state)
-            except (KeyError, TypeError, ValueError) as e:
-                log.debug("ignoring the saved %s state: %s", kind, e)
-
-    def save(self, policy) -> None:
-        """Keep what `policy` learned (after each request)."""
-        for kind, state in policy.cost_state().items():
-            if kind in self.keys:
-                self.store.save(kind, self.keys[kind], state)

@@ -4,7 +4,7 @@ A step asks a proposer twice. `offer(history, limit, constraint)` says what it c
 without decoding anything (prompt lookup's match, whether a draft model is there): an `Offer`,
 which changes nothing. The length policy turns it into a `DraftPlan` (which source, how many
 tokens). `propose_steps(history, plan, offer, sampling, rng, constraint)` carries the plan out as a
-generator: each draft-model decode it needs is yielded as `llama.Rows` (its sequence's tokens,
+generator: each draft-model decode it needs is yielded as `batch.Rows` (its sequence's tokens,
 logits for the last) and the logits are sent back; it returns the `Draft`. The engine drives every
 drafting sequence's proposal together, one decode per draft position for all of them
 (`drive_all`); `propose` runs one alone with the plain plan (`plan.plain_plan`). A proposer knows
@@ -27,7 +27,7 @@ from typing import Callable, Generator, Protocol, Sequence
 
 import numpy as np
 
-from localspec.llama.context import LlamaContext, Rows
+from localspec.batch import DecodeContext, Rows
 from localspec.outputs import DraftSource
 from localspec.speculative.plan import NO_OFFER, DraftPlan, Found, Offer, plain_plan
 from localspec.speculative.sampling import (SamplingParams, bias_logits, coupled_choice, greedy_argmax, logits_to_probs, mask_logits,
@@ -62,7 +62,7 @@ ProposeSteps = Generator[Rows, np.ndarray, Draft]
 
 
 class Proposer(Protocol):
-    draft_context: LlamaContext | None  # the context its decodes run on (None: it never decodes)
+    draft_context: DecodeContext | None  # the context its decodes run on (None: it never decodes)
 
     def offer(self, history: Sequence[int], limit: int, constraint=None) -> Offer:
         """What it could draft after `history` (at most `limit` tokens), found without decoding;
@@ -95,7 +95,7 @@ def propose(proposer: Proposer, history: Sequence[int], max_len: int, sampling: 
     return drive(steps, proposer.draft_context)
 
 
-def drive(steps: ProposeSteps, ctx: LlamaContext | None) -> Draft:
+def drive(steps: ProposeSteps, ctx: DecodeContext | None) -> Draft:
     """Run a proposal's decodes one at a time on `ctx`."""
     try:
         rows = next(steps)
@@ -108,7 +108,7 @@ def drive(steps: ProposeSteps, ctx: LlamaContext | None) -> Draft:
 Round = tuple[list[tuple[int, int, int]], float]  # a draft decode: (sequence, tokens, context) of each row, seconds
 
 
-def drive_all(proposals: Sequence[ProposeSteps], ctx: LlamaContext | None) -> tuple[list[Draft], list[Round]]:
+def drive_all(proposals: Sequence[ProposeSteps], ctx: DecodeContext | None) -> tuple[list[Draft], list[Round]]:
     """Run several sequences' proposals together on `ctx`: each round, ONE decode holds every
     unfinished proposal's next tokens (a draft model proposing for all drafting sequences at once).
     Returns the drafts, in order, and the rounds (each row's sequence, tokens and context, and the
@@ -173,8 +173,8 @@ class DraftModelProposer(_Drives):
     there.
     """
 
-    def __init__(self, ctx: LlamaContext, *, p_min: float = 0.0, max_catch_up: int = 16,
-                 n_vocab: int | None = None, cache_source: LlamaContext | None = None, seq: int = 0) -> None:
+    def __init__(self, ctx: DecodeContext, *, p_min: float = 0.0, max_catch_up: int = 16,
+                 n_vocab: int | None = None, cache_source: DecodeContext | None = None, seq: int = 0) -> None:
         self.ctx = self.draft_context = ctx
         self.seq = seq  # the sequence it drafts on (in `ctx`, and in `cache_source`)
         # the oracle's context, for a draft with the same vocabulary: a catch-up on text the oracle
@@ -475,7 +475,7 @@ class _Wrapper(_Drives):
     drafter: Proposer
 
     @property
-    def draft_context(self) -> LlamaContext | None:
+    def draft_context(self) -> DecodeContext | None:
         return self.drafter.draft_context
 
     def start(self, *, catch_up: bool, pool: str = "") -> None:
