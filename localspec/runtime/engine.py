@@ -18,9 +18,10 @@ llama-server's slots do: `step(running, prefill)` plans every running sequence's
 its fork of the length policy, priced for the shared pass), drafts for all of them (one
 draft-model decode per draft position: `proposers.drive_all`), builds ONE verify batch of every
 sequence's [last, d1..dk] and chunks of prompts being filled, decodes it, accepts and rolls back
-each sequence on its own rows, and returns each sequence's `StepOutcome`. The scheduler decides who
-runs and applies the outcomes (it alone changes a sequence's status); `generate` and `stream` run
-one sequence through the same path.
+each sequence on its own rows, and returns each sequence's `StepOutcome`. What a step knows of a
+sequence between its plan and its record (the offer, the plan, the draft) is the step's own
+(`Proposal`), never kept on the `Seq`. The scheduler decides who runs and applies the outcomes (it
+alone changes a sequence's status); `generate` and `stream` run one sequence through the same path.
 
 Under a JSON schema or a grammar (`constraints.ConstraintWalk`), the draft proposes only allowed
 tokens (pushing them onto the walk), every verified row of the oracle's logits gets the mask of its
@@ -52,7 +53,7 @@ from localspec.batch import Rows
 from localspec.llama.context import Detokenizer, LlamaContext, LlamaModel, on_local_gpu, shared_prefix
 from localspec.options import GenerationOptions, OptionError
 from localspec.outputs import Chunk, DraftSource, Result, Stats, StepRecord, Structure, TokenLogprob, TopLogprob
-from localspec.speculative.plan import NO_DRAFT, NO_OFFER, DraftPlan, SharedPass, unused_offers
+from localspec.speculative.plan import NO_DRAFT, NO_OFFER, DraftPlan, Offer, SharedPass, unused_offers
 from localspec.speculative.policy import LengthPolicy, Regime, learns
 from localspec.speculative.proposers import EMPTY_DRAFT, Draft, Proposer, drive_all, set_draft_p_min
 from localspec.runtime.calibrate import measure
@@ -421,12 +422,12 @@ class Engine:
         running = sorted(running, key=lambda seq: seq.slot)  # rows in slot order: llama.cpp's fewest passes
         t0, l0 = time.perf_counter(), self._llama_seconds()
         closed = len(running) > 1 and not queued
-        plans = self._plan(running, n_seqs=len(running) + len(prefill), closed=closed)
-        rounds = self._propose(running, plans)
+        props = self._plan(running, n_seqs=len(running) + len(prefill), closed=closed)
+        rounds = self._propose(running, props)
         if closed:
-            self._all_or_none(running)
+            self._all_or_none(running, props)
         t1, l1 = time.perf_counter(), self._llama_seconds()
-        rows = self._rows(running, prefill)
+        rows = self._rows(prefill, props)
         contexts = {r.seq: len(self.oracle.seq_tokens(r.seq)) for r in rows}
         rows = self._even_out(rows, contexts, {seq.slot for seq in running})
         logits = self.oracle.decode_rows(rows)  # [sum of n_logits, vocab], in slot order
@@ -435,10 +436,11 @@ class Engine:
         self.last_pass = (len(rows), sum(len(r.tokens) for r in rows))
         offsets = dict(zip((r.seq for r in rows), accumulate((r.n_logits for r in rows), initial=0)))
         self._prompt_logprobs(prefill, logits, offsets)
-        outs = [self._verify(*self._rows_of(seq, logits, picked, offsets[seq.slot])) for seq in running]
+        outs = [self._verify(seq, props[seq], *self._rows_of(seq, props[seq], logits, picked, offsets[seq.slot]))
+                for seq in running]
         t2, l2 = time.perf_counter(), self._llama_seconds()
         host = {"draft_host_time": (t1 - t0) - (l1 - l0), "verify_host_time": (t2 - t1) - (l2 - l1)}
-        outcomes = [self._record(seq, out, logprobs, n_accepted, plans[seq], draft_time=t1 - t0,
+        outcomes = [self._record(seq, props[seq], out, logprobs, n_accepted, draft_time=t1 - t0,
                                  verify_time=t2 - t1, batch_seqs=len(rows), batch_tokens=self.last_pass[1], **host)
                     for seq, (out, logprobs, n_accepted) in zip(running, outs)]
         outcomes += [StepOutcome(seq, prompt_done=len(self.oracle.seq_tokens(seq.slot)) >= len(seq.history) - 1)
@@ -449,12 +451,12 @@ class Engine:
             seq.stats.host_other_time += other
         return outcomes
 
-    def _rows(self, running: Sequence[Seq], prefill: Mapping[Seq, int]) -> list[Rows]:
+    def _rows(self, prefill: Mapping[Seq, int], props: Mapping[Seq, "Proposal"]) -> list[Rows]:
         """The verify pass's rows in slot order: each prompt chunk being filled, each running
         sequence's [last, d1..dk]."""
         rows = [Rows(seq.slot, seq.history[len(self.oracle.seq_tokens(seq.slot)):][:n],
                      n if seq.request.prompt_logprobs is not None else 0) for seq, n in prefill.items()]
-        rows += [Rows(seq.slot, [seq.history[-1]] + seq.draft.tokens.tolist(), len(seq.draft) + 1) for seq in running]
+        rows += [Rows(seq.slot, [seq.history[-1]] + p.draft.tokens.tolist(), len(p.draft) + 1) for seq, p in props.items()]
         return sorted(rows, key=lambda r: r.seq)
 
     def _even_out(self, rows: list[Rows], contexts: Mapping[int, int], verifying: set[int]) -> list[Rows]:
@@ -484,12 +486,12 @@ class Engine:
                 for r in rows]
 
     @staticmethod
-    def _rows_of(seq: Seq, logits: np.ndarray, picked: np.ndarray | None,
-                 offset: int) -> tuple[Seq, np.ndarray, np.ndarray | None]:
+    def _rows_of(seq: Seq, prop: "Proposal", logits: np.ndarray, picked: np.ndarray | None,
+                 offset: int) -> tuple[np.ndarray, np.ndarray | None]:
         """`seq`'s verified rows of the pass: logits [k+1, vocab] and, when llama.cpp picked its
         greedy tokens, those picks [k+1]."""
-        n = len(seq.draft) + 1
-        return seq, logits[offset:offset + n], picked[offset:offset + n] if seq.backend_greedy else None
+        n = len(prop.draft) + 1
+        return logits[offset:offset + n], picked[offset:offset + n] if seq.backend_greedy else None
 
     def _prompt_logprobs(self, prefill: Mapping[Seq, int], logits: np.ndarray, offsets: Mapping[int, int]) -> None:
         """The logprobs of each prompt chunk's tokens, for the sequences that asked (row j of a
@@ -505,42 +507,45 @@ class Engine:
         """Seconds spent inside llama.cpp so far, on every context."""
         return sum(ctx.llama_seconds for ctx in self.contexts)
 
-    def _plan(self, running: Sequence[Seq], *, n_seqs: int, closed: bool) -> dict[Seq, DraftPlan]:
-        """Each running sequence's plan, from its policy and what its proposer offers; priced for
-        the shared pass when other sequences share it. `closed`: nobody waits for a slot (see
-        `_all_or_none`)."""
+    def _plan(self, running: Sequence[Seq], *, n_seqs: int, closed: bool) -> dict[Seq, "Proposal"]:
+        """Each running sequence's part of the step (in slot order): what its proposer offers and
+        the plan its policy makes of it, priced for the shared pass when other sequences share it.
+        `closed`: nobody waits for a slot (see `_all_or_none`)."""
         shared = SharedPass([len(seq.history) - 1 for seq in running], self._drafting) if n_seqs > 1 else None
-        plans = {}
+        props = {}
         for seq in running:
             limit = self._draft_limit(seq) if seq.stats.steps else 0  # the first token: a plain oracle step
-            seq.offer = seq.proposer.offer(seq.history, limit, seq.walk) if limit > 0 else NO_OFFER
-            plans[seq] = seq.policy.plan(seq.offer, limit, len(seq.history) - 1, shared) if limit > 0 else NO_DRAFT
+            if limit > 0:
+                offer = seq.proposer.offer(seq.history, limit, seq.walk)
+                props[seq] = Proposal(offer, seq.policy.plan(offer, limit, len(seq.history) - 1, shared))
+            else:
+                props[seq] = Proposal()
         if closed:
             eligible = self._may_draft(running)
-            if not all(plans[seq].drafts for seq in eligible):  # one without a draft: the others' would be dropped
-                plans.update((seq, DraftPlan(resync=plans[seq].resync)) for seq in eligible)
-        return plans
+            if not all(props[seq].plan.drafts for seq in eligible):  # one without a draft: the others' would be dropped
+                for seq in eligible:
+                    props[seq].plan = DraftPlan(resync=props[seq].plan.resync)
+        return props
 
-    def _propose(self, running: Sequence[Seq], plans: Mapping[Seq, DraftPlan]) -> list:
-        """Every running sequence's draft (`seq.draft`), each proposer carrying out its plan: the
-        draft model drafts for all of them together, one decode per draft position. Returns the
+    def _propose(self, running: Sequence[Seq], props: Mapping[Seq, "Proposal"]) -> list:
+        """Every running sequence's draft (`Proposal.draft`), each proposer carrying out its plan:
+        the draft model drafts for all of them together, one decode per draft position. Returns the
         draft decodes (`proposers.Round`s)."""
         proposals, drafting = [], []
         for seq in running:
-            seq.draft = EMPTY_DRAFT
-            seq.walk_base = seq.walk.depth if seq.walk is not None else 0
-            plan = plans[seq]
-            if plan.drafts or plan.resync:
-                proposals.append(seq.proposer.propose_steps(seq.history, plan, seq.offer, seq.request.sampling,
+            prop = props[seq]
+            prop.walk_base = seq.walk.depth if seq.walk is not None else 0
+            if prop.plan.drafts or prop.plan.resync:
+                proposals.append(seq.proposer.propose_steps(seq.history, prop.plan, prop.offer, seq.request.sampling,
                                                             seq.rng, seq.walk))
                 drafting.append(seq)
         if not proposals:
             return []
         drafts, rounds = drive_all(proposals, self.draft_ctx)
         for seq, draft in zip(drafting, drafts):
-            seq.draft = draft
+            props[seq].draft = draft
             if len(draft) < (seq.request.draft_min or 0):  # too short to be worth verifying, as asked
-                self._drop_draft(seq)
+                self._drop_draft(seq, props[seq])
         if len(running) > 1:  # how many share a draft's costs (rounds, a pass split off), as the next prices expect
             self._drafting = 0.7 * self._drafting + 0.3 * max(1, sum(1 for d in drafts if len(d)))
         return rounds
@@ -549,7 +554,7 @@ class Engine:
         """The running sequences past their first token with room to draft."""
         return [seq for seq in running if seq.stats.steps and self._draft_limit(seq) > 0]
 
-    def _all_or_none(self, running: Sequence[Seq]) -> None:
+    def _all_or_none(self, running: Sequence[Seq], props: Mapping[Seq, "Proposal"]) -> None:
         """With nobody waiting for a slot, the batch runs until its longest answer ends: a draft
         that speeds one sequence up and slows the pass for all of them shortens nothing (the others
         still need as many passes) unless every sequence drafts. So the step drafts for every
@@ -559,29 +564,29 @@ class Engine:
         and short model drafts for some sequences, probes among them, left the passes as many and
         made them dearer, 0.85x plain batched decoding.)"""
         eligible = self._may_draft(running)
-        if all(len(seq.draft) for seq in eligible) or not any(len(seq.draft) for seq in eligible):
+        if all(len(props[seq].draft) for seq in eligible) or not any(len(props[seq].draft) for seq in eligible):
             return
         for seq in eligible:
-            self._drop_draft(seq)
+            self._drop_draft(seq, props[seq])
 
     @staticmethod
-    def _drop_draft(seq: Seq) -> None:
+    def _drop_draft(seq: Seq, prop: "Proposal") -> None:
         """`seq`'s step runs without its draft (its tokens come off the grammar walk too)."""
         if seq.walk is not None:
-            seq.walk.pop(len(seq.draft))
-        seq.draft = EMPTY_DRAFT
+            seq.walk.pop(len(prop.draft))
+        prop.draft = EMPTY_DRAFT
 
-    def _verify(self, seq: Seq, logits: np.ndarray,
+    def _verify(self, seq: Seq, prop: "Proposal", logits: np.ndarray,
                 picked: np.ndarray | None = None) -> tuple[list[int], list[TokenLogprob] | None, int]:
         """Accept `seq`'s draft against its rows of the verify pass (logits [k+1, vocab], or the
         oracle's greedy picks [k+1] made on the backend) and trim its caches: (the tokens it
         yields, their logprobs if asked, draft tokens accepted)."""
-        draft, walk, request = seq.draft, seq.walk, seq.request
+        draft, walk, request = prop.draft, seq.walk, seq.request
         raw = logits
         if picked is None:
             logits = bias_logits(logits, request.sampling.logit_bias)  # the target is the biased oracle
             if walk is not None:  # the constrained oracle: each row masked at its position (draft tokens included)
-                logits = mask_logits(logits, walk.masks(seq.walk_base))  # [k+1, vocab]
+                logits = mask_logits(logits, walk.masks(prop.walk_base))  # [k+1, vocab]
         out, n_accepted = self._accept(draft, logits, request.sampling, seq.rng, len(seq.history), picked)
         if walk is not None:
             walk.pop(len(draft) - n_accepted)
@@ -592,25 +597,24 @@ class Engine:
         logprobs = self._logprobs(raw[:len(out)], out, request.logprobs) if request.logprobs is not None else None
         return out.tolist(), logprobs, n_accepted
 
-    def _record(self, seq: Seq, out: list[int], logprobs: list[TokenLogprob] | None, n_accepted: int,
-                plan: DraftPlan, *, draft_time: float, verify_time: float, batch_seqs: int, batch_tokens: int,
+    def _record(self, seq: Seq, prop: "Proposal", out: list[int], logprobs: list[TokenLogprob] | None,
+                n_accepted: int, *, draft_time: float, verify_time: float, batch_seqs: int, batch_tokens: int,
                 draft_host_time: float = 0.0, verify_host_time: float = 0.0) -> StepOutcome:
         """Emit what `seq`'s step yielded and count the step (its policy learns from it)."""
-        draft, stats = seq.draft, seq.stats
+        draft, stats = prop.draft, seq.stats
         context = len(seq.history) - 1
         could_draft = seq.request.speculative and stats.steps > 0 and self._draft_limit(seq) > 0
         emitted, finish = self._emit(out, seq, _sources(draft, n_accepted, len(out)) if seq.request.sources else None)
-        step = StepRecord(k=plan.length, drafted=len(draft), accepted=n_accepted, draft_time=draft_time,
+        step = StepRecord(k=prop.plan.length, drafted=len(draft), accepted=n_accepted, draft_time=draft_time,
                           verify_time=verify_time, context=context, draft_evaluated=draft.evaluated,
                           draft_prompt_time=draft.prompt_time, source=draft.source, batch_seqs=batch_seqs,
                           batch_tokens=batch_tokens if batch_seqs > 1 else 0, draft_host_time=draft_host_time,
                           verify_host_time=verify_host_time,
-                          unused=unused_offers(seq.offer, draft.source, emitted) if not finish else ())
+                          unused=unused_offers(prop.offer, draft.source, emitted) if not finish else ())
         if seq.request.speculative:  # a request that does not draft teaches the policy nothing
             seq.policy.observe(step)
             stats.idle_steps += could_draft and not step.drafted
         stats.add_step(step)
-        seq.draft, seq.offer = None, NO_OFFER
         structure = None
         if seq.walk is not None:
             stats.constraint_time = seq.walk.seconds
@@ -731,6 +735,18 @@ class Engine:
     def _text_and_bytes(self, token: int) -> tuple[str, bytes]:
         piece = self.oracle_model.token_piece(token)
         return piece.decode(errors="replace"), piece
+
+
+@dataclasses.dataclass(eq=False)
+class Proposal:
+    """One running sequence's part of a step, from plan to record: what its proposer offered, the
+    plan its policy made of that, the draft that came of it and the grammar walk's depth before the
+    draft was pushed. It lives for one step (in `Engine.step`), not on the request's `Seq`."""
+
+    offer: Offer = NO_OFFER
+    plan: DraftPlan = NO_DRAFT
+    draft: Draft = EMPTY_DRAFT
+    walk_base: int = 0
 
 
 def _picks_suffice(seq: Seq) -> bool:

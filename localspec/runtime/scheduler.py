@@ -84,7 +84,6 @@ class Scheduler:
         if seq.done:
             return
         seq.status, seq.error = Status.ABORTED, error
-        seq.draft = None
         if seq in self.waiting:
             self.waiting.remove(seq)
         self._free(seq)

@@ -19,14 +19,12 @@ import numpy as np
 
 from localspec.options import OPTIONS, GenerationOptions
 from localspec.outputs import Chunk, Stats, Structure, TokenLogprob
-from localspec.speculative.plan import NO_OFFER
 from localspec.speculative.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from localspec.constraints import Constraint, ConstraintWalk
     from localspec.speculative.policy import LengthPolicy
-    from localspec.speculative.plan import Offer
-    from localspec.speculative.proposers import Draft, Proposer
+    from localspec.speculative.proposers import Proposer
     from localspec.runtime.text import TextStream
 
 _ids = itertools.count(1)
@@ -95,9 +93,6 @@ class Seq:
     structure: Structure | None = None
     error: BaseException | None = None  # why it was aborted, when it failed
     outbox: deque[Chunk] = field(default_factory=deque)
-    offer: "Offer" = field(default_factory=lambda: NO_OFFER)  # what the step's proposer offered (its plan's input)
-    draft: "Draft | None" = None  # the step's draft, between proposing and verifying
-    walk_base: int = 0  # the grammar walk's depth before the step's draft was pushed
     prompt_logprobs: list | None = None  # the prompt's TokenLogprobs as its prefill computes them (when asked)
     backend_greedy: bool = False  # llama.cpp picks its oracle's greedy tokens (LlamaContext.sample_greedy)
 
