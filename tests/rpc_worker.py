@@ -44,8 +44,8 @@ def main() -> None:
         steps: list[tuple[list[int], list[int]]] = []
         original = engine._accept
 
-        def recording(draft, logits, sampling, rng, position, picked=None):
-            emitted, n_accepted = original(draft, logits, sampling, rng, position, picked)
+        def recording(draft, logits, sampling, rng, position, picked=None, **kw):
+            emitted, n_accepted = original(draft, logits, sampling, rng, position, picked, **kw)
             argmax = logits.argmax(axis=1) if picked is None else picked  # picked: by llama.cpp, in its graph
             steps.append((argmax[:len(emitted)].tolist(), emitted.tolist()))
             return emitted, n_accepted

@@ -390,3 +390,32 @@ def test_the_statistical_check_catches_a_biased_scheme():
     tv1, tv2 = tv_first_and_joint(pairs, 0, target, len(pairs))
     m_joint = int(np.count_nonzero(target[0][:, None] * target))
     assert tv2 > 2 * tv_bound(len(pairs), m_joint), (tv1, tv2)
+
+
+def test_accept_takes_the_target_as_the_request_asked_for_it_and_its_regimes_rule():
+    """acceptance.accept is handed every input: the raw logits, the request's bias and the grammar's
+    masks make the target; greedy takes its argmax (or llama.cpp's picks, logits unread), sampled
+    requests get speculative sampling, seeded ones the oracle alone's seeded picks."""
+    from localspec.speculative.acceptance import accept
+    from localspec.speculative.sampling import SamplingParams
+
+    logits = np.array([[3.0, 2.0, 0.0, 0.0], [0.0, 3.0, 2.0, 0.0], [0.0, 0.0, 3.0, 2.0]])  # [k+1 = 3, vocab 4]
+    draft = np.array([0, 1])
+    rng = np.random.default_rng(0)
+    out, n = accept(draft, None, logits, SamplingParams(), rng, position=5)
+    assert (out.tolist(), n) == ([0, 1, 2], 2)  # the argmax everywhere: both accepted, the bonus
+    biased = SamplingParams(logit_bias=((1, 5.0),))
+    out, n = accept(draft, None, logits, biased, rng, position=5)
+    assert (out.tolist(), n) == ([1], 0)  # the biased oracle's argmax at the first row is 1
+    masks = np.array([[True, True, True, True], [True, False, True, True], [True, True, True, True]])
+    out, n = accept(draft, None, logits, SamplingParams(), rng, position=5, masks=masks)
+    assert (out.tolist(), n) == ([0, 2], 1)  # the grammar forbids 1 at the second row
+    out, n = accept(draft, None, np.zeros((3, 0)), SamplingParams(), rng, position=5, picked=np.array([0, 3, 1]))
+    assert (out.tolist(), n) == ([0, 3], 1)  # llama.cpp's picks: the logits are not read
+    seeded = SamplingParams(temperature=0.8, seed=7)
+    a = accept(draft, None, logits, seeded, np.random.default_rng(1), position=5)
+    b = accept(draft, None, logits, seeded, np.random.default_rng(2), position=5)
+    assert a[0].tolist() == b[0].tolist()  # the seed and the position decide, not the generator
+    sampled = SamplingParams(temperature=1.0)
+    out, n = accept(draft, None, logits, sampled, np.random.default_rng(3), position=5)
+    assert len(out) == n + 1 and 0 <= n <= 2

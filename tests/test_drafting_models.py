@@ -279,8 +279,8 @@ def test_cross_tokenizer_draft_keeps_greedy_output_the_oracles(registry, pair_pa
         steps = []
         original = cross._accept
 
-        def recording(draft, logits, sampling, rng, position, picked=None):
-            out, n = original(draft, logits, sampling, rng, position, picked)
+        def recording(draft, logits, sampling, rng, position, picked=None, **kw):
+            out, n = original(draft, logits, sampling, rng, position, picked, **kw)
             steps.append(((logits.argmax(axis=1) if picked is None else picked).copy(), out.copy()))
             return out, n
 

@@ -31,8 +31,8 @@ class VerifyRecorder:
         self.steps: list[tuple[np.ndarray, np.ndarray, int]] = []
         original = engine._accept
 
-        def recording(draft, logits, sampling, rng, position, picked=None):
-            out, n_accepted = original(draft, logits, sampling, rng, position, picked)
+        def recording(draft, logits, sampling, rng, position, picked=None, **kw):
+            out, n_accepted = original(draft, logits, sampling, rng, position, picked, **kw)
             # the oracle's argmax: from its logits, or as llama.cpp picked it on the backend (whose
             # equality with the logits' argmax test_llama.py checks row by row)
             argmax = logits.argmax(axis=1) if picked is None else picked

@@ -85,8 +85,8 @@ def test_greedy_speculative_tokens_are_the_oracles_argmax(gpu_engine, monkeypatc
     steps = []
     original = gpu_engine._accept
 
-    def recording(draft, logits, sampling, rng, position, picked=None):
-        out, n_accepted = original(draft, logits, sampling, rng, position, picked)
+    def recording(draft, logits, sampling, rng, position, picked=None, **kw):
+        out, n_accepted = original(draft, logits, sampling, rng, position, picked, **kw)
         argmax = logits.argmax(axis=1) if picked is None else picked  # picked: on the device
         steps.append((argmax[: len(out)].tolist(), out.tolist()))
         return out, n_accepted

@@ -44,7 +44,7 @@ import numpy as np
 
 from localspec.runtime import chat
 from localspec import constraints
-from localspec.speculative.acceptance import accept_draft, accept_greedy
+from localspec.speculative.acceptance import accept
 from localspec.constraints import Constraint, ConstraintWalk
 from localspec.runtime.learning import CostBook
 from localspec.runtime.factory import (DEFAULT_DRAFT_MAX, DEFAULT_P_MIN, LOOKUP_DRAFT_MAX, NGRAM, Parts, build,  # noqa: F401
@@ -59,8 +59,7 @@ from localspec.speculative.proposers import EMPTY_DRAFT, Draft, Proposer, drive_
 from localspec.runtime.calibrate import measure
 from localspec.runtime.prompt_cache import PromptCache
 from localspec.speculative.suffix import SuffixPools
-from localspec.speculative.sampling import (SamplingParams, bias_logits, coupled_choice, greedy_argmax, log_softmax, logits_to_probs,
-                       mask_logits, seed_key, top_ids)
+from localspec.speculative.sampling import SamplingParams, log_softmax, seed_key, top_ids
 from localspec.runtime.scheduler import Scheduler
 from localspec.runtime.sequence import PromptTooLongError, Request, Seq, Status, StepOutcome  # noqa: F401 (callers import these from here too)
 from localspec.runtime.text import TextStream
@@ -582,19 +581,16 @@ class Engine:
         oracle's greedy picks [k+1] made on the backend) and trim its caches: (the tokens it
         yields, their logprobs if asked, draft tokens accepted)."""
         draft, walk, request = prop.draft, seq.walk, seq.request
-        raw = logits
-        if picked is None:
-            logits = bias_logits(logits, request.sampling.logit_bias)  # the target is the biased oracle
-            if walk is not None:  # the constrained oracle: each row masked at its position (draft tokens included)
-                logits = mask_logits(logits, walk.masks(prop.walk_base))  # [k+1, vocab]
-        out, n_accepted = self._accept(draft, logits, request.sampling, seq.rng, len(seq.history), picked)
+        # under a grammar the target is the constrained oracle: each row masked at its position
+        masks = walk.masks(prop.walk_base) if walk is not None and picked is None else None  # [k+1, vocab]
+        out, n_accepted = self._accept(draft, logits, request.sampling, seq.rng, len(seq.history), picked, masks=masks)
         if walk is not None:
             walk.pop(len(draft) - n_accepted)
             walk.push(int(out[-1]))  # drawn from a masked row: allowed
             walk.settle()
         self.oracle.rollback(len(seq.history) + n_accepted, seq=seq.slot)  # keep last + accepted; the new last stays out
         # the logits stay valid until the next decode: logprobs are not part of the verify time
-        logprobs = self._logprobs(raw[:len(out)], out, request.logprobs) if request.logprobs is not None else None
+        logprobs = self._logprobs(logits[:len(out)], out, request.logprobs) if request.logprobs is not None else None
         return out.tolist(), logprobs, n_accepted
 
     def _record(self, seq: Seq, prop: "Proposal", out: list[int], logprobs: list[TokenLogprob] | None,
@@ -710,17 +706,13 @@ class Engine:
 
     @staticmethod
     def _accept(draft: Draft, logits: np.ndarray, sampling: SamplingParams, rng: np.random.Generator,
-                position: int, picked: np.ndarray | None = None) -> tuple[np.ndarray, int]:
-        """Accepted draft tokens + a recovered or bonus token. `position`: where the first verified
-        token goes in the sequence (keys the noise of seeded sampling). `picked`: the oracle's
-        greedy ids [k+1], picked by llama.cpp (then `logits` has no columns)."""
-        if sampling.greedy:
-            return accept_greedy(draft.tokens, greedy_argmax(logits) if picked is None else picked)  # target argmax [k+1]
-        target_probs = logits_to_probs(logits, sampling)  # [k+1, vocab]
-        if sampling.coupled:
-            picks = [coupled_choice(row, sampling.seed, position + i) for i, row in enumerate(target_probs)]
-            return accept_greedy(draft.tokens, np.asarray(picks))  # the oracle's seeded picks [k+1]
-        return accept_draft(draft.tokens, draft.probs, target_probs, rng)
+                position: int, picked: np.ndarray | None = None, *,
+                masks: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+        """Accepted draft tokens + a recovered or bonus token (`acceptance.accept`: the target, the
+        regime's rule). `position`: where the first verified token goes in the sequence (keys the
+        noise of seeded sampling). `picked`: the oracle's greedy ids [k+1], picked by llama.cpp
+        (then `logits` has no columns). `masks`: the grammar's [k+1, vocab]."""
+        return accept(draft.tokens, draft.probs, logits, sampling, rng, position=position, masks=masks, picked=picked)
 
     def _logprobs(self, logits: np.ndarray, tokens: np.ndarray, top_n: int) -> list[TokenLogprob]:
         """The oracle's own log-probabilities (raw model distribution) of `tokens` [n] from logits

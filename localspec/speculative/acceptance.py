@@ -43,7 +43,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from localspec.speculative.sampling import draw_or_none, sample
+from localspec.speculative.sampling import (SamplingParams, bias_logits, coupled_choice, draw_or_none, greedy_argmax,
+                                            logits_to_probs, mask_logits, sample)
 
 
 def accept_greedy(draft_tokens: np.ndarray, target_argmax: np.ndarray) -> tuple[np.ndarray, int]:
@@ -113,3 +114,29 @@ def accept_draft(
 
     bonus = sample(target_probs[k], rng)  # all k accepted
     return np.array(tokens + [bonus], dtype=np.int32), k
+
+
+def accept(draft_tokens: np.ndarray, draft_probs: np.ndarray | None, logits: np.ndarray, sampling: SamplingParams,
+           rng: np.random.Generator, *, position: int, masks: np.ndarray | None = None,
+           picked: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+    """A step's acceptance, every input handed in: the draft (tokens [k], the distributions
+    [k, vocab] they were drawn from, or None for point masses), the oracle's logits over the
+    verified rows [k+1, vocab], how the request samples and its generator. The target is the
+    oracle as the request asked for it: its logits biased (`sampling.logit_bias`) and, under a
+    grammar, each row masked to what the grammar allows at its position (`masks` [k+1, vocab]
+    bool; the draft's tokens included). Then the request's regime's rule: greedy (the argmax, or
+    `picked` [k+1], the greedy ids llama.cpp already chose on the device: then `logits` is not
+    read), seeded (each row's pick with the noise of its `position` onward: the oracle alone's), or
+    speculative sampling (`accept_draft`). Returns (output tokens [n_accepted + 1], n_accepted)."""
+    if sampling.greedy and picked is not None:
+        return accept_greedy(draft_tokens, picked)
+    logits = bias_logits(logits, sampling.logit_bias)
+    if masks is not None:
+        logits = mask_logits(logits, masks)  # [k+1, vocab]
+    if sampling.greedy:
+        return accept_greedy(draft_tokens, greedy_argmax(logits))  # the target's argmax [k+1]
+    target_probs = logits_to_probs(logits, sampling)  # [k+1, vocab]
+    if sampling.coupled:
+        picks = [coupled_choice(row, sampling.seed, position + i) for i, row in enumerate(target_probs)]
+        return accept_greedy(draft_tokens, np.asarray(picks))  # the oracle's seeded picks [k+1]
+    return accept_draft(draft_tokens, draft_probs, target_probs, rng)
