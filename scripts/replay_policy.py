@@ -4,7 +4,8 @@
 Replays each trace (scripts/record_traces.py) with the default adaptive policy fresh (a new process
 without learned state) and warm (after serving every trace once), each fixed K with the draft model
 alone and with prompt lookup beside it, and the hindsight ceiling (`replay.hindsight`), priced by
-the recording's own cost table and by a GPU-like one. Speedups are over the oracle alone (K = 0).
+the recording's own cost table, by a GPU-like one and by the default pair's on an H200 (a draft as dear
+as its oracle). Speedups are over the oracle alone (K = 0).
 
     python scripts/replay_policy.py tests/data/traces/smollm2.json
 """
@@ -32,7 +33,7 @@ def main() -> None:
     def adaptive():
         return hybrid_policy(AdaptiveLength(k_max=16, draft_cost_ratio=doc["draft_cost_ratio"]))
 
-    for costs in (measured_costs(doc), Costs.gpu_like()):
+    for costs in (measured_costs(doc), Costs.gpu_like(), Costs.h200_smollm2()):
         warm = adaptive()
         for trace in traces:
             replay(trace, warm, costs)
