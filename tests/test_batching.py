@@ -29,9 +29,9 @@ class Verified:
         self.rows: dict[int, dict[int, tuple[int, float]]] = {}
         real = Engine._verify
 
-        def verify(engine, seq, logits, picked=None):
+        def verify(engine, seq, prop, logits, picked=None):
             assert picked is None, "these tests read the logits: the engine's backend sampling is off"
-            out, logprobs, n_accepted = real(engine, seq, logits)
+            out, logprobs, n_accepted = real(engine, seq, prop, logits)
             top2 = np.sort(np.asarray(logits, dtype=np.float64), axis=-1)[:, -2:]  # [k+1, 2]
             argmax = greedy_argmax(logits)
             assert out == argmax[:n_accepted + 1].tolist()  # the invariant, batched or not
