@@ -25,8 +25,8 @@ from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from localspec.speculative.costs import START as COST_START
-from localspec.speculative.costs import DRAFT_ROUND_SHAPE, DRAFT_SHAPE, VERIFY_SHAPE, PassCost, expected_tokens_by_place
+from localspec.speculative.costs import START as COST_START, DRAFT_ROUND_SHAPE, DRAFT_SHAPE, VERIFY_SHAPE, PassCost, \
+    expected_tokens_by_place
 from localspec.outputs import DraftSource, StepRecord
 from localspec.speculative.plan import NO_DRAFT, DraftPlan, Offer, SharedPass, plain_plan
 from localspec.speculative.sampling import SamplingParams
@@ -573,11 +573,11 @@ class AdaptiveLength:
     def can_pay(self, limit: int, context: int | None = None, *, optimistic: bool = False) -> bool:
         """Whether drafting could beat the oracle alone by `min_gain` at all: were every draft token
         accepted, at the costs measured (the prior guess where the draft's is not; `optimistic`: see
-        draft_times). Where it could not
-        (a draft that costs as much as its oracle: the default pair on a GPU), no acceptance
-        evidence can change that, so nothing is drafted to gather it: no first trials, no probes, no
-        re-tries (a re-try, begun at a new request, prices the draft optimistically, so a cost
-        measured on a busy machine does not keep it idle for good). True before a pass was measured."""
+        draft_times). Where it could not (a draft that costs as much as its oracle: the default pair
+        on a GPU), no acceptance evidence can change that, so nothing is drafted to gather it: no
+        first trials, no probes, no re-tries (a re-try, begun at a new request, prices the draft
+        optimistically, so a cost measured on a busy machine does not keep it idle for good). True
+        before a pass was measured."""
         if limit <= 0:
             return False
         if not self.verify_cost.ready or self.price is not None:
