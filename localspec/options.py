@@ -39,7 +39,6 @@ DEFAULT_SUFFIX_CACHE = 1_000_000
 DEFAULT_PROMPT_CACHE_MIB = 2048
 
 
-
 def _integer_words(value: float) -> str:
     """An integer bound in words: 64, or a power of two as one (a seed's 2^64 - 1)."""
     value = int(value)
@@ -48,6 +47,7 @@ def _integer_words(value: float) -> str:
             if value == exact:
                 return words
     return str(value)
+
 
 class OptionError(ValueError):
     """A generation option with a value its rule does not allow: `name` is the option's, `rule` its

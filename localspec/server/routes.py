@@ -154,12 +154,11 @@ async def completions(body: S.CompletionRequest, request: Request):
     return await svc.respond(request, replies, prompts, _per_choice(options, body.n, len(body.prompts())), body.stream)
 
 
-# NOTE: a request's own work before it is queued (its checks, logit_bias's texts tokenized, a schema or
-# grammar compiled, a token prompt's text) runs in a worker thread, not on the event loop, so one
-# request's cost cannot hold up every other client's
-
-
 def _prepare_chat(svc: Service, body: S.ChatCompletionRequest) -> tuple[list, T.ToolPlan | None, list | None, Any]:
+    """A chat request's work before it is queued: its checks (logit_bias's texts tokenized), its
+    prompt, tool plan and constraint (a schema or grammar compiled), its options. The routes run it
+    (and `_prepare_completion`) in a worker thread, not on the event loop, so one request's cost
+    cannot hold up every other client's."""
     _checked(svc, body)
     with _invalid_params():
         prompt, plan, constraint, tools = _structured(svc, body)
@@ -167,6 +166,8 @@ def _prepare_chat(svc: Service, body: S.ChatCompletionRequest) -> tuple[list, T.
 
 
 def _prepare_completion(svc: Service, body: S.CompletionRequest) -> tuple[Any, list, list[str]]:
+    """A completion request's work before it is queued (see `_prepare_chat`): its options, each
+    choice's prompt and that prompt's text."""
     _checked(svc, body)
     with _invalid_params():
         options = body.generation_options(svc.max_tokens_limit, T.grammar_constraint(body.grammar))
