@@ -279,6 +279,12 @@ class ConstraintWalk:
         self.depth = 0
         self.seconds = 0.0
 
+    @classmethod
+    def of(cls, model, constraint: Constraint) -> "ConstraintWalk":
+        """A walk for one generation under `constraint` over `model`'s vocabulary. Raises
+        ConstraintError when llguidance cannot compile it (the vocabulary is read on first use)."""
+        return cls(tokenizer_for(model), constraint, model.n_vocab)
+
     def allowed(self) -> np.ndarray:
         """bool [n_vocab]: the tokens that may come next (read-only; EOS only once complete)."""
         if self._ended_at is not None:

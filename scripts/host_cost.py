@@ -145,18 +145,18 @@ def run(n_vocab: int, k: int, n_seqs: int, temperature: float, max_tokens: int, 
     draft = StandInContext(model, n_seq=n_seqs, seed=1)
     engine = Engine.from_parts(oracle=oracle, proposer=DraftModelProposer(draft, p_min=p_min, cache_source=oracle),
                                policy=FixedLength(k), draft=draft)
-    engine.backend_sampling = not host_picks  # as on a GPU: greedy picks made "in the graph" (no logits read)
+    engine.slots.backend_sampling = not host_picks  # as on a GPU: greedy picks made "in the graph" (no logits read)
     prompts = [[0] + [next_token(p, n_vocab) for p in range(1 + i, 33 + i)] for i in range(n_seqs)]
     seqs = [engine.prepare(p, max_tokens=max_tokens, temperature=temperature,
                            seed=7 if temperature and seeded else None, draft_min=0) for p in prompts]
     for seq in seqs:
         engine.scheduler.add(seq)
-    t0, l0 = time.perf_counter(), engine._llama_seconds()
+    t0, l0 = time.perf_counter(), engine.stepper._llama_seconds()
     while engine.scheduler.has_work:
         engine.scheduler.step()
         for seq in seqs:
             seq.outbox.clear()
-    wall, llama = time.perf_counter() - t0, engine._llama_seconds() - l0
+    wall, llama = time.perf_counter() - t0, engine.stepper._llama_seconds() - l0
     steps = max(s.stats.steps for s in seqs)
     tokens = sum(s.stats.completion_tokens for s in seqs)
     drafted = sum(s.stats.drafted for s in seqs)

@@ -42,20 +42,20 @@ def main() -> None:
 
     def run(engine: Engine, **kw) -> dict:
         steps: list[tuple[list[int], list[int]]] = []
-        original = engine._accept
+        original = engine.stepper.accept
 
-        def recording(draft, logits, sampling, rng, position, picked=None, **kw):
-            emitted, n_accepted = original(draft, logits, sampling, rng, position, picked, **kw)
+        def recording(tokens, probs, logits, sampling, rng, *, picked=None, **kw):
+            emitted, n_accepted = original(tokens, probs, logits, sampling, rng, picked=picked, **kw)
             argmax = logits.argmax(axis=1) if picked is None else picked  # picked: by llama.cpp, in its graph
             steps.append((argmax[:len(emitted)].tolist(), emitted.tolist()))
             return emitted, n_accepted
 
-        engine._accept = recording
+        engine.stepper.accept = recording
         t0 = time.perf_counter()
         try:
             results = [engine.generate(m, max_tokens=max_tokens, **kw) for m in messages]
         finally:
-            del engine._accept
+            engine.stepper.accept = original
         timings.append(round(time.perf_counter() - t0, 2))
         return {"tokens": [r.tokens for r in results], "text": [r.text for r in results],
                 "drafted": sum(r.stats.drafted for r in results), "accepted": sum(r.stats.accepted for r in results),

@@ -133,12 +133,15 @@ def paced_engine(step: float = 0.02, *, n_ctx: int = 4096, parallel: int = 1, fa
             self.prepared.append(options)
             return seq
 
-        def admit(self, seq, slot, free=()):
-            self.calls.append(seq.request)
-            super().admit(seq, slot, free)
-
     engine = Paced.from_parts(oracle=oracle, policy=FixedLength(0))
     engine.calls, engine.prepared = [], []
+    admit = engine.slots.admit
+
+    def admitting(seq, free=(), busy=()):
+        engine.calls.append(seq.request)
+        return admit(seq, free, busy)
+
+    engine.slots.admit = admitting
     return engine
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from localspec.bench.clients import CLIENT_PROMPTS
 from localspec.runtime.engine import Engine
+from localspec.runtime.step import Step
 from localspec.llama.context import ContextFullError, LlamaContext, LlamaModel, Rows
 from localspec.speculative.sampling import greedy_argmax
 
@@ -27,11 +28,11 @@ class Verified:
 
     def __init__(self, monkeypatch) -> None:
         self.rows: dict[int, dict[int, tuple[int, float]]] = {}
-        real = Engine._verify
+        real = Step._verify
 
-        def verify(engine, seq, prop, logits, picked=None):
+        def verify(step, seq, prop, logits, picked=None):
             assert picked is None, "these tests read the logits: the engine's backend sampling is off"
-            out, logprobs, n_accepted = real(engine, seq, prop, logits)
+            out, logprobs, n_accepted = real(step, seq, prop, logits)
             top2 = np.sort(np.asarray(logits, dtype=np.float64), axis=-1)[:, -2:]  # [k+1, 2]
             argmax = greedy_argmax(logits)
             assert out == argmax[:n_accepted + 1].tolist()  # the invariant, batched or not
@@ -39,7 +40,7 @@ class Verified:
                 self.rows.setdefault(seq.id, {})[len(seq.history) + i] = (token, a - b)
             return out, logprobs, n_accepted
 
-        monkeypatch.setattr(Engine, "_verify", verify)
+        monkeypatch.setattr(Step, "_verify", verify)
 
 
 def messages(i: int) -> list[dict]:
@@ -53,7 +54,7 @@ def test_sequences_at_once_get_what_each_gets_alone(pair_paths, n, monkeypatch):
     decides the other way); every emitted token the argmax of its verified row."""
     rec = Verified(monkeypatch)
     with Engine(*pair_paths, n_ctx=512, parallel=n) as engine:
-        engine.backend_sampling = False  # the near-tie allowance reads each verified row's logits (a GPU's default)
+        engine.slots.backend_sampling = False  # the near-tie allowance reads each verified row's logits (a GPU's default)
         alone = []
         for i in range(n):
             seq = engine.prepare(messages(i), max_tokens=64)
@@ -127,8 +128,8 @@ def test_the_engine_picks_on_the_backend_only_where_picks_are_all_it_needs(engin
     """Plain greedy requests are verified from llama.cpp's picks, with the text the host's logits
     give; requests that read whole rows (logprobs, logit bias, a grammar, sampling) read them."""
     prompt = [{"role": "user", "content": CLIENT_PROMPTS[0]}]
-    assert not engine.backend_sampling  # on the CPU the host's argmax is quicker (a GPU turns it on)
-    engine.backend_sampling = True
+    assert not engine.slots.backend_sampling  # on the CPU the host's argmax is quicker (a GPU turns it on)
+    engine.slots.backend_sampling = True
     seqs = {}
     for name, options in {"plain": {}, "logprobs": {"logprobs": 2}, "bias": {"logit_bias": ((13, -1.0),)},
                           "json": {"schema": {"type": "object"}},
@@ -138,7 +139,7 @@ def test_the_engine_picks_on_the_backend_only_where_picks_are_all_it_needs(engin
             pass
     assert {name: seq.backend_greedy for name, seq in seqs.items()} == {
         "plain": True, "logprobs": False, "bias": False, "json": False, "sampled": False}
-    engine.backend_sampling = False
+    engine.slots.backend_sampling = False
     host = engine.generate(prompt, max_tokens=48)
     assert seqs["plain"].completion_tokens == host.tokens
 

@@ -10,7 +10,7 @@ import re
 import numpy as np
 import pytest
 
-from localspec.constraints import Constraint, ConstraintError, bounded_schema, tokenizer_for
+from localspec.constraints import Constraint, ConstraintError, ConstraintWalk, bounded_schema, tokenizer_for
 from localspec.runtime.engine import Request
 from localspec.speculative.policy import FixedLength
 from localspec.speculative.sampling import SamplingParams, mask_logits
@@ -59,7 +59,7 @@ def test_masks_follow_the_grammar_and_roll_back():
     pushes after it included (a rolled-back end once left llguidance's length count wrong)."""
     engine = proposer_engine("draft40")
     model = engine.oracle_model
-    walk = engine.constraint_walk(Constraint.from_grammar(GRAMMAR))
+    walk = ConstraintWalk.of(engine.oracle_model, Constraint.from_grammar(GRAMMAR))
     rng = np.random.default_rng(0)
     generated: list[int] = []
     ends = 0
@@ -82,7 +82,7 @@ def test_masks_follow_the_grammar_and_roll_back():
 def test_extend_cuts_a_model_free_draft_where_the_grammar_refuses():
     engine = proposer_engine("lookup")
     model = engine.oracle_model
-    walk = engine.constraint_walk(Constraint.from_grammar(GRAMMAR))
+    walk = ConstraintWalk.of(engine.oracle_model, Constraint.from_grammar(GRAMMAR))
     tokens = model.tokenize("ab,cd", add_special=False)
     assert walk.extend(tokens) == 2 and walk.depth == 2
 
@@ -213,7 +213,7 @@ def test_a_forced_run_is_drafted_without_the_model():
     engine = proposer_engine("draft40")
     proposer = engine.proposer
     model = engine.oracle_model
-    walk = engine.constraint_walk(Constraint.from_grammar('start: /[ab]/ "cdefg" /[ab]/ "hij"'))
+    walk = ConstraintWalk.of(engine.oracle_model, Constraint.from_grammar('start: /[ab]/ "cdefg" /[ab]/ "hij"'))
     history = model.tokenize(PROMPT)
     proposer.start(catch_up=True)
     draft = proposer.propose(history, 10, SamplingParams(), np.random.default_rng(0), constraint=walk)

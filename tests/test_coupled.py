@@ -3,9 +3,7 @@
 import numpy as np
 import pytest
 
-from localspec.speculative.acceptance import accept_greedy
-from localspec.runtime.engine import Engine
-from localspec.speculative.proposers import Draft
+from localspec.speculative.acceptance import accept, accept_greedy
 from localspec.speculative.sampling import (NOISE_CACHE_BYTES, SamplingParams, coupled_choice, gumbel_noise, logits_to_probs,
                                 seed_key)
 
@@ -55,8 +53,8 @@ def run(target, draft, sampling, k, n_tokens, start=0):
             proposal.append(prev)
         ctx = [seq[-1]] + proposal
         logits = np.stack([target[t] for t in ctx])  # [k+1, vocab]
-        out, n = Engine._accept(Draft(np.array(proposal, dtype=np.int32), None), logits, sampling,
-                                np.random.default_rng(0), pos)
+        out, n = accept(np.array(proposal, dtype=np.int32), None, logits, sampling, np.random.default_rng(0),
+                        position=pos)
         assert len(out) == n + 1
         seq.extend(out.tolist())
     return seq[1:n_tokens + 1]

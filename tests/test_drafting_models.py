@@ -9,7 +9,8 @@ from localspec.speculative.compat import IncompatibleModels
 from localspec.runtime.engine import Engine
 from localspec.speculative.policy import AdaptiveLength, HybridLength
 from localspec.llama.context import LlamaContext, LlamaModel
-from localspec.speculative.proposers import CrossTokenizerProposer, DraftModelProposer, PromptLookupProposer
+from localspec.speculative.cross_tokenizer import CrossTokenizerProposer
+from localspec.speculative.proposers import DraftModelProposer, PromptLookupProposer
 from localspec.speculative.sampling import SamplingParams
 
 pytestmark = pytest.mark.model
@@ -277,14 +278,14 @@ def test_cross_tokenizer_draft_keeps_greedy_output_the_oracles(registry, pair_pa
     with Engine(gemma, pair_paths[1], n_ctx=1024, cross_tokenizer=True, draft_length=4, lookup=False) as cross:
         assert isinstance(cross.proposer, CrossTokenizerProposer)
         steps = []
-        original = cross._accept
+        original = cross.stepper.accept
 
-        def recording(draft, logits, sampling, rng, position, picked=None, **kw):
-            out, n = original(draft, logits, sampling, rng, position, picked, **kw)
+        def recording(tokens, probs, logits, sampling, rng, *, picked=None, **kw):
+            out, n = original(tokens, probs, logits, sampling, rng, picked=picked, **kw)
             steps.append(((logits.argmax(axis=1) if picked is None else picked).copy(), out.copy()))
             return out, n
 
-        monkeypatch.setattr(cross, "_accept", recording)
+        monkeypatch.setattr(cross.stepper, "accept", recording)
         accepted = 0
         for p in prompts:
             spec = cross.generate(p, max_tokens=32)
@@ -319,12 +320,13 @@ def test_a_hybrids_draft_model_keeps_its_costs_under_its_own_kind(registry, pair
 def test_auto_follows_the_kernel_check_measured_here(pair_paths, tmp_path, monkeypatch):
     """`localspec check` records the faster attention kernel for this oracle, threads and machine;
     --flash-attn auto uses it from then on (and the rule, off on a CPU, without a record)."""
+    from localspec.runtime.factory import kernel_identity
     from localspec.runtime.learning import CostStore
 
     monkeypatch.setenv("LOCALSPEC_COST_CACHE", str(tmp_path))
     with Engine(pair_paths[0], None, n_ctx=256, n_threads=2) as engine:
         assert engine.oracle.flash_attn == "off"
-        key = engine.kernel_identity(pair_paths[0], engine.gpu_layers)
+        key = kernel_identity(pair_paths[0], n_threads=engine.n_threads, gpu_layers=engine.gpu_layers)
     CostStore(tmp_path).save("kernel", key, {"flash_attn": "on"})
     with Engine(pair_paths[0], None, n_ctx=256, n_threads=2) as engine:
         assert engine.oracle.flash_attn == "on"

@@ -24,22 +24,22 @@ def chat(text: str) -> list[dict]:
 
 
 class VerifyRecorder:
-    """Wraps Engine._accept to record, for every step, the oracle's argmax at each verified
+    """Wraps the engine's acceptance rule (`Step.accept`) to record, for every step, the oracle's argmax at each verified
     position and what the step emitted."""
 
     def __init__(self, engine: Engine, monkeypatch) -> None:
         self.steps: list[tuple[np.ndarray, np.ndarray, int]] = []
-        original = engine._accept
+        original = engine.stepper.accept
 
-        def recording(draft, logits, sampling, rng, position, picked=None, **kw):
-            out, n_accepted = original(draft, logits, sampling, rng, position, picked, **kw)
+        def recording(tokens, probs, logits, sampling, rng, *, picked=None, **kw):
+            out, n_accepted = original(tokens, probs, logits, sampling, rng, picked=picked, **kw)
             # the oracle's argmax: from its logits, or as llama.cpp picked it on the backend (whose
             # equality with the logits' argmax test_llama.py checks row by row)
             argmax = logits.argmax(axis=1) if picked is None else picked
             self.steps.append((argmax.copy(), out.copy(), n_accepted))
             return out, n_accepted
 
-        monkeypatch.setattr(engine, "_accept", recording)
+        monkeypatch.setattr(engine.stepper, "accept", recording)
 
 
 def test_every_greedy_token_is_the_oracles_argmax_at_its_verified_position(engine, monkeypatch):

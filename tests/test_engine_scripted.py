@@ -15,7 +15,8 @@ from localspec.llama.context import Detokenizer
 from localspec.outputs import DraftSource, StepRecord
 from localspec.speculative.plan import NO_DRAFT, DraftPlan, Offer
 from localspec.speculative.policy import FixedLength
-from localspec.speculative.proposers import CrossTokenizerProposer, DraftModelProposer, HybridProposer, PromptLookupProposer
+from localspec.speculative.cross_tokenizer import CrossTokenizerProposer
+from localspec.speculative.proposers import DraftModelProposer, HybridProposer, PromptLookupProposer
 from localspec.speculative.sampling import SamplingParams, bias_logits, logits_to_probs
 from scripted import (EOS, PAIR_PIECES, CostedContext, ScriptedContext, ScriptedModel, TimedContext, VirtualClock,
                       copying, favoured, hashed_logits, related_logits)
@@ -225,11 +226,10 @@ def proposer_engine(kind: str, parallel: int = 1) -> Engine:
         return draft_engine(n_draft, K, oracle_logits=logits,
                             draft_logits=related_logits(logits, ORACLE_VOCAB, 2, n_draft), parallel=parallel)
     if kind == "hybrid":  # the draft model and prompt lookup, each step's source from a chooser
-        engine = draft_engine(40, K, oracle_logits=logits, draft_logits=related_logits(logits, ORACLE_VOCAB, 2, 40),
-                              parallel=parallel)
-        engine.proposer = HybridProposer(PromptLookupProposer(), engine.proposer)
-        engine.policy = Alternating(K)
-        return engine
+        model = draft_engine(40, K, oracle_logits=logits, draft_logits=related_logits(logits, ORACLE_VOCAB, 2, 40),
+                             parallel=parallel)
+        return Engine.from_parts(oracle=model.oracle, proposer=HybridProposer(PromptLookupProposer(), model.proposer),
+                                 policy=Alternating(K), draft=model.draft_ctx)
     oracle = ScriptedContext(oracle_model, logits, n_seq=parallel)
     if kind == "lookup":
         return Engine.from_parts(oracle=oracle, proposer=PromptLookupProposer(), policy=FixedLength(K))
@@ -688,7 +688,7 @@ def test_ragged_verify_rows_are_evened_out_where_a_pass_costs_more_than_its_toke
                               per_token=per_token, n_seq=4)
         engine = Engine.from_parts(oracle=oracle, proposer=PromptLookupProposer(), policy=lookup_policy(k_max=8))
         if not even_out:
-            monkeypatch.setattr(engine, "_even_out", lambda rows, contexts, verifying: rows)
+            monkeypatch.setattr(engine.stepper, "_even_out", lambda rows, contexts, verifying: rows)
         seqs = [engine.scheduler.add(engine.prepare(prompt, max_tokens=48))  # 8 for 4 slots: each drafts when it can
                 for prompt in 2 * ("the cat sat on the mat and the cat sat", "a b c d e f a b c d e f a b",
                                    "one two three one two three one two", "he said she said he said she")]

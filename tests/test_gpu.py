@@ -83,15 +83,15 @@ def test_offloaded_logits_equal_the_cpus(pair_paths, gpu_engine):
 
 def test_greedy_speculative_tokens_are_the_oracles_argmax(gpu_engine, monkeypatch):
     steps = []
-    original = gpu_engine._accept
+    original = gpu_engine.stepper.accept
 
-    def recording(draft, logits, sampling, rng, position, picked=None, **kw):
-        out, n_accepted = original(draft, logits, sampling, rng, position, picked, **kw)
+    def recording(tokens, probs, logits, sampling, rng, *, picked=None, **kw):
+        out, n_accepted = original(tokens, probs, logits, sampling, rng, picked=picked, **kw)
         argmax = logits.argmax(axis=1) if picked is None else picked  # picked: on the device
         steps.append((argmax[: len(out)].tolist(), out.tolist()))
         return out, n_accepted
 
-    monkeypatch.setattr(gpu_engine, "_accept", recording)
+    monkeypatch.setattr(gpu_engine.stepper, "accept", recording)
     for p in PROMPTS:
         steps.clear()
         result = gpu_engine.generate(chat(p), max_tokens=64)

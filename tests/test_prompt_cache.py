@@ -1,4 +1,4 @@
-"""The prompt cache (localspec.runtime.prompt_cache, Engine.admit): finished sequences' oracle
+"""The prompt cache (localspec.runtime.prompt_cache, Slots.admit): finished sequences' oracle
 caches kept in host memory when a new request takes their slot, loaded back for a later prompt that
 starts the same way; least recently used out first, within a byte budget; one pool never reuses
 another's. Exact cases over scripted contexts, and llama.cpp's sequence state on the real oracle."""
@@ -78,7 +78,7 @@ def test_a_state_larger_than_the_budget_is_not_kept():
 def cached_engine(parallel: int = 1, capacity: int = 1 << 20):
     engine = proposer_engine("lookup", parallel=parallel)
     engine.policy = FixedLength(0)
-    engine.prompt_cache = PromptCache(capacity)
+    engine.slots.prompt_cache = PromptCache(capacity)
     return engine
 
 
@@ -89,14 +89,14 @@ def test_a_prompt_sent_again_after_its_slot_was_taken_is_loaded_back_not_evaluat
     a = run_all(engine, [(first, Request(max_tokens=6))])[0]
     assert a.stats.prompt_tokens_evaluated == len(first)
     run_all(engine, [(other, Request(max_tokens=6))])  # takes the one slot: the first's cache is kept aside
-    assert len(engine.prompt_cache) == 1
+    assert len(engine.slots.prompt_cache) == 1
     again = run_all(engine, [(first, Request(max_tokens=6))])[0]
     assert again.stats.prompt_tokens_evaluated == 1  # only the last prompt token, which step one evaluates
     assert again.completion_tokens == a.completion_tokens == alone("lookup", first, Request(max_tokens=6,
                                                                                             speculative=False))
     # what the slot did not hold already (the other prompt shares its first token, BOS)
-    assert engine.prompt_cache.hits == 1
-    assert engine.prompt_cache.tokens_reused == len(first) - 1 - shared_prefix(first, other)
+    assert engine.slots.prompt_cache.hits == 1
+    assert engine.slots.prompt_cache.tokens_reused == len(first) - 1 - shared_prefix(first, other)
     # the next turn of that conversation reuses the answer's cells too
     follow = first + a.completion_tokens + engine.oracle_model.tokenize(" and then", add_special=False)
     run_all(engine, [(other, Request(max_tokens=6))])
@@ -106,7 +106,7 @@ def test_a_prompt_sent_again_after_its_slot_was_taken_is_loaded_back_not_evaluat
 
 def test_without_a_prompt_cache_the_slot_s_old_text_is_evaluated_again():
     engine = cached_engine()
-    engine.prompt_cache = None
+    engine.slots.prompt_cache = None
     first = engine.oracle_model.tokenize("the cat sat on the mat. " * 4)
     run_all(engine, [(first, Request(max_tokens=6))])
     other = engine.oracle_model.tokenize("a dog ran in the park; " * 4)
@@ -136,7 +136,7 @@ def test_prompt_logprobs_evaluate_every_prompt_token_and_keep_the_slot_s_text_as
     run_all(engine, [(first, Request(max_tokens=6))])
     other = engine.oracle_model.tokenize("a dog ran in the park; " * 4)
     b = run_all(engine, [(other, Request(max_tokens=3, prompt_logprobs=0))])[0]
-    assert b.stats.prompt_tokens_evaluated == len(other) and len(engine.prompt_cache) == 1
+    assert b.stats.prompt_tokens_evaluated == len(other) and len(engine.slots.prompt_cache) == 1
     assert run_all(engine, [(first, Request(max_tokens=6))])[0].stats.prompt_tokens_evaluated == 1
 
 
@@ -190,11 +190,11 @@ def test_a_shared_prefix_taken_later_leaves_the_slot_holding_the_prompt_s_prefix
     engine = cached_engine()
     prompt = engine.oracle_model.tokenize("the cat sat on the mat. " * 4)
     first = run_all(engine, [(prompt, Request(max_tokens=6))])[0]
-    engine.prompt_cache.put(engine.oracle.save_seq(0))  # the prompt and its answer
+    engine.slots.prompt_cache.put(engine.oracle.save_seq(0))  # the prompt and its answer
     engine.oracle.rollback(3, seq=0)
     seq = engine.new_seq(prompt[:-5], Request(max_tokens=2))
     seq.slot = 0
-    engine.share(seq)
+    engine.slots.share(seq)
     assert engine.oracle.seq_tokens(0) == prompt[:-6] and first.completion_tokens
 
 

@@ -15,7 +15,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from localspec.constraints import Constraint, ConstraintError
+from localspec.constraints import Constraint, ConstraintError, ConstraintWalk
 from localspec.options import GenerationOptions
 from serving import CLI, cli_serve, wait_ready
 
@@ -97,7 +97,7 @@ def test_numbers_and_open_values_are_bounded(engine):
     tokens = lambda text: model.tokenize(text, add_special=False, parse_special=False)  # noqa: E731
 
     def longest(constraint: Constraint, text: str) -> str:
-        walk = engine.constraint_walk(constraint)
+        walk = ConstraintWalk.of(engine.oracle_model, constraint)
         pushed = tokens(text)[:walk.extend(tokens(text))]
         return model.detokenize(pushed)
 
@@ -159,7 +159,7 @@ def test_a_rejected_end_leaves_the_length_limits_in_force(engine):
     schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 5}}, "required": ["a"],
               "additionalProperties": False}
     tokens = lambda text: model.tokenize(text, add_special=False, parse_special=False)  # noqa: E731
-    walk = engine.constraint_walk(Constraint.json_schema(schema))
+    walk = ConstraintWalk.of(engine.oracle_model, Constraint.json_schema(schema))
     walk.extend(tokens('{"a": "ab'))
     end = tokens('"}') + [model.eos]
     assert walk.extend(end) == len(end) and walk.complete

@@ -20,6 +20,7 @@ from localspec.bench.ceiling import acceptance_from_tokens_per_step, predicted_s
 from localspec.speculative.compat import first_difference
 from localspec.speculative.costs import fit_steps
 from localspec.runtime.engine import Engine
+from localspec.runtime.factory import kernel_identity
 from localspec.llama.context import LlamaContext
 from localspec.speculative.policy import FixedLength, learns
 
@@ -125,7 +126,8 @@ def run_check(engine: Engine, prompts: list, *, oracle: str, draft: str,
         progress("timing the oracle's passes with each attention kernel ...")
         report.kernel = compare_kernels(engine)
         if engine.cost_store is not None:
-            engine.cost_store.save("kernel", engine.kernel_identity(engine.oracle_model.path, engine.gpu_layers),
+            engine.cost_store.save("kernel", kernel_identity(engine.oracle_model.path, n_threads=engine.n_threads,
+                                                              gpu_layers=engine.gpu_layers, rpc=engine.rpc),
                                    {"flash_attn": report.kernel["chosen"], "measured_ms": report.kernel["ms"]})
     report.recommendation = recommend(report)
     return report

@@ -20,7 +20,8 @@ from localspec.llama.backend import default_threads
 from localspec.llama.context import LlamaContext, LlamaModel, on_local_gpu, resolve_flash_attn
 from localspec.speculative.policy import (LOOKUP_PRIORS, LOOKUP_RUNS, AdaptiveLength, FixedLength, HybridLength,
                                          LengthPolicy, LookupLength, learns)
-from localspec.speculative.proposers import CrossTokenizerProposer, DraftModelProposer, HybridProposer, PromptLookupProposer, Proposer
+from localspec.speculative.cross_tokenizer import CrossTokenizerProposer
+from localspec.speculative.proposers import DraftModelProposer, HybridProposer, PromptLookupProposer, Proposer
 from localspec.runtime.prompt_cache import PromptCache
 from localspec.speculative.suffix import SuffixPools, SuffixProposer
 

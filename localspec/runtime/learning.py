@@ -3,8 +3,10 @@ acceptance estimates in the cache, one file per key in `<cache>/costs` (`$LOCALS
 moves it); the key holds everything that changes the costs (model file, threads, llama.cpp build
 and backends, CPU model, attention kernel, GPU offload), so a changed setting starts afresh.
 `CostBook` is an engine's: the store and the key of each kind of state (see
-`speculative.policy.Learning.cost_state`). The policy's state itself is `speculative.costs`' fit
-and `speculative.policy`'s estimates: nothing here is on a step's path.
+`speculative.policy.Learning.cost_state`). `Learner` is the engine's learning: the policy requests
+fork, where its state is kept, and what the costs every request shares learn from each pass (on
+landing, `runtime.apply`). The policy's state itself is `speculative.costs`' fit and
+`speculative.policy`'s estimates.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ import os
 import platform
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from localspec.cache import cache_dir, write_text_atomically
 from localspec.llama.bindings import VERSION, llama_cpp
+from localspec.speculative.policy import LengthPolicy, learns
 
 log = logging.getLogger("localspec.runtime.learning")
 
@@ -125,3 +128,57 @@ class CostBook:
         for kind, state in policy.cost_state().items():
             if kind in self.keys:
                 self.store.save(kind, self.keys[kind], state)
+
+
+class Learner:
+    """The engine's learning: the length policy its requests fork (`policy`, which a caller may
+    swap: `Engine.using_policy`), where what it learns is kept between processes (`costs`), and
+    what the costs every request shares learn from a pass: the draft model's rounds, a verify pass
+    several sequences share, and how many sequences lately share a round (`drafting`)."""
+
+    def __init__(self, policy: LengthPolicy, costs: CostBook | None = None) -> None:
+        self.policy, self.costs = policy, costs
+        self.drafting = 1.0  # sequences a batch's draft rounds are shared by, lately (for its prices)
+        if costs is not None and learns(policy):
+            costs.load(policy)
+
+    def save(self, policy: LengthPolicy | None = None) -> None:
+        """Write what `policy` (default: the engine's) learned to the cache (after each request)."""
+        policy = self.policy if policy is None else policy
+        if self.costs is not None and learns(policy):
+            self.costs.save(policy)
+
+    def decode_time(self, ctx, rows: Sequence[tuple[int, int]], contexts: Mapping[int, int]) -> float | None:
+        """Seconds a decode of `rows` (sequence, tokens) on `ctx` would take as the policy learned
+        the oracle's passes; None before it measured one, or for a policy that does not learn."""
+        if not learns(self.policy):
+            return None
+        return self.policy.decode_time(passes(ctx, rows, contexts))
+
+    def observe(self, batch, oracle, draft=None) -> None:
+        """What the shared costs learn from a step's pass (`step.PassRecord`) beside each step's
+        record: every draft decode (a round of one sequence or several, a catch-up on a prompt too:
+        what batched drafting costs is known before batches form), and a verify pass shared by
+        several sequences, once (a step alone teaches its policy through its record), unless it also
+        filled a prompt (a chunk of hundreds of tokens runs at another rate per token)."""
+        if batch.running > 1 and batch.drafted is not None:  # how many share a draft's costs, as the next prices expect
+            self.drafting = 0.7 * self.drafting + 0.3 * max(1, batch.drafted)
+        if not learns(self.policy):
+            return
+        for held, t in batch.rounds:
+            at = {seq: context for seq, _, context in held}
+            self.policy.observe_draft_round(passes(draft, [(seq, n) for seq, n, _ in held], at), t)
+        if len(batch.rows) > 1 and not batch.prefill:
+            rows = [(r.seq, len(r.tokens) + r.pad) for r in batch.rows]
+            self.policy.observe_pass(passes(oracle, rows, batch.contexts), batch.seconds)
+
+
+def passes(ctx, rows: Sequence[tuple[int, int]], contexts: Mapping[int, int]) -> list[tuple[list[int], list[int]]]:
+    """The passes llama.cpp runs a decode of `rows` (sequence, tokens) on `ctx` as: each one's
+    tokens per sequence and contexts, for the cost models."""
+    out, consumed = [], dict.fromkeys(contexts, 0)
+    for group in ctx.ubatches(rows):
+        out.append(([n for _, n in group], [contexts[seq] + consumed[seq] for seq, _ in group]))
+        for seq, n in group:
+            consumed[seq] += n
+    return out

@@ -1,15 +1,16 @@
 """Continuous batching: which sequences the engine's next pass carries.
 
 Requests join and leave at step boundaries, first come, first served. A sequence waits until a
-slot is free (a slot: a sequence id of both contexts, `Engine.n_slots` of them), takes the lowest
+slot is free (a slot: a sequence id of both contexts, `Slots.n_slots` of them), takes the lowest
 free one (what another slot's cache shares with its prompt is copied, and what the slot held moves
 to a free one first: a conversation's next turn finds its own), fills the
 oracle's cache with its prompt in chunks of at most `prefill_chunk` tokens per pass while others
 run (or `n_batch` when nobody is streaming; a prompt that shares a prefix with one an earlier
 sequence is still filling waits for it and copies it: requests with one system prompt that arrive
 together evaluate it once), then steps with the running ones until it finishes or
-is aborted. Each `step()` is ONE oracle pass (`Engine.step`), whose outcomes the scheduler applies:
-it is the only place a sequence's status changes (vLLM's `update_from_output`).
+is aborted. Each `step()` is ONE oracle pass (`Step.run`), which returns what happened; `apply`
+lands it (`runtime.apply`: history, outbox, stats, what the policies learn) and changes the
+statuses, the only place they change (vLLM's `update_from_output`).
 
 The scheduler is driven by one thread: the server's worker (its loop: take new jobs in, turn
 cancels into aborts, step, deliver), a batch file's runner, or `Engine.stream` for one sequence.
@@ -20,37 +21,49 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Iterator, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Protocol, Sequence
 
 from localspec.outputs import Chunk
 from localspec.runtime.sequence import Seq, Status, StepOutcome
+
+if TYPE_CHECKING:
+    from localspec.runtime.step import StepOutput
 
 log = logging.getLogger("localspec.runtime.scheduler")
 
 PREFILL_CHUNK = 256  # prompt tokens a pass carries while other sequences stream (a pass of 256 costs ~0.4 s here)
 
 
-class Stepper(Protocol):
-    """What the scheduler runs (`engine.Engine`): slots of its contexts, and one pass at a time."""
+class Slots(Protocol):
+    """The slots a scheduler fills (`runtime.slots.Slots`)."""
 
     n_slots: int
     oracle: object  # a LlamaContext: `seq_tokens(slot)`, `n_batch`
 
-    def admit(self, seq: Seq, free: Sequence[int] = (), busy: Sequence[int] = ()) -> None: ...
+    def admit(self, seq: Seq, free: Sequence[int] = (), busy: Sequence[int] = ()) -> int: ...
 
     def filling_for(self, seq: Seq, active: Sequence[Seq]) -> bool: ...
 
-    def share(self, seq: Seq, busy: Sequence[int] = ()) -> None: ...
+    def share(self, seq: Seq, busy: Sequence[int] = ()) -> int: ...
 
-    def step(self, running: Sequence[Seq], prefill: Mapping[Seq, int] | None = None, *,
-             queued: bool = False) -> list[StepOutcome]: ...
+
+class Stepper(Protocol):
+    """One pass at a time (`runtime.step.Step`): it returns what happened, and writes none of it."""
+
+    def run(self, running: Sequence[Seq], prefill: Mapping[Seq, int] | None = None, *,
+            queued: bool = False) -> StepOutput: ...
 
 
 class Scheduler:
-    def __init__(self, engine: Stepper, *, prefill_chunk: int = PREFILL_CHUNK) -> None:
-        self.engine = engine
+    """Who joins, who runs, who leaves. `slots`: the slots it fills (`caches`); `step`: runs one pass;
+    `land`: applies what a pass did to the requests (`runtime.apply.Apply`) and says who finished
+    and whose prompt is in."""
+
+    def __init__(self, slots: Slots, step: Stepper, land: Callable[[StepOutput], list[StepOutcome]], *,
+                 prefill_chunk: int = PREFILL_CHUNK) -> None:
+        self.caches, self.stepper, self.land = slots, step, land
         self.prefill_chunk = prefill_chunk
-        self.slots: list[Seq | None] = [None] * engine.n_slots
+        self.slots: list[Seq | None] = [None] * slots.n_slots
         self.waiting: deque[Seq] = deque()
         self._waited: set[int] = set()  # sequences that waited for another to fill a prefix they share
 
@@ -102,11 +115,11 @@ class Scheduler:
             seq = self.waiting.popleft()
             # the lowest free slot: busy slots stay contiguous, and llama.cpp runs a batch of
             # consecutive sequence ids in one pass (`LlamaContext.ubatches`); a prefix another slot
-            # holds is copied over (`Engine.admit`)
+            # holds is copied over (`Slots.admit`)
             slot = min(free)
             busy = [i for i, s in enumerate(self.slots) if s is not None]
             self.slots[slot], seq.slot = seq, slot
-            self.engine.admit(seq, free, busy)
+            seq.stats.prompt_tokens_evaluated = self.caches.admit(seq, free, busy)
             seq.status = Status.PREFILL
 
     # -- one pass
@@ -118,18 +131,19 @@ class Scheduler:
         self._admit()
         active = self.active
         running = [s for s in active if s.status == Status.RUNNING]
-        budget = self.prefill_chunk if running else self.engine.oracle.n_batch
+        oracle = self.caches.oracle
+        budget = self.prefill_chunk if running else oracle.n_batch
         prefill: dict[Seq, int] = {}
         for seq in active:
             if seq.status != Status.PREFILL or budget <= 0:
                 continue
-            if self.engine.filling_for(seq, active):  # it copies that prefix once it is in
+            if self.caches.filling_for(seq, active):  # it copies that prefix once it is in
                 self._waited.add(seq.id)
                 continue
             if seq.id in self._waited:
                 self._waited.discard(seq.id)
-                self.engine.share(seq, [s.slot for s in active if s is not seq])
-            todo = len(seq.history) - 1 - len(self.engine.oracle.seq_tokens(seq.slot))
+                seq.stats.prompt_tokens_evaluated -= self.caches.share(seq, [s.slot for s in active if s is not seq])
+            todo = len(seq.history) - 1 - len(oracle.seq_tokens(seq.slot))
             n = min(todo, budget)
             if n > 0:
                 prefill[seq] = n
@@ -141,18 +155,17 @@ class Scheduler:
             return []
         touched = running + list(prefill)
         try:
-            outcomes = self.engine.step(running, prefill, queued=bool(self.waiting))
+            self.apply(self.stepper.run(running, prefill, queued=bool(self.waiting)))
         except Exception as e:  # a failed pass fails the sequences in it, not the others queued
             log.exception("engine: a pass failed")
             for seq in touched:
                 self.abort(seq, e)
-            return touched
-        self.apply(outcomes)
         return touched
 
-    def apply(self, outcomes: Sequence[StepOutcome]) -> None:
-        """What a pass did: a finished sequence leaves its slot, one whose prompt is in runs."""
-        for outcome in outcomes:
+    def apply(self, output: StepOutput) -> None:
+        """What a pass did lands on the requests (`land`: history, outbox, stats, what the
+        policies learn); then a finished sequence leaves its slot, one whose prompt is in runs."""
+        for outcome in self.land(output):
             seq = outcome.seq
             if outcome.finish_reason is not None:
                 seq.finish_reason, seq.structure = outcome.finish_reason, outcome.structure

@@ -124,5 +124,5 @@ class StepOutcome:
 
     seq: Seq
     finish_reason: str | None = None  # it ended in this step: "stop" or "length"
-    structure: str | None = None  # ... a constrained one complete or not (see Engine._structure)
+    structure: str | None = None  # ... a constrained one complete or not (see Apply._structure)
     prompt_done: bool = False  # its prompt is in the oracle's cache: it steps from the next pass

@@ -342,7 +342,7 @@ class EngineWorker:
 
     def _pass_metrics(self) -> None:
         m = self.metrics
-        n_seqs, n_tokens = self.engine.last_pass
+        n_seqs, n_tokens = self.engine.stepper.last_pass
         if n_seqs:
             m.pass_sequences.observe(n_seqs)
             m.pass_tokens.observe(n_tokens)

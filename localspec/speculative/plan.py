@@ -91,3 +91,12 @@ def unused_offers(offer: Offer, source: DraftSource, emitted: Sequence[int]) -> 
             matched = int(differs[0]) if differs.size else compared
             scores.append(OfferScore(offered, compared, matched, found.match_length))
     return tuple(scores)
+
+
+def all_or_none(plans: Sequence[DraftPlan]) -> list[DraftPlan]:
+    """The plans of a batch that runs until its longest answer ends (nobody waits for a slot):
+    a draft that speeds one sequence up and slows the pass for all of them shortens nothing unless
+    every sequence drafts, so every plan drafts, or none does (a re-try's resync is kept)."""
+    if all(plan.drafts for plan in plans):
+        return list(plans)
+    return [DraftPlan(resync=plan.resync) for plan in plans]

@@ -20,6 +20,7 @@ verifier, is the constrained one); a model-free draft is cut at the first token 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ class Draft:
     prompt_time: float = 0.0  # seconds of the proposing spent evaluating a new request's prompt
     source: DraftSource = DraftSource.MODEL  # where the tokens came from
     match_length: int = 0  # a lookup draft: the tokens before it that agree with the text before its source (up to MATCH_CAP)
+    stop: str = ""  # why it is shorter than its plan, if it is: one of STOPS
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -53,6 +55,10 @@ class Draft:
 log = logging.getLogger("localspec.speculative.proposers")
 
 EMPTY_DRAFT = Draft(np.zeros(0, dtype=np.int32), None, source=DraftSource.NONE)
+# why a proposer drafted fewer tokens than its plan (`Draft.stop`): the draft model's confidence
+# fell under p_min, it proposed the end of generation, its context (or the oracle's) had no room,
+# it proposed ids the other model lacks, a model-free source found fewer, the grammar refused one
+STOPS = ("p_min", "end", "context", "vocab", "match", "grammar")
 MODEL_OFFER = Offer(model=True)  # a draft model's offer: it can draft, whatever the text
 
 
@@ -270,7 +276,7 @@ class DraftModelProposer(_Drives):
         view = self._view(history, adopting=adopting)
         max_len = min(max_len, self.ctx.n_ctx - len(view) + 1)
         if max_len <= 0 or not view:
-            return EMPTY_DRAFT
+            return dataclasses.replace(EMPTY_DRAFT, stop="context")
         t0 = time.perf_counter()
         if adopting:
             self._adopt()
@@ -284,6 +290,7 @@ class DraftModelProposer(_Drives):
         tokens: list[int] = []
         probs: list[np.ndarray] = []
         keeps_probs = not sampling.greedy and not sampling.coupled  # _pick hands its distributions on
+        stop = ""
         while True:
             position = len(history) + len(tokens)
             row = bias_logits(self._in_oracle_vocab(logits[0]), sampling.logit_bias)  # [oracle vocab], as the target
@@ -294,28 +301,40 @@ class DraftModelProposer(_Drives):
                 constraint.push(token)
             tokens.append(token)
             batch = [token]
-            # a run of tokens the grammar forces (keys, punctuation) is drafted without the model: its
-            # masked distribution there is a point mass whatever its logits; the model reads the run
-            # in one batch with the token before it
-            while (constraint is not None and confident and len(tokens) < max_len
-                   and not self.ctx.model.is_eog(tokens[-1])):
-                forced = constraint.forced()
-                if forced is None:
-                    break
-                constraint.push(forced)
-                tokens.append(forced)
-                batch.append(forced)
-                if keeps_probs:
-                    probs.append(np.eye(1, self.n_vocab, forced, dtype=np.float64)[0])  # [oracle vocab] one-hot
-            if len(tokens) >= max_len or not confident or self.ctx.model.is_eog(tokens[-1]):
+            if constraint is not None and confident:
+                batch += self._forced(constraint, tokens, max_len, probs if keeps_probs else None)
+            if len(tokens) >= max_len:
+                stop = "context" if max_len < plan.length else ""
+                break
+            if not confident or self.ctx.model.is_eog(tokens[-1]):
+                stop = "p_min" if not confident else "end"
                 break  # nothing worth drafting past the end of the generation
             readable = self._readable(batch)
             if not readable or len(self._held()) + len(readable) > self.ctx.n_ctx:
+                stop = "vocab" if not readable else "context"
                 break
             logits = yield Rows(self.seq, readable, 1)
             self.tokens_evaluated += len(readable)
             evaluated += len(readable)
-        return Draft(np.asarray(tokens, dtype=np.int32), np.stack(probs) if probs else None, evaluated, prompt_time)
+        return Draft(np.asarray(tokens, dtype=np.int32), np.stack(probs) if probs else None, evaluated, prompt_time,
+                     stop=stop)
+
+    def _forced(self, constraint, tokens: list[int], max_len: int, probs: list[np.ndarray] | None) -> list[int]:
+        """The run of tokens the grammar forces after `tokens` (keys, punctuation), drafted without
+        the model: its masked distribution there is a point mass whatever its logits, so the model
+        reads the run in one batch with the token before it. Appended to `tokens` (and their
+        one-hot distributions to `probs`, when kept) and pushed onto the walk."""
+        run = []
+        while len(tokens) < max_len and not self.ctx.model.is_eog(tokens[-1]):
+            forced = constraint.forced()
+            if forced is None:
+                break
+            constraint.push(forced)
+            tokens.append(forced)
+            run.append(forced)
+            if probs is not None:
+                probs.append(np.eye(1, self.n_vocab, forced, dtype=np.float64)[0])  # [oracle vocab] one-hot
+        return run
 
     def _in_oracle_vocab(self, row: np.ndarray) -> np.ndarray:
         """The draft's logits [draft vocab] as logits over the oracle's vocabulary [n_vocab]."""
@@ -439,7 +458,8 @@ def found_draft(found: Found, plan: DraftPlan, constraint=None) -> Draft:
         return EMPTY_DRAFT
     if constraint is not None:
         constraint.extend(tokens.tolist())
-    return Draft(tokens, None, source=plan.source, match_length=found.match_length)
+    return Draft(tokens, None, source=plan.source, match_length=found.match_length,
+                 stop="match" if len(tokens) < plan.length else "")
 
 
 def best_source(tokens: np.ndarray, follows: np.ndarray) -> tuple[int, int]:
@@ -495,7 +515,8 @@ class HybridProposer(_Wrapper):
     drafts again it catches up on all of them (a copy of the oracle's cache where it can), not on
     a window as after a pause in drafting, unless its draft is a probe."""
 
-    def __init__(self, lookup: PromptLookupProposer, model: "DraftModelProposer | CrossTokenizerProposer") -> None:
+    def __init__(self, lookup: PromptLookupProposer, model: "DraftModelProposer | _Wrapper") -> None:
+        """`model`: a draft model's proposer (`cross_tokenizer.CrossTokenizerProposer` too)."""
         self.lookup = lookup
         self.model = self.drafter = model
         self._last = DraftSource.MODEL  # the source of the last draft
@@ -522,62 +543,3 @@ class HybridProposer(_Wrapper):
 
     def describe(self) -> str:
         return "hybrid"
-
-
-class CrossTokenizerProposer(_Wrapper):
-    """A draft model with a different vocabulary (HF transformers' "universal assisted generation").
-
-    The oracle's history is turned into text and re-tokenized for the draft; the draft's tokens are
-    turned into text and re-tokenized for the oracle. The oracle still verifies every token, so
-    greedy output is exactly the oracle's. The drafted oracle tokens are not samples from a
-    distribution over the oracle's vocabulary, so they are verified as point masses (probs=None):
-    accept d with probability target_probs[d], else sample from target_probs with d removed. That
-    keeps sampled output exactly the oracle's distribution too; it only accepts less often than
-    same-vocabulary speculative sampling would.
-    """
-
-    def __init__(self, inner: DraftModelProposer, *, oracle, draft) -> None:
-        self.inner = self.drafter = inner
-        self.oracle = oracle  # LlamaModel
-        self.draft = draft  # LlamaModel
-        self._pieces: list[bytes] = []  # oracle-side bytes per history token, reused across steps
-        self._history: list[int] = []
-
-    def fork(self, seq: int) -> "CrossTokenizerProposer":
-        return CrossTokenizerProposer(self.inner.fork(seq), oracle=self.oracle, draft=self.draft)
-
-    def offer(self, history: Sequence[int], limit: int, constraint=None) -> Offer:
-        return MODEL_OFFER
-
-    def _text(self, history: Sequence[int]) -> str:
-        n = 0
-        limit = min(len(self._history), len(history))
-        while n < limit and self._history[n] == history[n]:
-            n += 1
-        del self._history[n:], self._pieces[n:]
-        for token in history[n:]:
-            self._history.append(token)
-            self._pieces.append(self.oracle.token_piece(token, special=True))
-        return b"".join(self._pieces).decode("utf-8", errors="ignore")
-
-    def propose_steps(self, history: Sequence[int], plan: DraftPlan, offer: Offer, sampling: SamplingParams,
-                      rng: np.random.Generator, constraint=None) -> ProposeSteps:
-        """Under a grammar the draft model drafts freely (its ids are not the oracle's) and the
-        re-tokenized draft is cut at the first token the grammar refuses."""
-        if plan.resync:
-            self.inner.resync()
-        if plan.source != DraftSource.MODEL or plan.length <= 0:
-            return EMPTY_DRAFT
-        max_len = plan.length
-        draft_history = self.draft.tokenize(self._text(history), add_special=True, parse_special=True)
-        proposal = yield from self.inner.propose_steps(draft_history, plan, NO_OFFER, sampling, rng)
-        if not len(proposal):
-            return EMPTY_DRAFT
-        text = self.draft.detokenize(proposal.tokens.tolist())
-        tokens = self.oracle.tokenize(text, add_special=False, parse_special=False)[:max_len]
-        if constraint is not None:
-            tokens = tokens[:constraint.extend(tokens)]
-        return Draft(np.asarray(tokens, dtype=np.int32), None, proposal.evaluated, proposal.prompt_time)
-
-    def describe(self) -> str:
-        return "cross-tokenizer"
