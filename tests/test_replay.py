@@ -62,6 +62,24 @@ def test_the_draft_stops_after_its_first_unsure_token_and_only_agreeing_tokens_a
     assert result.tokens == 41
 
 
+def test_the_replay_runs_the_engines_own_step(monkeypatch):
+    """The replay has no step of its own: a step whose plan drops the policy's drafts shows in it."""
+    from localspec.runtime.step import Step
+    from localspec.speculative.plan import NO_DRAFT
+
+    real = Step._plan
+
+    def dropping(self, running, **kw):
+        props = real(self, running, **kw)
+        for prop in props.values():
+            prop.plan = NO_DRAFT
+        return props
+
+    monkeypatch.setattr(Step, "_plan", dropping)
+    result = replay(synthetic(agree=16), FixedLength(4), flat_costs(), lookup=False)
+    assert (result.tokens, result.steps, result.drafted) == (41, 41, 0)
+
+
 def speed(trace, policy, costs, **kw) -> float:
     return replay(trace, policy, costs, **kw).tokens_per_second
 

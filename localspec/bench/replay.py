@@ -4,11 +4,13 @@ A greedy speculative step's outcome depends on the text alone: the draft tokens 
 oracle's answer are accepted, and the next token is the answer's. A trace (`scripts/record_traces.py`)
 holds, for one prompt, the oracle's answer and, at every position of it, how many of the draft
 model's greedy tokens from there agree with the answer (`agree`) and how sure the draft was of each
-(`sure`: it stops after the first token under p_min). Replaying runs the engine's single-stream
-step against the trace: the policy sizes the draft, the proposers (the real prompt lookup and hybrid
-chooser; the draft model read from the trace) propose, the verify accepts what agrees, and every
-pass is charged from a cost table (measured on a machine, or a GPU-like one), so the policy learns
-its costs as it would live. The simulated tokens per second compare policies on equal terms.
+(`sure`: it stops after the first token under p_min). Replaying runs the engine itself (its
+scheduler, step and apply) on a single stream against the trace: an oracle context whose greedy
+picks are the answer's tokens (`TraceOracle`) and a draft model read from the trace (`TraceDrafter`),
+beside the real prompt lookup and hybrid chooser; the policy sizes the draft, the verify accepts
+what agrees, and every pass is charged to the step's clock from a cost table (measured on a
+machine, or a GPU-like one), so the policy learns its costs as it would live. The simulated tokens
+per second compare policies on equal terms.
 
 What it leaves out: a probe's draft sees a window of the text, live, and is accepted less often; the
 replay's sees all of it. Sampled requests and batches of several sequences are not replayed.
@@ -23,12 +25,14 @@ from typing import Sequence
 
 import numpy as np
 
+from localspec.llama.context import shared_prefix
 from localspec.outputs import DraftSource, StepRecord
-from localspec.speculative.plan import NO_DRAFT, NO_OFFER, DraftPlan, Offer, unused_offers
 from localspec.runtime.calibrate import CONTEXT, calibrate
-from localspec.speculative.policy import GREEDY, LengthPolicy, learns
+from localspec.runtime.engine import Engine
+from localspec.runtime.sequence import Request
+from localspec.speculative.plan import DraftPlan, Offer
+from localspec.speculative.policy import LengthPolicy, learns
 from localspec.speculative.proposers import EMPTY_DRAFT, MODEL_OFFER, Draft, HybridProposer, PromptLookupProposer
-from localspec.speculative.sampling import SamplingParams
 
 MAX_CATCH_UP = 16  # as DraftModelProposer's: after a pause the draft catches up on a window this long
 
@@ -146,11 +150,10 @@ class TraceDrafter:
 
     draft_context = None
 
-    def __init__(self, trace: Trace, p_min: float) -> None:
-        self.trace, self.p_min = trace, p_min
+    def __init__(self, trace: Trace, p_min: float, costs: Costs | None = None, clock: Charges | None = None) -> None:
+        self.trace, self.p_min, self.costs, self.clock = trace, p_min, costs, clock
         self.held = 0  # tokens of the text the draft holds
         self.catch_up = True
-        self.last: tuple[int, int] = (0, 0)  # the last proposal's (drafted, tokens evaluated)
 
     def start(self, *, catch_up: bool, pool: str = "") -> None:
         self.held, self.catch_up = 0, catch_up
@@ -175,16 +178,19 @@ class TraceDrafter:
             return EMPTY_DRAFT
         max_len = plan.length
         emitted = len(history) - len(self.trace.prompt_ids)
+        if emitted >= len(self.trace.answer):  # the answer is out: what the draft made of its end is not recorded
+            return EMPTY_DRAFT
         drafted, accepted = self.trace.model_draft(emitted, max_len, self.p_min)
         if self.held < len(self.trace.prompt_ids):  # a new prompt: the oracle's cache of it is copied
             self.held = len(self.trace.prompt_ids)
         unseen = len(history) - self.held
         evaluated = unseen if self.catch_up or unseen <= MAX_CATCH_UP else MAX_CATCH_UP
         self.catch_up = False
-        self.last = (drafted, evaluated)
         answer = self.trace.answer
         tokens = list(answer[emitted:emitted + accepted]) + [-1] * (drafted - accepted)  # -1: not the answer's
         self.held = len(history) + drafted - 1  # the last drafted token is never decoded
+        if self.clock is not None and drafted:
+            self.clock.charge(self.costs.proposal(drafted, evaluated, len(history) - 1))
         return Draft(np.asarray(tokens, dtype=np.int32), None, evaluated + drafted - 1, source=DraftSource.MODEL)
         yield  # a generator, as a proposer's propose_steps is
 
@@ -212,75 +218,143 @@ class ReplayResult:
         self.accepted += accepted
 
 
-GREEDY_SAMPLING = SamplingParams()  # the traces are greedy
+class Charges:
+    """The replay's clock (it stands in for time.perf_counter in the engine's step): time passes only
+    as passes are charged, each `seconds` times a lognormal factor of sigma `noise` and, for the share
+    `stalls` of them, three times as long (a shared machine's timings)."""
+
+    def __init__(self, *, noise: float = 0.0, stalls: float = 0.0, rng: np.random.Generator | None = None) -> None:
+        self.now, self.noise, self.stalls = 0.0, noise, stalls
+        self.rng = rng if rng is not None else np.random.default_rng(0)
+
+    def __call__(self) -> float:
+        return self.now
+
+    def charge(self, seconds: float, *, noisy: bool = True) -> float:
+        """Let `seconds` pass (a pass's: with the noise; the controller's own time, `noisy=False`: as is)."""
+        if not noisy:
+            self.now += seconds
+            return seconds
+        if self.noise:
+            seconds *= float(np.exp(self.noise * self.rng.standard_normal()))
+        if self.stalls and self.rng.random() < self.stalls:
+            seconds *= 3.0
+        self.now += seconds
+        return seconds
+
+
+END = -2  # the end-of-generation token of a replay (-1 is a draft token the answer does not have)
+
+
+class TraceModel:
+    """The oracle model as a replay needs it: ids without text, and the end of generation."""
+
+    name, chat_template, bos, eos, n_vocab, n_layer = "trace", "", END, END, 1 << 31, 0
+
+    def is_eog(self, token: int) -> bool:
+        return token == END
+
+    def token_piece(self, token: int, *, special: bool = False) -> bytes:
+        return b""
+
+
+class HostCharged:
+    """A proposer whose offers charge the controller's own time on a step's drafting side (half of
+    `Costs.host_step`; the verify pass charges the other half)."""
+
+    draft_context = None
+
+    def __init__(self, inner, seconds: float, clock: Charges) -> None:
+        self.inner, self.seconds, self.clock = inner, seconds, clock
+
+    def offer(self, history: Sequence[int], limit: int, constraint=None) -> Offer:
+        self.clock.charge(self.seconds, noisy=False)
+        return self.inner.offer(history, limit, constraint)
+
+    def propose_steps(self, *args, **kwargs):
+        return self.inner.propose_steps(*args, **kwargs)
+
+    def start(self, *, catch_up: bool, pool: str = "") -> None:
+        self.inner.start(catch_up=catch_up, pool=pool)
+
+    def fork(self, seq: int) -> "HostCharged":
+        return self
+
+    def describe(self) -> str:
+        return self.inner.describe()
+
+
+class TraceOracle:
+    """The oracle's context, read from a trace: a decode picks the answer's token at each row (as
+    llama.cpp picks a greedy request's tokens on the device: `sample_greedy`), the end of
+    generation after it, and charges a verify pass to the clock from the cost table (and half the
+    controller's time for a step, `HostCharged` the other)."""
+
+    flash_attn, n_seq, n_batch = "off", 1, 512
+
+    def __init__(self, trace: Trace, costs: Costs, clock: Charges) -> None:
+        self.trace, self.costs, self.clock = trace, costs, clock
+        self.model = TraceModel()
+        self.n_ctx = len(trace.prompt_ids) + trace.max_tokens + 2
+        self.held: list[int] = []
+        self.last_sampled: np.ndarray | None = None
+        self.llama_seconds = 0.0
+
+    def decode_rows(self, rows) -> np.ndarray:
+        picks = []
+        for r in rows:
+            start = len(self.held)
+            self.held += [int(t) for t in r.tokens]
+            if r.n_logits:  # a verify pass (a prompt's chunk is not generation time: not charged)
+                self.llama_seconds += self.clock.charge(self.costs.oracle.seconds(len(r.tokens), start))
+                self.clock.charge(self.costs.host_step / 2, noisy=False)  # the controller's, on the verify side
+            answer_at = len(self.held) - len(self.trace.prompt_ids)  # the answer's index the last row predicts
+            for j in range(answer_at - r.n_logits + 1, answer_at + 1):
+                picks.append(self.trace.answer[j] if j < len(self.trace.answer) else END)
+        self.last_sampled = np.asarray(picks, dtype=np.int64)  # [sum of n_logits]
+        return np.zeros((len(picks), 0), dtype=np.float32)  # no logits: the picks are all a verify reads
+
+    def sample_greedy(self, seq: int, on: bool = True) -> bool:
+        return on
+
+    def seq_tokens(self, seq: int = 0) -> list[int]:
+        return self.held
+
+    def rollback(self, n_past: int, *, seq: int = 0) -> None:
+        del self.held[n_past:]
+
+    def common_prefix(self, tokens: Sequence[int], *, seq: int = 0) -> int:
+        return shared_prefix(self.held, tokens)
+
+    def ubatches(self, rows):
+        return [[(seq, n) for seq, n in rows if n > 0]]
 
 
 def replay(trace: Trace, policy: LengthPolicy, costs: Costs, *, lookup: bool = True, model: bool = True,
            p_min: float = 0.3, noise: float = 0.0, stalls: float = 0.0,
            rng: np.random.Generator | None = None) -> ReplayResult:
-    """One request of `trace` run as the engine runs a greedy single stream under `policy` (the
-    engine's own: the request runs on a fork of it, as live), drafting from the draft model and/or
-    prompt lookup. A shared machine's timings: `noise`, each pass's time multiplied by a lognormal
-    factor of this sigma; `stalls`, the share of passes that take three times as long."""
-    rng = rng if rng is not None else np.random.default_rng(0)
+    """One request of `trace` run by the engine (`Engine.from_parts`: its scheduler, step and apply)
+    as a greedy single stream under `policy` (the engine's own: the request runs on a fork of it, as
+    live), drafting from the draft model and/or prompt lookup, over a context and a draft model that
+    read the trace and charge a clock from `costs`. A shared machine's timings: `noise`, each pass's
+    time multiplied by a lognormal factor of this sigma; `stalls`, the share of passes that take
+    three times as long. The prompt's pass is not generation time (as in the engine's Stats)."""
     if costs.gpu:
         costs.calibrate(policy)  # as the engine does at load on a GPU (a no-op once the costs are known)
-    drafter = TraceDrafter(trace, p_min)
+    clock = Charges(noise=noise, stalls=stalls, rng=rng)
+    drafter = TraceDrafter(trace, p_min, costs, clock)
     finder = PromptLookupProposer()
     proposer = HybridProposer(finder, drafter) if lookup and model else drafter if model else finder
-    policy = policy.fork(GREEDY)
-    proposer.start(catch_up=not policy.idle)
-    answer, prompt = trace.answer, list(trace.prompt_ids)
-    history = prompt + [answer[0]]
-    out = ReplayResult()
-
-    def charge(seconds: float) -> float:
-        if noise:
-            seconds *= float(np.exp(noise * rng.standard_normal()))
-        if stalls and rng.random() < stalls:
-            seconds *= 3.0
-        return seconds
-
-    # the first token: a plain step over the prompt's last token (the rest of the prompt is not
-    # generation time, as in the engine's Stats)
-    first = StepRecord(k=0, drafted=0, accepted=0, draft_time=0.0,
-                       verify_time=charge(costs.oracle.seconds(1, len(prompt) - 1)) + costs.host_step,
-                       context=len(prompt) - 1)
-    policy.observe(first)
-    out.tokens, out.seconds, out.steps, out.records = 1, first.verify_time, 1, [first]
-    while len(history) - len(prompt) < len(answer):
-        emitted = len(history) - len(prompt)
-        context = len(history) - 1
-        limit = max(0, trace.max_tokens - emitted - 1)  # as Engine._draft_limit
-        offer = proposer.offer(history, limit) if limit > 0 else NO_OFFER  # as Engine._plan
-        plan = policy.plan(offer, limit, context) if limit > 0 else NO_DRAFT
-        draft, evaluated, draft_time = EMPTY_DRAFT, 0, costs.host_step / 2
-        if plan.drafts or plan.resync:
-            drafter.last = (0, 0)
-            steps = proposer.propose_steps(history, plan, offer, GREEDY_SAMPLING, None)
-            try:
-                next(steps)
-            except StopIteration as done:
-                draft = done.value
-            drafted, evaluated = drafter.last
-            if draft.source == DraftSource.MODEL and drafted:
-                draft_time += charge(costs.proposal(drafted, evaluated, context))
-        n = len(draft)
-        accepted = 0
-        while accepted < n and emitted + accepted < len(answer) and draft.tokens[accepted] == answer[emitted + accepted]:
-            accepted += 1
-        verify_time = charge(costs.oracle.seconds(n + 1, context)) + costs.host_step / 2
-        gained = min(accepted + 1, len(answer) - emitted)
-        done = len(history) - len(prompt) + gained >= len(answer)
-        step = StepRecord(k=plan.length, drafted=n, accepted=accepted, draft_time=draft_time, verify_time=verify_time,
-                          context=context, draft_evaluated=draft.evaluated, source=draft.source,
-                          unused=unused_offers(offer, draft.source, answer[emitted:emitted + gained]) if not done else ())
-        policy.observe(step)
-        history += answer[emitted:emitted + gained]
-        out.add(gained=gained, drafted=n, accepted=accepted, seconds=draft_time + verify_time)
-        out.lookup_drafted += n if draft.source == DraftSource.LOOKUP else 0
-        out.records.append(step)
-    return out
+    engine = Engine.from_parts(oracle=TraceOracle(trace, costs, clock), proposer=HostCharged(proposer, costs.host_step / 2, clock),
+                               policy=policy, clock=clock)
+    engine.slots.backend_sampling = True
+    seq = engine.new_seq(list(trace.prompt_ids), Request(max_tokens=trace.max_tokens))
+    for _ in engine.scheduler.run(seq):
+        pass
+    stats = seq.stats
+    return ReplayResult(tokens=stats.completion_tokens, seconds=stats.draft_time + stats.verify_time,
+                        steps=stats.steps, drafted=stats.drafted, accepted=stats.accepted,
+                        lookup_drafted=stats.lookup_drafted, records=list(stats.records))
 
 
 def hindsight(trace: Trace, costs: Costs, *, k_max: int = 16) -> ReplayResult:
