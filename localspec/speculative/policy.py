@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 import numpy as np
 
 from localspec.speculative.costs import START as COST_START, DRAFT_ROUND_SHAPE, DRAFT_SHAPE, VERIFY_SHAPE, PassCost, \
-    expected_tokens_by_place
+    expected_tokens_by_place, fit_line
 from localspec.outputs import DraftSource, StepRecord
 from localspec.speculative.plan import NO_DRAFT, DraftPlan, Offer, SharedPass, plain_plan
 from localspec.speculative.sampling import SamplingParams
@@ -133,17 +133,6 @@ class FixedLength:
 
     def describe(self) -> str:
         return f"{self.k} (FixedLength)"
-
-
-def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
-    """(intercept, slope) of the least-squares line through a handful of points (plain Python: quicker
-    than numpy at this size); through the origin for a single point (the pessimistic guess)."""
-    if len(xs) == 1:
-        return 0.0, ys[0] / xs[0]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
-    return my - slope * mx, slope
 
 
 # prompt lookup's acceptance, kept apart by the length of the match a token extends: under 3, 3-5,
