@@ -21,12 +21,12 @@ def primed(verify, draft_cost, k_max=16, **kw):
     step's accepted one and its bonus) before it drafts, so a draft of l tokens costs (l + 1) *
     draft_cost, at one context length."""
     policy = AdaptiveLength(k_max=k_max, **kw)
-    policy.catch_up = 2.0
+    policy.learned.catch_up = 2.0
     for _ in range(3):
         for n in (1, 2, 4, 8, 16):
             policy.verify_cost.observe(n, CONTEXT, verify(n))
             policy.draft_cost.observe(n + 1, CONTEXT, (n + 1) * draft_cost)
-    policy.context = CONTEXT
+    policy.outlook.context = CONTEXT
     return policy
 
 
@@ -49,9 +49,9 @@ def test_fixed_length_caps_at_limit_and_takes_the_lookups_tokens_where_it_found_
 
 def test_expected_tokens_formula():
     p = AdaptiveLength(k_max=4, prior_acceptance=0.5)
-    assert p.expected_tokens(0) == 1
-    assert p.expected_tokens(1) == pytest.approx(1.5)
-    assert p.expected_tokens(3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert p.outlook.expected_tokens(0) == 1
+    assert p.outlook.expected_tokens(1) == pytest.approx(1.5)
+    assert p.outlook.expected_tokens(3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
 
 
 def test_useless_draft_gives_k0():
@@ -59,15 +59,15 @@ def test_useless_draft_gives_k0():
     p = primed(verify, draft_cost=0.010)
     for _ in range(40):  # every draft token rejected
         p.observe(step(4, 0, 0.04, verify(5)))
-    assert p.best_length(16) == 0
+    assert p.outlook.best_length(16) == 0
     assert p.draft_length(16, CONTEXT) == 0
 
 
 def test_a_marginal_predicted_gain_is_not_worth_drafting():
     verify = lambda n: 0.030 + 0.004 * (n - 1)  # noqa: E731
-    assert primed(verify, 0.008, prior_acceptance=0.68, min_gain=0.0).best_length(16) == 2  # +3% predicted
-    assert primed(verify, 0.008, prior_acceptance=0.7).best_length(16) == 0  # +5%: within min_gain (10%)
-    assert primed(verify, 0.008, prior_acceptance=0.78).best_length(16) == 3  # +15% predicted
+    assert primed(verify, 0.008, prior_acceptance=0.68, min_gain=0.0).outlook.best_length(16) == 2  # +3% predicted
+    assert primed(verify, 0.008, prior_acceptance=0.7).outlook.best_length(16) == 0  # +5%: within min_gain (10%)
+    assert primed(verify, 0.008, prior_acceptance=0.78).outlook.best_length(16) == 3  # +15% predicted
 
 
 def test_high_acceptance_and_cheap_verify_gives_large_k():
@@ -75,7 +75,7 @@ def test_high_acceptance_and_cheap_verify_gives_large_k():
     p = primed(verify, draft_cost=0.001)
     for _ in range(60):
         p.observe(step(16, 16, 0.016, verify(17)))
-    assert p.best_length(16) >= 12
+    assert p.outlook.best_length(16) >= 12
 
 
 def test_expensive_verify_keeps_k_small_even_with_good_acceptance():
@@ -83,7 +83,7 @@ def test_expensive_verify_keeps_k_small_even_with_good_acceptance():
     p = primed(verify, draft_cost=0.004)
     for _ in range(60):
         p.observe(step(4, 4, 0.016, verify(5)))
-    assert p.best_length(16) == 0  # speculation can never win when verify is linear from zero
+    assert p.outlook.best_length(16) == 0  # speculation can never win when verify is linear from zero
 
 
 def test_k_is_capped_by_limit_and_k_max():
@@ -110,7 +110,7 @@ def test_probes_now_and_then_within_a_time_budget():
     assert probes[0] == 4  # the first after probe_every idle steps
     assert 3 <= len(probes) <= 10  # then as often as the budget allows: ~2% of ~80 s, 0.2 s each
     assert p.est.probe_time <= 0.02 * p.est.time_spent + 0.21
-    assert p.best_length(16) == 0
+    assert p.outlook.best_length(16) == 0
 
 
 def idle_pair(verify, **kw):
@@ -139,13 +139,13 @@ def test_the_probe_budget_is_kept_between_processes():
     policy used to probe at its `probe_every`th step, however short the process, so probes took
     far more than their budget; with the account kept, they take about the budget over all."""
     verify = lambda n: 0.024 + 0.002 * n  # noqa: E731
-    state = idle_pair(verify, probe_budget=0.02).acceptance_state()
+    state = idle_pair(verify, probe_budget=0.02).cost_state()["acceptance"]
     n_probes = 0
     for _ in range(30):  # 30 processes of 100 steps, ~2.6 s each
         p = idle_pair(verify, probe_budget=0.02)
-        p.load_acceptance_state(state)
+        p.load_cost_state("acceptance", state)
         n_probes += len(run_idle(p, verify, 100))
-        state = p.acceptance_state()
+        state = p.cost_state()["acceptance"]
     assert 5 <= n_probes <= 10  # ~2% of ~80 s at ~0.2 s each; 30 when every process probed once
     assert p.est.probe_time <= 0.02 * p.est.time_spent + 0.21  # over all the processes: one probe over at most
 
@@ -159,9 +159,9 @@ def greedy_state(**changes):
 def test_a_malformed_probe_account_is_refused():
     for bad in (float("inf"), float("nan"), -1.0):
         with pytest.raises(ValueError):
-            AdaptiveLength().load_acceptance_state(greedy_state(time_spent=bad))
+            AdaptiveLength().load_cost_state("acceptance", greedy_state(time_spent=bad))
     p = AdaptiveLength()
-    p.load_acceptance_state(greedy_state(time_spent=10.0, probe_time=50.0))
+    p.load_cost_state("acceptance", greedy_state(time_spent=10.0, probe_time=50.0))
     assert p.est.probe_time == 10.0  # probes cannot have taken more than all the time
 
 
@@ -171,7 +171,7 @@ def test_unused_probe_budget_does_not_pile_up():
     verify = lambda n: 0.024 + 0.002 * n  # noqa: E731
     p = idle_pair(verify, probe_budget=0.02, probe_bank=10.0)
     p.est.time_spent += 1000.0  # e.g. hours of drafting in earlier processes: 20 s of budget unused
-    p.est.cap_probe_bank(p.probe_budget, p.probe_bank)
+    p.est.cap_probe_bank(p.outlook.probe_budget, p.probe_bank)
     probes = run_idle(p, verify, 1000)  # ~26 s
     assert 2 <= len(probes) <= 4  # ~2% of (10 + 26) s, 0.2 s each; ~100 (every 5th step) uncapped
 
@@ -183,11 +183,11 @@ def test_the_end_of_a_generation_is_not_taken_for_a_pair_that_does_not_pay():
     verify = lambda n: 0.020 + 0.002 * (n - 1)  # noqa: E731
     p = primed(verify, 0.008, prior_acceptance=0.95)
     p.est.fresh_trials = p.est.trials = 50
-    assert p.best_length(1, CONTEXT) == 0 < p.best_length(16, CONTEXT)
+    assert p.outlook.best_length(1, CONTEXT) == 0 < p.outlook.best_length(16, CONTEXT)
     assert p.draft_length(1, CONTEXT) == 0
     p.observe(step(0, 0, 0.0, verify(1)))
-    p.start_request()
-    assert p.draft_length(64, CONTEXT) == p.best_length(16, CONTEXT) > 0
+    p.outlook.start()
+    assert p.draft_length(64, CONTEXT) == p.outlook.best_length(16, CONTEXT) > 0
 
 
 def test_a_lookups_short_offers_that_do_not_pay_count_toward_its_probes():
@@ -197,7 +197,7 @@ def test_a_lookups_short_offers_that_do_not_pay_count_toward_its_probes():
     p = primed(verify, 0.0002, prior_acceptance=0.2, model_draft=False, probe_budget=1.0)
     p.est.fresh_trials = p.est.trials = 50
     lengths = [p.draft_length(64, CONTEXT, offered=3) for _ in range(p.probe_every)]
-    assert lengths[:-1] == [0] * (p.probe_every - 1) and lengths[-1] == min(p.probe_length, 3)
+    assert lengths[:-1] == [0] * (p.probe_every - 1) and lengths[-1] == min(p.outlook.probe_length, 3)
 
 
 def test_drafting_goes_on_at_a_smaller_predicted_gain_than_it_starts_at():
@@ -208,7 +208,7 @@ def test_drafting_goes_on_at_a_smaller_predicted_gain_than_it_starts_at():
     verify = lambda n: 0.020 + 0.002 * (n - 1)  # noqa: E731
     drafting = primed(verify, 0.0095, prior_acceptance=0.9, keep_gain=0.05)  # predicted +7%
     drafting.est.fresh_trials = drafting.est.trials = 50
-    rate = drafting.rates(16, CONTEXT)
+    rate = drafting.outlook.rates(16, CONTEXT)
     assert 1.05 < rate.max() / rate[0] < 1.10
     drafting.est.drafting = True  # the regime's last step drafted
     assert drafting.draft_length(16, CONTEXT) > 0
@@ -223,11 +223,11 @@ def test_recovers_when_acceptance_improves():
     p = primed(verify, draft_cost=0.003, probe_every=4)
     for _ in range(40):
         p.observe(step(4, 0, 0.012, verify(5)))
-    assert p.best_length(16) == 0
+    assert p.outlook.best_length(16) == 0
     for _ in range(30):  # a well-matched stretch: probes get fully accepted
         k = max(p.draft_length(16, CONTEXT), 2)
         p.observe(step(k, k, 0.003 * k, verify(k + 1)))
-    assert p.best_length(16) >= 4
+    assert p.outlook.best_length(16) >= 4
 
 
 def test_an_early_rejection_does_not_end_drafting():
@@ -236,7 +236,7 @@ def test_an_early_rejection_does_not_end_drafting():
     table = {1: 0.045, 2: 0.055, 4: 0.062, 8: 0.090, 16: 0.130}
     p = primed(lambda n: table[n], draft_cost=0.025, min_trials=8)
     p.observe(step(1, 0, 0.050, 0.055))
-    assert p.best_length(16) == 0 and not p.idle
+    assert p.outlook.best_length(16) == 0 and not p.idle
     ks = []
     while p.est.trials < 8:
         k = p.draft_length(16, CONTEXT)
@@ -284,7 +284,7 @@ def test_a_new_request_retries_drafting_only_on_a_pair_that_pays_in_the_long_run
     for _ in range(12):  # ... then a hard prompt
         usually_pays.observe(step(2, 0, 0.024, verify(3)))
     assert usually_pays.idle and usually_pays.est.long_acceptance > 0.9
-    usually_pays.start_request()
+    usually_pays.outlook.start()
     assert not usually_pays.idle and usually_pays.draft_length(16, CONTEXT) == 2  # judged afresh
     before = usually_pays.est.acceptance
     usually_pays.observe(step(2, 2, 0.024, verify(3)))
@@ -294,7 +294,7 @@ def test_a_new_request_retries_drafting_only_on_a_pair_that_pays_in_the_long_run
     for i in range(300):  # two drafts in three accepted, after an accepted one and after a rejected one alike
         close_call.observe(step(1, (1, 1, 1, 1, 0, 0, 1, 1, 0)[i % 9], 0.016, verify(2)))
     assert close_call.idle
-    close_call.start_request()
+    close_call.outlook.start()
     assert close_call.idle and close_call.draft_length(16, CONTEXT) == 0
 
 
@@ -304,10 +304,10 @@ def test_a_draft_that_stops_early_is_charged_for_what_it_drafts():
     p.est.continuation, p.est.continuation_accepted = 0.5, 0.6
     # drafting l tokens evaluates l + 1 (a catch-up of two, then a decode per drafted token but the last)
     cost = {l: p.draft_cost(l + 1, CONTEXT) + p.verify_cost(l + 1, CONTEXT) for l in (1, 2)}
-    assert p.step_time(0) == pytest.approx(p.verify_cost(1, CONTEXT))
-    assert p.step_time(1) == pytest.approx(cost[1])
-    assert p.step_time(2) == pytest.approx(0.5 * cost[1] + 0.5 * cost[2])  # stops after one token half the time
-    assert p.expected_tokens(2) == pytest.approx(1 + 0.8 + 0.8 ** 2 * 0.6)
+    assert p.outlook.step_time(0) == pytest.approx(p.verify_cost(1, CONTEXT))
+    assert p.outlook.step_time(1) == pytest.approx(cost[1])
+    assert p.outlook.step_time(2) == pytest.approx(0.5 * cost[1] + 0.5 * cost[2])  # stops after one token half the time
+    assert p.outlook.expected_tokens(2) == pytest.approx(1 + 0.8 + 0.8 ** 2 * 0.6)
 
 
 def test_continuation_is_learned_from_where_drafts_stop():
@@ -349,7 +349,7 @@ def test_probes_teach_nothing_but_a_fully_accepted_one_retries_on_the_whole_text
     probes = 0
     for _ in range(200):
         k = p.draft_length(16, CONTEXT)
-        assert not p.consume_catch_up()
+        assert not p.outlook.take_resync()
         p.observe(step(k, 0, 0.05 if k else 0.0, verify(k + 1)))  # probes rejected
         probes += k > 0
     assert probes > 0 and (p.est.acceptance, p.est.long_acceptance, p.est.continuation, p.est.trials) == estimates
@@ -358,7 +358,7 @@ def test_probes_teach_nothing_but_a_fully_accepted_one_retries_on_the_whole_text
     p.observe(step(2, 2, 0.05, verify(3)))  # a probe fully accepted
     assert p.est.trials == estimates[3]  # still no evidence, but ...
     k = p.draft_length(16, CONTEXT)
-    assert k == p.probe_length and p.consume_catch_up() and not p.consume_catch_up()  # ... a re-try
+    assert k == p.outlook.probe_length and p.outlook.take_resync() and not p.outlook.take_resync()  # ... a re-try
     assert p.est.fresh_trials == 0
     spent = p.est.probe_time
     p.observe(step(2, 2, 0.3, verify(3), k=k))  # its catch-up is dear: charged to the probe budget ...
@@ -376,18 +376,18 @@ def test_a_draft_models_cost_goes_with_the_tokens_it_evaluates_and_lookups_does_
     for _ in range(30):  # 10 ms per evaluated token; a draft of 4 after a fully accepted step: 2 + 3
         p.observe(StepRecord(4, 4, 4, 0.050, 0.028, CONTEXT, draft_evaluated=5))
         p.observe(StepRecord(4, 4, 1, 0.040, 0.028, CONTEXT, draft_evaluated=4))  # after a rejection: 1 + 3
-    assert p.catch_up == pytest.approx(1.5, abs=0.05)
-    assert p.draft_times([1, 8], CONTEXT) == pytest.approx([0.015, 0.085], rel=0.05)
+    assert p.learned.catch_up == pytest.approx(1.5, abs=0.05)
+    assert p.outlook.draft_times([1, 8], CONTEXT) == pytest.approx([0.015, 0.085], rel=0.05)
     for _ in range(5):  # a probe's window of 17 read as one batch: 4 ms a token, not a decode's 10
         p.observe(StepRecord(2, 2, 0, 0.078, 0.024, CONTEXT, draft_evaluated=18))
-    assert p.catch_up == pytest.approx(1.5, abs=0.05)
-    assert p.draft_times([1, 8], CONTEXT) == pytest.approx([0.015, 0.085], rel=0.05)
+    assert p.learned.catch_up == pytest.approx(1.5, abs=0.05)
+    assert p.outlook.draft_times([1, 8], CONTEXT) == pytest.approx([0.015, 0.085], rel=0.05)
 
     lookup = AdaptiveLength(k_max=64, model_draft=False)
     lookup.verify_cost.observe(1, CONTEXT, 0.020)
     for n in (2, 30, 60):
         lookup.observe(StepRecord(n, n, n, 0.0002, 0.020 + 0.002 * n, CONTEXT, draft_evaluated=0))
-    assert lookup.draft_times([1, 64], CONTEXT) == pytest.approx([0.0002, 0.0002], rel=0.05)
+    assert lookup.outlook.draft_times([1, 64], CONTEXT) == pytest.approx([0.0002, 0.0002], rel=0.05)
 
 
 def test_the_first_tokens_acceptance_is_learned_apart_after_an_accepted_draft_and_after_a_rejected_one():
@@ -395,7 +395,7 @@ def test_the_first_tokens_acceptance_is_learned_apart_after_an_accepted_draft_an
     draft wholly accepted: a lookup copy running on; or not: a fresh match), the tokens after it
     against another; E(k) takes the first token's from the state the policy is in."""
     p = AdaptiveLength(k_max=16, prior_acceptance=0.5, prior_weight=4.0, model_draft=False)
-    p.start_request()
+    p.outlook.start()
     p.observe(step(4, 0, 0.0, 0.03))  # a fresh match, wrong from its first token
     assert p.est.by_place.estimates[FRESH] == pytest.approx(0.5 - 0.5 / 5) and p.est.by_place.estimates[ALIGNED] == 0.5
     assert p.est.by_place.estimates[LATER] == 0.5  # only the first token was judged
@@ -405,10 +405,10 @@ def test_the_first_tokens_acceptance_is_learned_apart_after_an_accepted_draft_an
     p.observe(step(4, 4, 0.0, 0.03))  # after a wholly accepted draft
     assert p.est.by_place.estimates[ALIGNED] == pytest.approx(0.5 + 0.5 / 5)
     r = p.est.by_place.estimates[LATER] * p.est.continuation_accepted
-    assert p.expected_tokens(4) == pytest.approx(1 + p.est.by_place.estimates[ALIGNED] * (1 - r ** 4) / (1 - r))
+    assert p.outlook.expected_tokens(4) == pytest.approx(1 + p.est.by_place.estimates[ALIGNED] * (1 - r ** 4) / (1 - r))
     p.observe(step(4, 1, 0.0, 0.03))  # strays: the next step starts from a fresh match
     r = p.est.by_place.estimates[LATER] * p.est.continuation_accepted
-    assert p.expected_tokens(4) == pytest.approx(1 + p.est.by_place.estimates[FRESH] * (1 - r ** 4) / (1 - r))
+    assert p.outlook.expected_tokens(4) == pytest.approx(1 + p.est.by_place.estimates[FRESH] * (1 - r ** 4) / (1 - r))
 
 
 def test_the_first_token_estimates_are_kept_between_processes():
@@ -416,25 +416,25 @@ def test_the_first_token_estimates_are_kept_between_processes():
     p.observe(step(4, 4, 0.0, 0.03))
     p.observe(step(4, 2, 0.0, 0.03))
     again = AdaptiveLength()
-    again.load_acceptance_state(p.acceptance_state())
+    again.load_cost_state("acceptance", p.cost_state()["acceptance"])
     assert again.est.by_place.estimates == p.est.by_place.estimates and again.est.by_place.events == p.est.by_place.events
     one_for_all = p.est.state()  # the layout before regimes: one estimate for every request
     with pytest.raises(ValueError):  # dropped (the engine's CostBook then starts from the priors)
-        AdaptiveLength().load_acceptance_state(one_for_all)
+        AdaptiveLength().load_cost_state("acceptance", one_for_all)
 
 
 def test_a_lookups_acceptance_is_learned_by_the_length_of_the_match_each_token_extends():
     """Prompt lookup's layout: a token's estimate is chosen by the match its step's draft extends
     (`Draft.match_length`) plus its place in the step."""
     p = AdaptiveLength(k_max=64, prior_acceptance=0.5, prior_weight=4.0, model_draft=False, runs=(3, 6, 12))
-    p.start_request()
-    assert p.draft_length(64, CONTEXT, offered=10, run=2) > 0 and p.run == 2
+    p.outlook.start()
+    assert p.draft_length(64, CONTEXT, offered=10, run=2) > 0 and p.outlook.run == 2
     p.observe(step(6, 2, 0.0, 0.03))  # matches of 2, 3 accepted; 4 rejected
     assert p.est.by_place.events == [1, 2, 0, 0]
     p.draft_length(64, CONTEXT, offered=30, run=10)
     p.observe(step(5, 5, 0.0, 0.03))  # matches of 10..14, all accepted
     assert p.est.by_place.events == [1, 2, 2, 3]
-    p.score_unverified(3, 3, run=2)  # an unused offer, scored where it stood when it was made
+    p.outlook.score_unverified(3, 3, run=2)  # an unused offer, scored where it stood when it was made
     assert p.est.by_place.events == [2, 4, 2, 3]
 
 
@@ -462,21 +462,21 @@ def test_a_lookups_estimates_follow_the_text_at_hand():
     failing is drafted less from, a copy that keeps holding more; a new request starts level."""
     p = AdaptiveLength(k_max=64, prior_acceptance=0.5, model_draft=False, runs=LOOKUP_RUNS,
                        place_priors=LOOKUP_PRIORS, text_weight=4.0)
-    level = p.in_this_text(np.array([0.52, 0.89]))
+    level = p.outlook.in_this_text(np.array([0.52, 0.89]))
     assert level.tolist() == [0.52, 0.89]
-    p.start_request()
+    p.outlook.start()
     for _ in range(4):  # four fresh matches, each wrong from its first token
         p.draft_length(64, CONTEXT, offered=6, run=2)
         p.observe(step(6, 0, 0.0, 0.03))
-    failed = p.in_this_text(np.array([0.52, 0.89]))
+    failed = p.outlook.in_this_text(np.array([0.52, 0.89]))
     assert failed[0] < 0.45 and failed[1] < 0.88  # four failures where ~2 were predicted: ~1.3x as likely
-    p.start_request()
-    assert p.in_this_text(np.array([0.52, 0.89])).tolist() == [0.52, 0.89]
+    p.outlook.start()
+    assert p.outlook.in_this_text(np.array([0.52, 0.89])).tolist() == [0.52, 0.89]
     p.draft_length(64, CONTEXT, offered=30, run=2)
     p.observe(step(30, 30, 0.0, 0.05))  # a copy: all held
-    held = p.in_this_text(np.array([0.52, 0.89]))
+    held = p.outlook.in_this_text(np.array([0.52, 0.89]))
     assert 0.52 < held[0] < 1.0 and 0.89 < held[1] < 1.0
-    assert AdaptiveLength(k_max=8).in_this_text(np.array([0.3])).tolist() == [0.3]  # a draft model's: as learned
+    assert AdaptiveLength(k_max=8).outlook.in_this_text(np.array([0.3])).tolist() == [0.3]  # a draft model's: as learned
 
 
 def test_a_fresh_match_is_drafted_short_and_a_copy_that_held_long():
@@ -500,14 +500,14 @@ def test_a_lookups_match_estimates_are_kept_and_an_older_layouts_left_out():
     p.draft_length(64, CONTEXT, offered=30, run=4)
     p.observe(step(20, 20, 0.0, 0.03))
     again = AdaptiveLength(model_draft=False, runs=LOOKUP_RUNS, place_priors=LOOKUP_PRIORS)
-    again.load_acceptance_state(p.acceptance_state())
+    again.load_cost_state("acceptance", p.cost_state()["acceptance"])
     assert again.est.by_place.estimates == p.est.by_place.estimates and again.est.by_place.events == p.est.by_place.events
     assert again.est.acceptance == p.est.acceptance
     other = AdaptiveLength(model_draft=False, runs=(4, 8), place_priors=(0.6, 0.7, 0.8))  # other match spans
     other.draft_length(64, CONTEXT, offered=30, run=4)
     other.observe(step(4, 1, 0.0, 0.03))
     upgraded = AdaptiveLength(model_draft=False, runs=LOOKUP_RUNS, place_priors=LOOKUP_PRIORS)
-    upgraded.load_acceptance_state(other.acceptance_state())
+    upgraded.load_cost_state("acceptance", other.cost_state()["acceptance"])
     assert upgraded.est.by_place.estimates == list(LOOKUP_PRIORS) and upgraded.est.acceptance == other.est.acceptance
     with pytest.raises(ValueError):
         AdaptiveLength(runs=(4, 1))
@@ -530,7 +530,7 @@ def test_a_draft_cost_learned_on_a_busy_machine_does_not_keep_the_policy_idle_fo
         p.observe(step(0, 0, 0.0, verify(1)))
     p.est.fresh_trials = p.min_trials
     assert p.idle and p.draft_length(16, CONTEXT) == 0  # at the busy price, drafting does not pay
-    p.start_request()
+    p.outlook.start()
     assert not p.idle  # re-trying
     ks = []
     for i in range(8):  # on a quiet machine
@@ -538,7 +538,7 @@ def test_a_draft_cost_learned_on_a_busy_machine_does_not_keep_the_policy_idle_fo
         ks.append(k)
         if k:
             p.observe(step(k, k - (i % 3 == 0), (k + 1) * quiet, verify(k + 1), k=k))
-    assert ks[0] > p.probe_length and all(k > 0 for k in ks)
+    assert ks[0] > p.outlook.probe_length and all(k > 0 for k in ks)
     assert p.draft_cost(5, CONTEXT) == pytest.approx(5 * quiet, rel=0.1) and not p.idle
 
 
@@ -574,7 +574,7 @@ def test_the_hybrid_drafts_from_the_lookup_when_it_promises_more_than_the_model_
     verify = lambda n: 0.020 + 0.002 * (n - 1)  # noqa: E731
     p = hybrid(verify, 0.003, model_acceptance=0.8, lookup_acceptance=0.95)
     assert p.lookup.verify_cost is p.model.verify_cost  # one oracle
-    model_k = p.model.best_length(64, CONTEXT)
+    model_k = p.model.outlook.best_length(64, CONTEXT)
     assert 0 < model_k <= 16
     source, k = planned(p, found=20)
     assert source == "lookup" and 1 <= k <= 20  # free tokens, right 95% of the time
@@ -583,7 +583,7 @@ def test_the_hybrid_drafts_from_the_lookup_when_it_promises_more_than_the_model_
     assert p.plan(Offer(lookup=Found(np.arange(20, dtype=np.int32))), 64, CONTEXT).source == "lookup"  # no model
 
     poor = hybrid(verify, 0.003, model_acceptance=0.8, lookup_acceptance=0.2)  # matches that rarely hold
-    assert planned(poor, found=20) == ("model", poor.model.best_length(64, CONTEXT))
+    assert planned(poor, found=20) == ("model", poor.model.outlook.best_length(64, CONTEXT))
 
 
 def test_a_hybrid_step_teaches_the_policy_of_the_source_that_drafted_it():
@@ -592,10 +592,10 @@ def test_a_hybrid_step_teaches_the_policy_of_the_source_that_drafted_it():
     model_trials, lookup_acceptance = p.model.est.trials, p.lookup.est.acceptance
     p.observe(lookup_step(10, 10, verify(11)))
     assert p.lookup.est.acceptance > lookup_acceptance and p.model.est.trials == model_trials
-    assert p.lookup.est.by_place.events == [3, 3, 4, 0, 0, 0] and p.lookup.aligned  # matches of 0..9 tokens, all accepted
+    assert p.lookup.est.by_place.events == [3, 3, 4, 0, 0, 0] and p.lookup.outlook.run > 0  # matches of 0..9 tokens, all accepted
     model_acceptance = p.model.est.acceptance
     p.observe(step(4, 0, 0.04, verify(5)))  # the model's draft, rejected: the lookup's next match is fresh
-    assert p.model.est.acceptance < model_acceptance and not p.lookup.aligned
+    assert p.model.est.acceptance < model_acceptance and p.lookup.outlook.run == 0
     assert p.lookup.est.trials == 10
     for _ in range(60):  # the lookup's guesses now fail from their first token: it is no longer chosen
         p.observe(lookup_step(8, 0, verify(9)))
@@ -617,8 +617,8 @@ def test_an_offer_that_was_not_drafted_teaches_the_lookup_what_the_text_is_like_
     assert sources[0] == "model" and sources[-1] == "lookup"
     assert p.lookup.est.by_place.estimates[3] > 0.8  # matches of 16-23 tokens: these offers' ones
     assert (p.lookup.est.time_spent, p.lookup.draft_cost.observations) == (spent, draft_seen)  # nothing spent
-    p.lookup.score_unverified(0, 3)  # an offer wrong from its first token: the next one is fresh
-    assert not p.lookup.aligned
+    p.lookup.outlook.score_unverified(0, 3)  # an offer wrong from its first token: the next one is fresh
+    assert p.lookup.outlook.run == 0
 
 
 def test_a_request_whose_lookup_always_finds_something_still_lets_the_model_probe_and_re_try():
@@ -628,7 +628,7 @@ def test_a_request_whose_lookup_always_finds_something_still_lets_the_model_prob
     draft made for evidence goes first; the lookup's offer of that step is still scored."""
     verify = lambda n: 0.020 + 0.002 * (n - 1)  # noqa: E731
     p = hybrid(verify, 0.010, model_acceptance=0.9, lookup_acceptance=0.9)
-    p.model.probe_every, p.model.probe_budget = 5, 0.05
+    p.model.probe_every, p.model.outlook.probe_budget = 5, 0.05
     for _ in range(40):  # the model's drafts all rejected: idle
         p.model.observe(step(4, 0, 0.05, verify(5)))
     assert p.model.idle
@@ -641,7 +641,7 @@ def test_a_request_whose_lookup_always_finds_something_still_lets_the_model_prob
         else:  # the model's probe, all of it accepted: the text is easy for it now
             p.observe(offer_scored(step(k, k, 0.02, verify(k + 1), k=k), k + 1, k + 1, run=8))
     assert sources.count("model") >= 1 and sources[0] == "lookup"
-    assert p.model._retry_wanted or p.model.est.exploring or p.model.est.fresh_trials < p.model.min_trials
+    assert p.model.outlook.retry_wanted or p.model.est.exploring or p.model.est.fresh_trials < p.model.min_trials
     # the re-try the probe asked for drafts from the model too, its first trials judged on this text
     assert planned(p, found=12, match_length=8)[0] == "model"
 
@@ -696,42 +696,42 @@ def test_a_regime_where_drafting_does_not_pay_leaves_another_drafting():
     had 40 short sampled requests switch drafting off for the greedy ones after them)."""
     verify = lambda n: 0.024 + 0.002 * n  # noqa: E731
     p = primed(verify, draft_cost=0.004)
-    p.start_request(GREEDY)
+    p.outlook.start(GREEDY)
     for _ in range(30):
         p.observe(step(6, 6, 0.028, verify(7)))
     greedy_k = p.draft_length(16, CONTEXT)
     assert greedy_k >= 6
     for _ in range(40):  # 40 sampled requests, their drafts mostly rejected
-        p.start_request(SAMPLED)
+        p.outlook.start(SAMPLED)
         for _ in range(4):
             k = p.draft_length(16, CONTEXT)
             p.observe(step(k, 0, 0.004 * (k + 1), verify(k + 1)) if k else step(0, 0, 0.0, verify(1)))
     assert p.idle and p.est.acceptance < 0.5
-    p.start_request(GREEDY)
+    p.outlook.start(GREEDY)
     assert not p.idle and p.est.acceptance > 0.95
     assert p.draft_length(16, CONTEXT) == greedy_k
-    p.start_request(Regime(1))  # a regime never met: its priors, drafting at once
+    p.outlook.start(Regime(1))  # a regime never met: its priors, drafting at once
     assert not p.idle and p.est.trials == 0 and p.draft_length(16, CONTEXT) > 0
 
 
 def test_each_regimes_estimates_and_probe_account_are_kept_between_processes():
     verify = lambda n: 0.024 + 0.002 * n  # noqa: E731
     p = primed(verify, draft_cost=0.004)
-    p.start_request(GREEDY)
+    p.outlook.start(GREEDY)
     p.observe(step(4, 4, 0.02, verify(5)))
-    p.start_request(SAMPLED)
+    p.outlook.start(SAMPLED)
     for _ in range(20):
         p.observe(step(4, 0, 0.02, verify(5)))
-    state = p.acceptance_state()
+    state = p.cost_state()["acceptance"]
     assert state["layout"] == ACCEPTANCE_LAYOUT and len(state["regimes"]) == 2
     again = primed(verify, draft_cost=0.004)
-    again.load_acceptance_state(state)
+    again.load_cost_state("acceptance", state)
     for regime in (GREEDY, SAMPLED):
-        again.start_request(regime)
-        p.start_request(regime)
+        again.outlook.start(regime)
+        p.outlook.start(regime)
         assert again.est.state() == p.est.state()
-    assert again.estimates[GREEDY].acceptance > 0.9 > 0.3 > again.estimates[SAMPLED].acceptance
-    assert again.estimates[SAMPLED].time_spent > again.estimates[GREEDY].time_spent > 0
+    assert again.learned.estimates[GREEDY].acceptance > 0.9 > 0.3 > again.learned.estimates[SAMPLED].acceptance
+    assert again.learned.estimates[SAMPLED].time_spent > again.learned.estimates[GREEDY].time_spent > 0
 
 
 def test_each_regime_probes_within_its_own_budget():
@@ -739,15 +739,15 @@ def test_each_regime_probes_within_its_own_budget():
     do not buy an idle sampled regime a burst of probes, and its probes leave greedy's budget whole."""
     verify = lambda n: 0.024 + 0.002 * n  # noqa: E731
     p = idle_pair(verify, probe_budget=0.02)
-    p.start_request(GREEDY)
+    p.outlook.start(GREEDY)
     greedy_account = (p.est.time_spent, p.est.probe_time)
-    p.start_request(SAMPLED)
+    p.outlook.start(SAMPLED)
     for _ in range(40):
         p.observe(step(4, 0, 0.04, verify(5)))
     assert p.idle
     sampled_probes = run_idle(p, verify, 1000)  # ~26 s of sampled requests
     assert 2 <= len(sampled_probes) <= 4  # ~2% of 26 s, 0.2 s each
-    p.start_request(GREEDY)
+    p.outlook.start(GREEDY)
     assert (p.est.time_spent, p.est.probe_time) == greedy_account
 
 
@@ -762,7 +762,7 @@ def test_a_retry_that_pays_costs_the_probe_budget_nothing():
     for _ in range(3):  # three requests in a row, each idled by an unlucky stretch and re-trying at the next
         while not p.idle:
             p.observe(step(4, 0, 0.02, verify(5)))
-        p.start_request(GREEDY)
+        p.outlook.start(GREEDY)
         assert not p.idle and p.draft_length(16, CONTEXT) > 0
         spent = p.est.probe_time
         while p.est.exploring:
@@ -774,7 +774,7 @@ def test_a_retry_that_pays_costs_the_probe_budget_nothing():
 def test_an_idle_policy_says_why_in_numbers():
     verify = lambda n: 0.024 + 0.002 * n  # noqa: E731
     p = idle_pair(verify)
-    p.start_request(SAMPLED)
+    p.outlook.start(SAMPLED)
     for _ in range(40):
         p.observe(step(4, 0, 0.04, verify(5)))
     why = p.explain("the draft model")
@@ -794,7 +794,7 @@ def test_re_tries_that_keep_failing_back_off():
     assert p.idle and p.est.long_acceptance > 0.9
     retries = []
     for request in range(40):
-        p.start_request(GREEDY)
+        p.outlook.start(GREEDY)
         if p.est.exploring:
             retries.append(request)
             while p.est.exploring:
@@ -803,7 +803,7 @@ def test_re_tries_that_keep_failing_back_off():
         for _ in range(20):
             p.observe(step(0, 0, 0.0, verify(1)))
     assert retries == [0, 2, 6, 14, 30]
-    assert p.est.retry_wait == 32 and p.acceptance_state()["regimes"][0]["retry_wait"] == 32
+    assert p.est.retry_wait == 32 and p.cost_state()["acceptance"]["regimes"][0]["retry_wait"] == 32
 
 
 # ---------------------------------------------------------------- a pass shared by several sequences
@@ -814,7 +814,7 @@ def batch_primed(k_max=16, **kw):
     sequences 17 + 4 [N>1] + 3.4 N + 1 (S - 1) ms (memory-bound: llama.cpp's batched decoding), a
     draft round of m sequences' tokens 4 + 6 m ms (a small Q4_1 model: each token costs)."""
     p = AdaptiveLength(k_max=k_max, prior_acceptance=0.95, **kw)
-    p.catch_up = 1.5
+    p.learned.catch_up = 1.5
     for _ in range(3):
         for ns in ([1], [2], [5], [9], [17], [1, 1], [1] * 4, [1] * 8, [3] * 4, [5] * 8):
             p.observe_pass([(ns, [CONTEXT] * len(ns))], (17 + 4 * (sum(ns) > 1) + 3.4 * sum(ns) + (len(ns) - 1)) / 1000)
@@ -823,7 +823,7 @@ def batch_primed(k_max=16, **kw):
         for n in (1, 2, 4, 8, 16):
             p.draft_cost.observe(n + 1, CONTEXT, (n + 1) * 0.010)
     p.est.fresh_trials = p.est.trials = 50
-    p.context = CONTEXT
+    p.outlook.context = CONTEXT
     return p
 
 
@@ -834,8 +834,8 @@ def test_drafting_shrinks_and_stops_as_the_batch_fills_and_comes_back_when_it_th
     p = batch_primed()
     lengths = {}
     for s in (1, 2, 4, 8, 1):
-        p.set_price(p.batch_price([CONTEXT] * s, CONTEXT, drafting=s) if s > 1 else None)
-        lengths.setdefault(s, []).append(p.best_length(16))
+        p.outlook.price = p.learned.batch_price([CONTEXT] * s, CONTEXT, drafting=s) if s > 1 else None
+        lengths.setdefault(s, []).append(p.outlook.best_length(16))
     assert lengths[1][0] >= 4 and lengths[1][0] == lengths[1][1]
     assert lengths[2][0] < lengths[1][0]
     assert lengths[4] == [0] and lengths[8] == [0]
@@ -847,7 +847,7 @@ def test_a_free_lookup_draft_stays_worth_it_in_a_full_batch():
     model = batch_primed()
     lookup.verify_cost = model.verify_cost
     lookup.est.fresh_trials = lookup.est.trials = 50
-    lookup.set_price(model.batch_price([CONTEXT] * 8, CONTEXT, drafting=2))
+    lookup.outlook.price = model.learned.batch_price([CONTEXT] * 8, CONTEXT, drafting=2)
     assert lookup.draft_length(64, CONTEXT, offered=40, run=30) >= 8
     assert lookup.draft_length(64, CONTEXT, offered=40, run=1) <= 4  # a 2-token coincidence: short or nothing
 
@@ -857,15 +857,15 @@ def test_a_catch_up_after_prompt_lookups_tokens_is_not_taken_for_the_drafts_own(
     prompt lookup on three or four: that proposal is a sample of the draft's cost, not of its
     catch-up, which would otherwise price every later draft of the model a token dearer."""
     p = primed(lambda n: 0.02 + 0.003 * n, draft_cost=0.005)
-    p.catch_up = 1.5
+    p.learned.catch_up = 1.5
     for caught_up in (4, 3, 4, 3, 4, 3):
         p.observe(StepRecord(k=4, drafted=4, accepted=2, draft_time=(caught_up + 3) * 0.005, verify_time=0.035,
                             context=CONTEXT, draft_evaluated=caught_up + 3, source="model"))
-    assert p.catch_up == pytest.approx(1.5)
+    assert p.learned.catch_up == pytest.approx(1.5)
     for caught_up in (1, 2) * 20:
         p.observe(StepRecord(k=4, drafted=4, accepted=2, draft_time=(caught_up + 3) * 0.005, verify_time=0.035,
                             context=CONTEXT, draft_evaluated=caught_up + 3, source="model"))
-    assert p.catch_up == pytest.approx(1.5, abs=0.05)
+    assert p.learned.catch_up == pytest.approx(1.5, abs=0.05)
 
 
 def test_an_idle_step_where_no_acceptance_would_pay_rests_between_rechecks():
@@ -875,8 +875,8 @@ def test_an_idle_step_where_no_acceptance_would_pay_rests_between_rechecks():
     verify = lambda n: 0.00125 if n == 1 else 0.0026 + 0.0001 * n  # noqa: E731 (an H200's shape)
     p = primed(verify, 0.0016)
     calls = []
-    real = p.rates
-    p.rates = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    real = p.outlook.rates
+    p.outlook.rates = lambda *a, **kw: calls.append(1) or real(*a, **kw)
     ks = []
     for _ in range(64):
         ks.append(p.draft_length(16, CONTEXT))

@@ -315,6 +315,17 @@ def _solve_context_nonnegative(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return best
 
 
+def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line through a handful of points (plain Python: quicker
+    than numpy at this size); through the origin for a single point (the pessimistic guess)."""
+    if len(xs) == 1:
+        return 0.0, ys[0] / xs[0]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    return my - slope * mx, slope
+
+
 # ------------------------------------------------------------------------------------ steps
 
 
