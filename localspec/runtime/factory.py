@@ -28,7 +28,7 @@ from localspec.speculative.suffix import SuffixPools, SuffixProposer
 log = logging.getLogger("localspec.runtime.engine")
 
 DEFAULT_DRAFT_MAX = 16
-LOOKUP_TEXT_WEIGHT = 4.0  # tokens of the text at hand a lookup's estimates weigh (AdaptiveLength.text_weight)
+LOOKUP_TEXT_WEIGHT = 4.0  # tokens of the text at hand a lookup's estimates weigh (`Outlook.text_weight`, the `text_weight` of AdaptiveLength)
 LOOKUP_DRAFT_MAX = 64  # prompt lookup drafts for free: a copied passage may be accepted 30+ tokens at a time
 DEFAULT_P_MIN = 0.3  # measured on the default pair: acceptance 0.80 -> 0.91 at k=8, fewer wasted drafts
 NGRAM = "ngram"  # draft=NGRAM: prompt lookup instead of a draft model
