@@ -8,7 +8,7 @@ The server's modules, each importing only those below it:
     routes.py   the endpoints: a request -> its prompt, options and replies
     service.py  the one path every generation takes: jobs -> chunks -> the answer; shutdown
     render.py   OpenAI's response bodies from the engine's chunks
-    report.py, tools.py, schemas.py, gate.py, errors.py, worker.py, metrics.py
+    report.py, tools.py, schemas.py, responses.py, gate.py, errors.py, worker.py, metrics.py
 
 What every request goes through first (Host, Origin, CORS, the API key, the body) is in gate.py;
 the error bodies in errors.py."""
