@@ -91,7 +91,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from localspec.llama.backend import default_threads
-    from localspec.bench.runner import machine_info
+    from localspec.bench.machine import machine_info
     from localspec.models import Registry
 
     registry = Registry.load()

@@ -286,7 +286,7 @@ def main() -> None:
         server.terminate()
         server.wait()
 
-    from localspec.bench.runner import machine_info
+    from localspec.bench.machine import machine_info
 
     machine = machine_info(args.threads)
     machine["load_average"] = {"start": load, "end": float(Path("/proc/loadavg").read_text().split()[0])

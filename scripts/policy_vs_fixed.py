@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from record_traces import PROMPTS  # noqa: E402
 
 from localspec import Engine  # noqa: E402
-from localspec.bench.runner import machine_info  # noqa: E402
+from localspec.bench.machine import machine_info  # noqa: E402
 from localspec.runtime.factory import default_threads  # noqa: E402
 
 ORACLE, DRAFT = "smollm2-135m-instruct-f32", "smollm2-135m-instruct-q4_1"

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from localspec import Engine
-from localspec.bench.runner import machine_info
+from localspec.bench.machine import machine_info
 from localspec.runtime.factory import DEFAULT_P_MIN, default_threads, draft_cost_ratio
 
 # open-ended chat prompts, not in the bench's workloads (the held-out set of the policy's issues)

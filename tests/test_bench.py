@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from localspec.bench import anchor, ceiling, report, systems, workloads
+from localspec.bench.charts import write_charts
+from localspec.bench.results_document import results_document
 
 # ---------------------------------------------------------------------------------------- ceiling
 
@@ -425,7 +427,7 @@ def test_charts(tmp_path):
     pytest.importorskip("matplotlib")
     rep = _synthetic_report()
     rep["results"] = report.aggregate(rep)
-    charts, why_not = report.write_charts(rep, tmp_path)
+    charts, why_not = write_charts(rep, tmp_path)
     assert why_not is None and len(charts) == 2
     for path in charts.values():
         assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
@@ -707,8 +709,8 @@ def _golden_outputs():
     plain = report.clean(plain)
     charts = {"Speedup against acceptance": "speedup_vs_acceptance.png", "Tokens per second": "tokens_per_second.png"}
     return [("rows.json", json.dumps(_rounded(full["results"]), indent=1, ensure_ascii=False) + "\n"),
-            ("RESULTS.md", report.results_document(full, charts, command="localspec bench --paired --one-shot")),
-            ("RESULTS-plain.md", report.results_document(plain)),
+            ("RESULTS.md", results_document(full, charts, command="localspec bench --paired --one-shot")),
+            ("RESULTS-plain.md", results_document(plain)),
             ("summary.txt", report.summary(full))]
 
 

@@ -75,7 +75,7 @@ def test_adaptive_is_the_default_and_learns_its_costs_from_the_steps_alone(pair_
         assert s.records[0].drafted == 0 and s.records[0].k == 0
         first_model = next(x for x in s.records if x.source == "model")
         assert first_model.draft_evaluated <= 2  # the draft took the oracle's cache of the prompt
-        assert engine.draft_ctx.tokens[:s.prompt_tokens] == engine.oracle.tokens[:s.prompt_tokens]
+        assert engine.draft_ctx.seq_tokens()[:s.prompt_tokens] == engine.oracle.seq_tokens()[:s.prompt_tokens]
         assert sum(x.drafted for x in s.records) == s.drafted and sum(x.accepted for x in s.records) == s.accepted
         assert sum(x.draft_time for x in s.records) == pytest.approx(s.draft_time)
         assert sum(x.verify_time for x in s.records) == pytest.approx(s.verify_time)
@@ -168,7 +168,7 @@ def test_a_draft_takes_the_oracles_cache_of_the_prompt_where_their_layouts_match
                 proposer = DraftModelProposer(draft, cache_source=oracle)
                 proposer.start(catch_up=True)
                 d = proposer.propose(history, 3, SamplingParams(), np.random.default_rng(0))
-                assert len(d) == 3 and draft.tokens[:len(history)] == history
+                assert len(d) == 3 and draft.seq_tokens()[:len(history)] == history
                 assert (d.evaluated == 1 + 2) == taken  # the last token, then a decode per drafted token but the last
                 assert (proposer.cache_source is oracle) == taken
                 assert d.evaluated >= len(history) or taken  # refused: it evaluated the prompt itself
@@ -232,23 +232,23 @@ def test_after_a_pause_the_draft_keeps_the_start_it_holds_and_catches_up_on_rece
         before = drafter.tokens_evaluated
         draft = drafter.propose(long, 4, greedy, rng)  # 70+ tokens to catch up: only the latest 16
         assert (drafter.keep, drafter.gap_start) == (10, len(long) - 16)
-        assert drafter.ctx.tokens[:26] == long[:10] + long[-16:]  # the prompt's start, a gap, the recent text
+        assert drafter.ctx.seq_tokens()[:26] == long[:10] + long[-16:]  # the prompt's start, a gap, the recent text
         assert drafter.tokens_evaluated - before == 16 + len(draft) - 1
         more = long + [int(draft.tokens[0]), long[20]]  # the first draft token accepted, then a recovered one
         drafter.propose(more, 4, greedy, rng)  # drafting goes on after the gap: no new window
         assert (drafter.keep, drafter.gap_start) == (10, len(long) - 16)
-        assert drafter.ctx.tokens[:28] == long[:10] + more[-18:]
+        assert drafter.ctx.seq_tokens()[:28] == long[:10] + more[-18:]
 
         short = engine.oracle_model.tokenize("Name three fruits.", add_special=True, parse_special=False)
         drafter.start(catch_up=False)  # a new prompt: the gap is forgotten
         assert drafter.keep == drafter.gap_start == 0
         assert len(drafter.propose(short, 4, greedy, rng)) >= 1
-        assert drafter.ctx.tokens[:len(short)] == short
+        assert drafter.ctx.seq_tokens()[:len(short)] == short
 
         drafter.start(catch_up=True)  # drafting pays: the first proposal evaluates all it has not seen
         before = drafter.tokens_evaluated
         draft = drafter.propose(long, 4, greedy, rng)
-        assert drafter.ctx.tokens[:len(long)] == long
+        assert drafter.ctx.seq_tokens()[:len(long)] == long
         assert drafter.tokens_evaluated - before == draft.evaluated >= len(long) - 1
 
 

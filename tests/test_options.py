@@ -143,7 +143,7 @@ def test_every_rule_has_its_words():
 
 
 def test_a_one_prompt_generate_gets_a_context_its_size():
-    from localspec.cli.commands import CTX_STEP, DEFAULT_CTX, TEMPLATE_ALLOWANCE, fitted_context
+    from localspec.cli.flags import CTX_STEP, DEFAULT_CTX, TEMPLATE_ALLOWANCE, fitted_context
 
     assert fitted_context(["hi", ""], 256) == 768  # 2 + 256 + 256 bytes' worth, rounded up to 256
     n = fitted_context(["\u00e9" * 100, "be brief"], 10)  # 200 + 8 bytes: a token per byte at most

@@ -19,6 +19,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 BUILD_SCRIPT = "scripts/build_llama_anchor.sh"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -194,6 +195,15 @@ def file_tail(path: str | os.PathLike, n: int) -> str:
         return last_lines(Path(path).read_text("utf-8", errors="replace"), n)
     except OSError:
         return ""
+
+
+def discard_log(log: IO) -> None:
+    """Close and delete a process's temporary log file (a bench worker's, a server's) once it is done."""
+    log.close()
+    try:
+        os.unlink(log.name)
+    except OSError:
+        pass
 
 
 def run(binary: str | os.PathLike, *, oracle: str, draft: str | None, prompt_text: str, prompt_echo: str,

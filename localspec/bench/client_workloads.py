@@ -104,47 +104,46 @@ def _cart(product_id: str, quantity: int, total: float) -> dict:
     return {"ok": True, "product_id": product_id, "quantity": quantity, "cart_total": total}
 
 
+def _task(task: str, *results: dict) -> tuple[str, tuple[str, ...]]:
+    """A client's task and the tool results that answer its turns: `results`, then the order's summary."""
+    return task, _results(*results, {"ok": True, "message": "Order summary sent."})
+
+
 # (the client's task, the tool results that answer its turns in order, whatever the model called)
 AGENT_TASKS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("I am hiking near Denver this weekend. Find a waterproof jacket under $150, check the weather there, and add "
-     "the best jacket to my cart.",
-     _results(_products(("P-1042", "Stratus Rain Jacket", 98.0, 4.4), ("P-1187", "Ridge Shell Jacket", 142.5, 4.7)),
-              _forecast("Denver", ("Sat", 14, 3, 60), ("Sun", 11, 1, 30)), _cart("P-1187", 1, 142.5),
-              {"ok": True, "message": "Order summary sent."})),
-    ("Find two yoga mats under $80, work out what two of the cheaper one cost with 8% sales tax, and add them to my "
-     "cart.",
-     _results(_products(("P-2210", "CoreFlex Yoga Mat", 68.0, 4.7), ("P-2251", "Balance Cork Mat", 74.0, 4.5)),
-              {"expression": "2 * 68 * 1.08", "value": 146.88}, _cart("P-2210", 2, 146.88),
-              {"ok": True, "message": "Order summary sent."})),
-    ("I am going to the beach in Miami on Friday. Check the forecast, then find a beach towel and sunglasses, and add "
-     "the towel to my cart.",
-     _results(_forecast("Miami", ("Fri", 31, 25, 20), ("Sat", 30, 24, 40)),
-              _products(("P-3305", "Dune Beach Towel", 32.0, 4.5), ("P-3390", "Coastline Polarized Sunglasses", 45.0, 4.2)),
-              _cart("P-3305", 1, 32.0), {"ok": True, "message": "Order summary sent."})),
-    ("Find a cast iron skillet and a wooden salad bowl, tell me what both cost together, and add the skillet to my "
-     "cart.",
-     _results(_products(("P-4120", "Ironclad 12-Inch Skillet", 39.95, 4.8), ("P-4188", "Tidewater Acacia Bowl", 38.0, 4.8)),
-              {"expression": "39.95 + 38.0", "value": 77.95}, _cart("P-4120", 1, 39.95),
-              {"ok": True, "message": "Order summary sent."})),
-    ("I need a carry-on suitcase under $200 for a trip to Seattle next week. Check the weather there too, and add the "
-     "suitcase to my cart.",
-     _results(_products(("P-5012", "Voyager Hardshell Carry-On", 179.99, 4.7), ("P-5077", "Metro Softside Carry-On", 129.0, 4.3)),
-              _forecast("Seattle", ("Mon", 12, 7, 80), ("Tue", 13, 8, 70)), _cart("P-5012", 1, 179.99),
-              {"ok": True, "message": "Order summary sent."})),
-    ("Find wireless earbuds under $100 and a phone case, work out the total with a $10 coupon, and add the earbuds to "
-     "my cart.",
-     _results(_products(("P-6230", "Echo Wireless Earbuds", 59.99, 4.0), ("P-6301", "Armor Slim Case", 21.99, 4.5)),
-              {"expression": "59.99 + 21.99 - 10", "value": 71.98}, _cart("P-6230", 1, 59.99),
-              {"ok": True, "message": "Order summary sent."})),
-    ("Look for solar string lights for my patio in Phoenix, check whether it will rain there this week, and add two "
-     "sets to my cart.",
-     _results(_products(("P-7144", "Lumen Solar String Lights", 42.99, 4.5), ("P-7150", "Glow Solar Lanterns", 36.5, 4.1)),
-              _forecast("Phoenix", ("Wed", 35, 22, 0), ("Thu", 36, 23, 5)), _cart("P-7144", 2, 85.98),
-              {"ok": True, "message": "Order summary sent."})),
-    ("Find a fountain pen and a leather belt as a gift, tell me what both cost, and add the pen to my cart.",
-     _results(_products(("P-8020", "Scribe Fountain Pen", 72.0, 4.6), ("P-8066", "Heritage Leather Belt", 49.0, 4.7)),
-              {"expression": "72.0 + 49.0", "value": 121.0}, _cart("P-8020", 1, 72.0),
-              {"ok": True, "message": "Order summary sent."})),
+    _task("I am hiking near Denver this weekend. Find a waterproof jacket under $150, check the weather there, and "
+          "add the best jacket to my cart.",
+          _products(("P-1042", "Stratus Rain Jacket", 98.0, 4.4), ("P-1187", "Ridge Shell Jacket", 142.5, 4.7)),
+          _forecast("Denver", ("Sat", 14, 3, 60), ("Sun", 11, 1, 30)), _cart("P-1187", 1, 142.5)),
+    _task("Find two yoga mats under $80, work out what two of the cheaper one cost with 8% sales tax, and add them "
+          "to my cart.",
+          _products(("P-2210", "CoreFlex Yoga Mat", 68.0, 4.7), ("P-2251", "Balance Cork Mat", 74.0, 4.5)),
+          {"expression": "2 * 68 * 1.08", "value": 146.88}, _cart("P-2210", 2, 146.88)),
+    _task("I am going to the beach in Miami on Friday. Check the forecast, then find a beach towel and sunglasses, "
+          "and add the towel to my cart.",
+          _forecast("Miami", ("Fri", 31, 25, 20), ("Sat", 30, 24, 40)),
+          _products(("P-3305", "Dune Beach Towel", 32.0, 4.5), ("P-3390", "Coastline Polarized Sunglasses", 45.0, 4.2)),
+          _cart("P-3305", 1, 32.0)),
+    _task("Find a cast iron skillet and a wooden salad bowl, tell me what both cost together, and add the skillet to "
+          "my cart.",
+          _products(("P-4120", "Ironclad 12-Inch Skillet", 39.95, 4.8), ("P-4188", "Tidewater Acacia Bowl", 38.0, 4.8)),
+          {"expression": "39.95 + 38.0", "value": 77.95}, _cart("P-4120", 1, 39.95)),
+    _task("I need a carry-on suitcase under $200 for a trip to Seattle next week. Check the weather there too, and "
+          "add the suitcase to my cart.",
+          _products(("P-5012", "Voyager Hardshell Carry-On", 179.99, 4.7),
+                    ("P-5077", "Metro Softside Carry-On", 129.0, 4.3)),
+          _forecast("Seattle", ("Mon", 12, 7, 80), ("Tue", 13, 8, 70)), _cart("P-5012", 1, 179.99)),
+    _task("Find wireless earbuds under $100 and a phone case, work out the total with a $10 coupon, and add the "
+          "earbuds to my cart.",
+          _products(("P-6230", "Echo Wireless Earbuds", 59.99, 4.0), ("P-6301", "Armor Slim Case", 21.99, 4.5)),
+          {"expression": "59.99 + 21.99 - 10", "value": 71.98}, _cart("P-6230", 1, 59.99)),
+    _task("Look for solar string lights for my patio in Phoenix, check whether it will rain there this week, and add "
+          "two sets to my cart.",
+          _products(("P-7144", "Lumen Solar String Lights", 42.99, 4.5), ("P-7150", "Glow Solar Lanterns", 36.5, 4.1)),
+          _forecast("Phoenix", ("Wed", 35, 22, 0), ("Thu", 36, 23, 5)), _cart("P-7144", 2, 85.98)),
+    _task("Find a fountain pen and a leather belt as a gift, tell me what both cost, and add the pen to my cart.",
+          _products(("P-8020", "Scribe Fountain Pen", 72.0, 4.6), ("P-8066", "Heritage Leather Belt", 49.0, 4.7)),
+          {"expression": "72.0 + 49.0", "value": 121.0}, _cart("P-8020", 1, 72.0)),
 )
 
 

@@ -237,11 +237,7 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
-        self.log.close()
-        try:
-            os.unlink(self.log.name)
-        except OSError:
-            pass
+        anchor.discard_log(self.log)
 
 
 ALL_LAYERS = "999"
@@ -447,7 +443,7 @@ def run_clients_bench(config: ClientsConfig, progress: Callable[[str], None] = l
     """Every workload, client count, repetition and system (interleaved by repetition), and the
     reference line (`reference`: llama-batched-bench)."""
     from localspec.bench.clients_report import summarize
-    from localspec.bench.runner import machine_info
+    from localspec.bench.machine import machine_info
 
     rows: list[dict] = []
     notes: list[str] = []

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Callable
 
 from localspec.bench import report as rep
+from localspec.bench.charts import write_charts
+from localspec.bench.results_document import results_document
 from localspec.bench import workloads as wl
 from localspec.bench.runner import BenchConfig, run_bench
 from localspec.bench.systems import parse_systems
@@ -41,7 +43,7 @@ def run(*, pair: str | None, oracle: str | None, draft: str | None, workload: st
 
     charts: dict[str, str] = {}
     if charts_dir:
-        charts, why_not = rep.write_charts(report, charts_dir)
+        charts, why_not = write_charts(report, charts_dir)
         if why_not:
             report["notes"].append(why_not)
             progress(why_not)
@@ -52,7 +54,7 @@ def run(*, pair: str | None, oracle: str | None, draft: str | None, workload: st
         base = Path(markdown_path).resolve().parent
         rel = {title: os.path.relpath(Path(p).resolve(), base) for title, p in charts.items()}
         command = "localspec bench " + shlex.join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None
-        Path(markdown_path).write_text(rep.results_document(rep.clean(report), rel, command=command), "utf-8")
+        Path(markdown_path).write_text(results_document(rep.clean(report), rel, command=command), "utf-8")
         progress(f"wrote {markdown_path}")
     echo(rep.summary(rep.clean(report)))
     return report

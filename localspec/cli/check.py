@@ -90,14 +90,7 @@ def run_check(engine: Engine, prompts: list, *, oracle: str, draft: str,
         records += [r for result in results for r in result.stats.records]
         report.measured[f"k={k}"] = tps / base_tps if base_tps else 0.0
         if k == PROBE_K:
-            drafted = sum(r.stats.drafted for r in results)
-            accepted = sum(r.stats.accepted for r in results)
-            steps = sum(r.stats.steps for r in results)
-            tokens = sum(r.stats.completion_tokens for r in results)
-            report.acceptance_rate = accepted / drafted if drafted else 0.0
-            report.per_token_acceptance = acceptance_from_tokens_per_step(tokens / steps if steps else 0.0, k)
-            report.context = int(statistics.median(
-                r.stats.prompt_tokens + r.stats.completion_tokens / 2 for r in results))
+            _record_acceptance(report, results, k)
     if learns(engine.policy):  # the adaptive policy (a hybrid's or prompt lookup's too)
         progress("measuring adaptive drafting ...")
         tps, results = _throughput(engine, prompts)
@@ -109,19 +102,7 @@ def run_check(engine: Engine, prompts: list, *, oracle: str, draft: str,
                                 "reason": idle[-1].idle_reason if idle else None}
         report.regimes = engine.policy.known_regimes()
 
-    fit = fit_steps(records)
-    if fit is not None:
-        verify, draft_cost = fit
-        c = report.context
-        report.fitted = {ctx: {n: 1000 * verify(n, ctx) for n in FIT_SIZES} for ctx in FIT_CONTEXTS}
-        report.verify_cost_ms = {n: 1000 * verify(n, c) for n in FIT_SIZES}
-        if draft_cost.ready:  # per token, for a step that evaluates PROBE_K of them
-            report.draft_fitted = {ctx: 1000 * draft_cost(PROBE_K, ctx) / PROBE_K for ctx in FIT_CONTEXTS}
-            report.draft_cost_ms = 1000 * draft_cost(PROBE_K, c) / PROBE_K
-            options = {k: predicted_speedup(report.per_token_acceptance, k, report.draft_cost_ms / 1000,
-                                            lambda n: verify(max(1, round(n)), c)) for k in range(1, 17)}
-            report.predicted_best_k = max(options, key=options.get)
-            report.predicted_speedup = options[report.predicted_best_k]
+    _record_costs(report, records)
     if kernels:
         progress("timing the oracle's passes with each attention kernel ...")
         report.kernel = compare_kernels(engine)
@@ -131,6 +112,37 @@ def run_check(engine: Engine, prompts: list, *, oracle: str, draft: str,
                                    {"flash_attn": report.kernel["chosen"], "measured_ms": report.kernel["ms"]})
     report.recommendation = recommend(report)
     return report
+
+
+def _record_acceptance(report: CheckReport, results: list, k: int) -> None:
+    """The acceptance drafting `k` tokens a step measured (`results`), and the context it ran at."""
+    drafted = sum(r.stats.drafted for r in results)
+    accepted = sum(r.stats.accepted for r in results)
+    steps = sum(r.stats.steps for r in results)
+    tokens = sum(r.stats.completion_tokens for r in results)
+    report.acceptance_rate = accepted / drafted if drafted else 0.0
+    report.per_token_acceptance = acceptance_from_tokens_per_step(tokens / steps if steps else 0.0, k)
+    report.context = int(statistics.median(
+        r.stats.prompt_tokens + r.stats.completion_tokens / 2 for r in results))
+
+
+def _record_costs(report: CheckReport, records: list) -> None:
+    """The pass costs fitted to every step measured (`records`), and the draft length and speedup
+    they predict at the measured acceptance."""
+    fit = fit_steps(records)
+    if fit is None:
+        return
+    verify, draft_cost = fit
+    c = report.context
+    report.fitted = {ctx: {n: 1000 * verify(n, ctx) for n in FIT_SIZES} for ctx in FIT_CONTEXTS}
+    report.verify_cost_ms = {n: 1000 * verify(n, c) for n in FIT_SIZES}
+    if draft_cost.ready:  # per token, for a step that evaluates PROBE_K of them
+        report.draft_fitted = {ctx: 1000 * draft_cost(PROBE_K, ctx) / PROBE_K for ctx in FIT_CONTEXTS}
+        report.draft_cost_ms = 1000 * draft_cost(PROBE_K, c) / PROBE_K
+        options = {k: predicted_speedup(report.per_token_acceptance, k, report.draft_cost_ms / 1000,
+                                        lambda n: verify(max(1, round(n)), c)) for k in range(1, 17)}
+        report.predicted_best_k = max(options, key=options.get)
+        report.predicted_speedup = options[report.predicted_best_k]
 
 
 def compare_kernels(engine: Engine, repeats: int = 5) -> dict[str, Any]:

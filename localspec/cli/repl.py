@@ -245,6 +245,18 @@ class _LineEditor:
 # ---------------------------------------------------------------- the chat
 
 
+def _acceptance(x) -> str:
+    """/stats' acceptance of a reply's or the session's stats: the rate, how many of the accepted
+    tokens were free (prompt lookup, the suffix cache), the mean accepted length."""
+    if not x.drafted:
+        return "acceptance n/a (nothing drafted)"
+    free = [f"{n} of them from {name}" for n, name in ((x.lookup_accepted, "prompt lookup"),
+                                                       (x.suffix_accepted, "the suffix cache")) if n]
+    return f"acceptance {x.accepted / x.drafted:.0%} ({x.accepted}/{x.drafted}" \
+           + "".join(f", {f}" for f in free) + "), " \
+           f"mean accepted length {x.accepted / x.steps if x.steps else 0:.2f}"
+
+
 class Chat:
     """Conversation state, slash commands and rendering over one engine."""
 
@@ -404,34 +416,17 @@ class Chat:
         s, t = self.last, self.totals
         if s is None:
             return ["no completed reply yet"]
-        if not self.speculative:
-            draft = "none (the oracle runs alone)"
-        else:
-            draft = self.engine.policy.describe()
-            if self.settings.draft_max is not None:
-                draft += f", capped at {self.settings.draft_max} by /set draft_max"
-            draft += f"; drafted per step: {s.drafted / s.steps if s.steps else 0:.2f} last reply"
-
-        def acc(x) -> str:
-            if not x.drafted:
-                return "acceptance n/a (nothing drafted)"
-            free = [f"{n} of them from {name}" for n, name in ((x.lookup_accepted, "prompt lookup"),
-                                                               (x.suffix_accepted, "the suffix cache")) if n]
-            return f"acceptance {x.accepted / x.drafted:.0%} ({x.accepted}/{x.drafted}" \
-                   + "".join(f", {f}" for f in free) + "), " \
-                   f"mean accepted length {x.accepted / x.steps if x.steps else 0:.2f}"
-
         session_tps = t.completion_tokens / t.generation_time if t.generation_time > 0 else 0.0
         lines = [
-            f"last reply: {s.completion_tokens} tokens in {s.steps} step{'s' if s.steps != 1 else ''}, {acc(s)}, "
-            f"{s.tokens_per_second:.1f} tok/s",
+            f"last reply: {s.completion_tokens} tokens in {s.steps} step{'s' if s.steps != 1 else ''}, "
+            f"{_acceptance(s)}, {s.tokens_per_second:.1f} tok/s",
             f"  prompt tokens evaluated: {s.prompt_tokens_evaluated} of {s.prompt_tokens} "
             f"({s.prompt_tokens - s.prompt_tokens_evaluated} reused from the cache)",
             f"session: {t.replies} repl{'ies' if t.replies != 1 else 'y'}"
             + (f" (+{t.interrupted} interrupted, not counted)" if t.interrupted else "")
-            + f", {t.completion_tokens} tokens, {acc(t)}, {session_tps:.1f} tok/s",
+            + f", {t.completion_tokens} tokens, {_acceptance(t)}, {session_tps:.1f} tok/s",
             f"  prompt tokens evaluated: {t.prompt_tokens_evaluated} of {t.prompt_tokens}",
-            f"draft length: {draft}",
+            f"draft length: {self._draft_length(s)}",
         ]
         if s.steps:
             lines.append(f"host time (outside llama.cpp): {s.host_ms_per_token:.2f} ms a token, "
@@ -442,15 +437,27 @@ class Chat:
             lines.append(f"  sampling regime: {s.regime} (the policy's estimates are kept per regime)")
         if self.speculative and s.idle_reason:
             lines.append(f"  drafting idle for {s.idle_steps} of {s.steps} steps of the last reply: {s.idle_reason}")
+        lines.append(self._speedup_line(s, t))
+        return lines
+
+    def _draft_length(self, s) -> str:
+        """/stats' draft length: the policy's, its cap, and what the last reply (`s`) drafted a step."""
         if not self.speculative:
-            lines.append("speedup vs oracle alone: 1.00x (this is the oracle alone)")
-            return lines
+            return "none (the oracle runs alone)"
+        draft = self.engine.policy.describe()
+        if self.settings.draft_max is not None:
+            draft += f", capped at {self.settings.draft_max} by /set draft_max"
+        return draft + f"; drafted per step: {s.drafted / s.steps if s.steps else 0:.2f} last reply"
+
+    def _speedup_line(self, s, t) -> str:
+        """/stats' speedup over the oracle alone, for the last reply (`s`) and the session (`t`)."""
+        if not self.speculative:
+            return "speedup vs oracle alone: 1.00x (this is the oracle alone)"
         # the oracle alone's time for the same tokens, from the one-token pass fitted to the session's
         # own steps (every reply's first step is one): nothing is timed on purpose
         fit = fit_steps(t.records)
         if fit is None:
-            lines.append("speedup vs oracle alone: n/a (no one-token oracle step recorded yet)")
-            return lines
+            return "speedup vs oracle alone: n/a (no one-token oracle step recorded yet)"
         verify, _ = fit
         last, sess = estimated_speedup(s, verify), estimated_speedup(t, verify)
 
@@ -459,11 +466,9 @@ class Chat:
 
         per_step = (s.draft_time + s.verify_time) / s.steps if s.steps else 0.0
         context = s.records[-1].context if s.records else 0
-        lines.append(
-            f"speedup vs oracle alone (estimate): {fmt(last)} last reply, {fmt(sess)} session; "
-            f"oracle one-token step {verify(1, context) * 1000:.1f} ms (fitted to this session's steps), "
-            f"speculative step {per_step * 1000:.1f} ms for {s.tokens_per_step:.2f} tokens")
-        return lines
+        return (f"speedup vs oracle alone (estimate): {fmt(last)} last reply, {fmt(sess)} session; "
+                f"oracle one-token step {verify(1, context) * 1000:.1f} ms (fitted to this session's steps), "
+                f"speculative step {per_step * 1000:.1f} ms for {s.tokens_per_step:.2f} tokens")
 
     # -- loops
 

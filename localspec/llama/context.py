@@ -1,48 +1,38 @@
-"""A small, owning wrapper over llama-cpp-python's low-level API.
+"""A small, owning wrapper over llama-cpp-python's low-level API: the context.
 
-`LlamaModel` owns one `llama_model *`, `LlamaContext` owns one `llama_context *` plus one reusable
-`llama_batch`, and each frees its handle deterministically (`close()` or a `with` block). The context
-is the single owner of its position: `tokens` is exactly what sits in its KV cache, `n_past` is its
-length, `decode()` appends and `rollback()` trims with `llama_memory_seq_rm`.
+`LlamaContext` owns one `llama_context *` plus one reusable `llama_batch`, and frees them
+deterministically (`close()` or a `with` block); `LlamaModel` (llama/model.py) owns the model it runs.
+The context is the single owner of its position: `seq_tokens(s)` is exactly what sequence s holds
+in its KV cache, `decode()` appends and `rollback()` trims with `llama_memory_seq_rm`.
 
 Nothing here knows about speculation; the engine composes two contexts.
+
+The model, its errors and ggml's devices live in modules of their own; what callers have always
+imported from here still is (`from localspec.llama.context import LlamaModel, ...`).
 """
 
 from __future__ import annotations
 
-import codecs
 import ctypes
-import logging
-import os
-import sys
-import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
 from localspec.batch import Rows  # noqa: F401 (a decode's rows: callers import it from here too)
-from localspec.llama.backend import _ensure_backend, captured_log, default_threads, flush_log
-from localspec.llama.bindings import PACKAGE_DIR, VERSION, llama_cpp
-from localspec.llama.gguf import GGUF_MAGIC, GgufHeader, remembered_header
+from localspec.llama.backend import captured_log, default_threads, flush_log
+from localspec.llama.bindings import llama_cpp
+from localspec.llama.devices import on_local_gpu
+from localspec.llama.errors import ContextFullError, LlamaError
+from localspec.llama.model import LlamaModel, _Owner
 
-log = logging.getLogger("localspec.llama.context")
+# what callers import from here, though it lives in llama/devices.py, errors.py and model.py
+from localspec.llama.devices import Device, ggml, has_local_gpu, local_devices, local_gpus  # noqa: F401
+from localspec.llama.errors import ModelLoadError  # noqa: F401
+from localspec.llama.model import Detokenizer, check_gguf, model_n_layer  # noqa: F401
 
 MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ: the most sequences a context holds
-
-
-class LlamaError(RuntimeError):
-    """A llama.cpp call failed."""
-
-
-class ModelLoadError(LlamaError):
-    """A GGUF file could not be loaded (missing, not GGUF, truncated, unsupported)."""
-
-
-class ContextFullError(LlamaError):
-    """The KV cache has no room for the tokens asked to be decoded."""
 
 
 @dataclass(frozen=True)
@@ -59,214 +49,6 @@ class SeqState:
         """Host memory it takes (the state and its tokens)."""
         return self.size + 8 * len(self.tokens)
 
-
-def _header_memo() -> Path | None:
-    """Where sound GGUF headers are remembered (`llama.gguf.remembered_header`): the cache's
-    `gguf-headers.json`; None when the cache directory cannot be made."""
-    from localspec.cache import ModelError, cache_dir
-
-    try:
-        return cache_dir() / "gguf-headers.json"
-    except ModelError:
-        return None
-
-
-def check_gguf(path: Path) -> GgufHeader:
-    """Fail early and clearly on what llama.cpp would reject with a vague message (or worse)."""
-    if not path.exists():
-        raise ModelLoadError(f"model file not found: {path}")
-    if not path.is_file():
-        raise ModelLoadError(f"model path is not a file: {path}")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != GGUF_MAGIC:
-        raise ModelLoadError(f"not a GGUF file (bad magic {magic!r}): {path}")
-    header = remembered_header(path, _header_memo())
-    if header.problem:
-        raise ModelLoadError(f"corrupt or truncated GGUF file ({header.problem}): {path}")
-    return header
-
-
-# ---------------------------------------------------------------------------------------------
-# model
-
-
-class _Owner:
-    """Owns a llama.cpp handle: `close()` frees it (the contract), a `with` block closes it, and
-    garbage collection is the last resort."""
-
-    def close(self) -> None:
-        raise NotImplementedError
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        if sys.is_finalizing():  # llama.cpp's backend may be gone already; the process's end frees it all
-            return
-        try:
-            self.close()
-        except Exception:
-            pass
-
-
-class LlamaModel(_Owner):
-    """One loaded GGUF: weights (optionally offloaded to the GPU) and its vocabulary."""
-
-    placement = None  # for a model split over RPC servers: where its layers went (localspec.llama.rpc.Placement)
-
-    def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0, use_mmap: bool = True,
-                 devices: Sequence["Device"] | None = None, tensor_split: Sequence[float] | None = None) -> None:
-        """`devices`: the devices the offloaded layers are split over, in order (None: llama.cpp's
-        choice, every local GPU; the CPU is never in the list: it holds what is not offloaded).
-        `tensor_split`: each device's share of them (None: by free memory)."""
-        _ensure_backend()
-        self.path = Path(path)
-        self.vocab_digest: bytes | None = check_gguf(self.path).vocab_digest
-        params = llama_cpp.llama_model_default_params()
-        params.n_gpu_layers = n_gpu_layers if n_gpu_layers >= 0 else 0x7FFFFFFF  # -1: offload all
-        params.use_mmap = use_mmap
-        if devices is not None:  # a NULL-terminated ggml_backend_dev_t list, alive while the model loads
-            self._devices = (ctypes.c_void_p * (len(devices) + 1))(*(d.handle for d in devices), None)
-            params.devices = ctypes.cast(self._devices, ctypes.c_void_p)
-        if tensor_split is not None:
-            if len(tensor_split) > llama_cpp.llama_max_devices():
-                raise ModelLoadError(f"{len(tensor_split)} devices: this llama.cpp handles at most "
-                                     f"{llama_cpp.llama_max_devices()}")
-            self._tensor_split = (ctypes.c_float * llama_cpp.llama_max_devices())(*tensor_split)
-            params.tensor_split = self._tensor_split
-        # The CPU "extra buffer types" (AMX / repacked weights) crash llama_decode on Q4_1 on some
-        # x86 machines; plain CPU buffers are always correct, and GPU offload is unaffected.
-        params.use_extra_bufts = False
-        with captured_log(logging.ERROR) as errors:  # a failed load's errors go into the exception
-            self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), params)
-        if not self._model:
-            reason = next((e for e in errors if "error loading model" in e), errors[0] if errors else "")
-            reason = reason.split("error loading model:", 1)[-1].strip()
-            raise ModelLoadError(f"llama.cpp could not load {self.path} (truncated, corrupt or unsupported GGUF"
-                                 + (f": {reason})" if reason else ")"))
-        self._vocab = llama_cpp.llama_model_get_vocab(self._model)
-        self.n_vocab: int = llama_cpp.llama_vocab_n_tokens(self._vocab)
-        self.vocab_type: int = llama_cpp.llama_vocab_type(self._vocab)
-        self.bos: int = llama_cpp.llama_vocab_bos(self._vocab)
-        self.eos: int = llama_cpp.llama_vocab_eos(self._vocab)
-        self.add_bos: bool = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
-        self.add_eos: bool = bool(llama_cpp.llama_vocab_get_add_eos(self._vocab))
-        self.n_params: int = llama_cpp.llama_model_n_params(self._model)
-        self.size_bytes: int = llama_cpp.llama_model_size(self._model)
-        self.name: str = self.metadata("general.name") or self.path.stem
-        self._pieces: dict[int, bytes] = {}
-        self._eog: dict[int, bool] = {}  # asked token by token: a whole vocabulary's worth costs ~20 ms at load
-
-    # -- lifetime
-    def close(self) -> None:
-        if getattr(self, "_model", None):
-            llama_cpp.llama_model_free(self._model)
-            self._model = None
-
-    @property
-    def handle(self):
-        if not self._model:
-            raise LlamaError("model is closed")
-        return self._model
-
-    # -- metadata
-    def metadata(self, key: str) -> str | None:
-        buf = ctypes.create_string_buffer(4096)
-        n = llama_cpp.llama_model_meta_val_str(self.handle, key.encode(), buf, len(buf))
-        if n < 0:
-            return None
-        if n >= len(buf):
-            buf = ctypes.create_string_buffer(n + 1)
-            llama_cpp.llama_model_meta_val_str(self.handle, key.encode(), buf, len(buf))
-        return buf.value.decode("utf-8", errors="replace")
-
-    @property
-    def n_layer(self) -> int:
-        """Its repeating layers (the output layer comes after them: offloading n_layer + 1 takes it too)."""
-        return llama_cpp.llama_model_n_layer(self.handle)
-
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of KV cache a token takes (F16 keys and values, every layer), from the metadata."""
-        m = self.handle
-        n_layer, n_embd = llama_cpp.llama_model_n_layer(m), llama_cpp.llama_model_n_embd(m)
-        n_head, n_head_kv = max(1, llama_cpp.llama_model_n_head(m)), llama_cpp.llama_model_n_head_kv(m)
-        arch = self.metadata("general.architecture") or ""
-        key = int(self.metadata(f"{arch}.attention.key_length") or n_embd // n_head)
-        value = int(self.metadata(f"{arch}.attention.value_length") or n_embd // n_head)
-        return 2 * n_layer * n_head_kv * (key + value)
-
-    @property
-    def chat_template(self) -> str | None:
-        tmpl = llama_cpp.llama_model_chat_template(self.handle, None)
-        return tmpl.decode("utf-8", errors="replace") if tmpl else None
-
-    # -- vocabulary
-    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
-        data = text.encode("utf-8")
-        n_max = len(data) + 8
-        buf = (llama_cpp.llama_token * n_max)()
-        n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, n_max, add_special, parse_special)
-        if n < 0:
-            n_max = -n
-            buf = (llama_cpp.llama_token * n_max)()
-            n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, n_max, add_special, parse_special)
-            if n < 0:
-                raise LlamaError(f"tokenization failed ({n})")
-        return list(buf[:n])
-
-    def token_piece(self, token: int, *, special: bool = False) -> bytes:
-        """The bytes of one token (may be part of a UTF-8 character). Control tokens render empty
-        unless special=True."""
-        key = token if not special else -1 - token
-        piece = self._pieces.get(key)
-        if piece is None:
-            buf = ctypes.create_string_buffer(64)
-            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
-            if n < 0:
-                buf = ctypes.create_string_buffer(-n)
-                n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
-            piece = buf.raw[:n]
-            self._pieces[key] = piece
-        return piece
-
-    def token_text(self, token: int) -> bytes:
-        """The raw vocabulary entry (as stored in the GGUF), for compatibility checks."""
-        text = llama_cpp.llama_vocab_get_text(self._vocab, token)
-        return text or b""
-
-    def detokenize(self, tokens: Sequence[int]) -> str:
-        return b"".join(self.token_piece(t) for t in tokens).decode("utf-8", errors="replace")
-
-    def is_eog(self, token: int) -> bool:
-        """Whether `token` ends a generation (EOS, EOT, <|im_end|>, ...)."""
-        eog = self._eog.get(token)
-        if eog is None:
-            if not 0 <= token < self.n_vocab:
-                raise IndexError(f"token {token} is outside the vocabulary ({self.n_vocab})")
-            eog = self._eog[token] = bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
-        return eog
-
-
-class Detokenizer:
-    """Incremental detokenizer: feed tokens, get text that is safe to show (never half a character)."""
-
-    def __init__(self, model: LlamaModel) -> None:
-        self._model = model
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def feed(self, token: int) -> str:
-        return self._decoder.decode(self._model.token_piece(token))
-
-    def flush(self) -> str:
-        return self._decoder.decode(b"", final=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# context
 
 
 FLASH_ATTN_TYPES = {"auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
@@ -291,11 +73,6 @@ def resolve_flash_attn(setting: str, *, n_gpu_layers: int, measured: str | None 
     return "on" if on_local_gpu(n_gpu_layers) else "off"
 
 
-def on_local_gpu(n_gpu_layers: int) -> bool:
-    """Whether a model offloading `n_gpu_layers` layers (-1: all) runs them on a GPU of this
-    machine (RPC devices count as a CPU: their kind is unknown here)."""
-    return n_gpu_layers != 0 and has_local_gpu()
-
 
 def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the longest prefix two token sequences share."""
@@ -305,6 +82,25 @@ def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return int((np.asarray(a[:n]) != np.asarray(b[:n])).argmax())
 
 
+@dataclass(frozen=True)
+class _FlatRows:
+    """A decode's rows laid end to end as batch rows (`LlamaContext._flatten`): per batch row its
+    token, position, sequence id and whether its logits are asked for."""
+
+    tokens: np.ndarray  # [total] int32: each row's tokens, then its filler
+    pos: np.ndarray  # [total] int32
+    seqs: np.ndarray  # [total] int32
+    outs: np.ndarray  # [total] int8: 1 on an output row
+    padded: list[tuple[int, int]]  # (sequence, where its filler starts): dropped again once decoded
+    n_out: int  # output rows
+    backend: list[tuple[int, int]]  # (batch row, output index) of the rows sampled on the backend
+
+    @property
+    def host_rows(self) -> bool:
+        """Whether some output row needs its logits (is not sampled on the backend)."""
+        return len(self.backend) < self.n_out
+
+
 class LlamaContext(_Owner):
     """One llama.cpp context over a model, holding up to `n_seq` sequences (llama.cpp sequence ids
     0..n_seq-1), with one reusable batch.
@@ -312,7 +108,7 @@ class LlamaContext(_Owner):
     Invariant: `seq_tokens(s)` is exactly the token sequence sequence s holds in the KV cache, at
     positions 0..len-1. Only `decode`, `decode_rows`, `rollback`, `reset`, `copy_cache_from`,
     `load_seq` and `copy_seq` change it, each passing the sequence id to every llama.cpp memory call; a failed
-    decode leaves every sequence as its mirror says. The one-sequence methods (`tokens`, `decode`,
+    decode leaves every sequence as its mirror says. The one-sequence methods (`seq_tokens`, `decode`,
     `sync`, `rollback`, ...) act on sequence 0 unless given `seq`.
 
     Each sequence has a KV cache of its own of `n_ctx` tokens (llama.cpp's non-unified cache: a
@@ -415,14 +211,6 @@ class LlamaContext(_Owner):
     def seq_tokens(self, seq: int = 0) -> list[int]:
         """What sequence `seq` holds (the mirror itself: do not change it)."""
         return self._seqs[seq]
-
-    @property
-    def tokens(self) -> list[int]:
-        return self._seqs[0]
-
-    @property
-    def n_past(self) -> int:
-        return len(self._seqs[0])
 
     def rollback(self, n_past: int, *, seq: int = 0) -> None:
         """Drop every token of sequence `seq` at position >= n_past."""
@@ -528,6 +316,22 @@ class LlamaContext(_Owner):
         in a sequence's cache) or LlamaError is raised."""
         if len(rows) == 1 and 0 < len(rows[0].tokens) <= self.n_batch:
             return self._decode_one(rows[0])
+        flat = self._flatten(rows)
+        if flat is None:
+            return np.zeros((0, self.n_vocab), dtype=np.float32)
+        starts = {r.seq: len(self._seqs[r.seq]) for r in rows if len(r.tokens)}  # to undo a failure
+        sampled, pieces = self._decode_flat(flat, starts)
+        for seq, start in flat.padded:
+            llama_cpp.llama_memory_seq_rm(self._mem, seq, start, -1)
+        for r in rows:
+            if len(r.tokens):
+                self._seqs[r.seq].extend(int(t) for t in r.tokens)
+        self.last_sampled = sampled
+        return self._flat_logits(flat, pieces)
+
+    def _flatten(self, rows: Sequence[Rows]) -> _FlatRows | None:
+        """`rows` laid end to end as batch rows, each after what its sequence holds (None: no
+        tokens at all). ContextFullError where a sequence has no room for its row."""
         flat_tokens, flat_pos, flat_seq, flat_out = [], [], [], []
         padded: list[tuple[int, int]] = []  # (sequence, where its filler starts)
         n_out = 0
@@ -535,13 +339,10 @@ class LlamaContext(_Owner):
             n = len(r.tokens)
             if n == 0:
                 continue
-            held = self._seqs[r.seq]
-            pad = min(r.pad, self.n_ctx - len(held) - n)  # no filler where the sequence has no room
-            if len(held) + n > self.n_ctx:
-                raise ContextFullError(f"context full: {len(held)} + {n} tokens > n_ctx {self.n_ctx}"
-                                       + (f" (sequence {r.seq})" if self.n_seq > 1 else ""))
+            self._check_room(r.seq, n)
+            start = len(self._seqs[r.seq])
+            pad = min(r.pad, self.n_ctx - start - n)  # no filler where the sequence has no room
             k = min(r.n_logits, n)
-            start = len(held)
             flat_tokens.append(np.asarray(r.tokens, dtype=np.int32))
             out = np.zeros(n + max(pad, 0), dtype=np.int8)
             out[n - k:n] = 1
@@ -554,45 +355,42 @@ class LlamaContext(_Owner):
             flat_out.append(out)
             n_out += k
         if not flat_tokens:
-            return np.zeros((0, self.n_vocab), dtype=np.float32)
-        tokens = np.concatenate(flat_tokens)
-        pos = np.concatenate(flat_pos)
-        seqs = np.concatenate(flat_seq)
-        outs = np.concatenate(flat_out)
-        total = len(tokens)
-        starts = {r.seq: len(self._seqs[r.seq]) for r in rows if len(r.tokens)}  # to undo a failure
-        pieces: list[np.ndarray] = []
-        chunks = range(0, total, self.n_batch)
-        backend: list[tuple[int, int]] = []  # (batch row, output index) of the rows sampled on the backend
+            return None
+        seqs, outs = np.concatenate(flat_seq), np.concatenate(flat_out)
+        backend: list[tuple[int, int]] = []
         if self._greedy_chains:
             out_index = np.cumsum(outs, dtype=np.int64) - 1  # [total]
             backend = [(i, int(out_index[i])) for i in np.flatnonzero(outs).tolist()
                        if int(seqs[i]) in self._greedy_chains]
-        sampled = np.full(n_out, -1, dtype=np.int32) if backend else None  # [n_out]
-        host_rows = len(backend) < n_out  # some output row needs its logits
+        return _FlatRows(np.concatenate(flat_tokens), np.concatenate(flat_pos), seqs, outs, padded, n_out, backend)
+
+    def _decode_flat(self, flat: _FlatRows, starts: dict[int, int]) -> tuple[np.ndarray | None, list[np.ndarray]]:
+        """Run `flat` through llama_decode, `n_batch` rows a pass. Returns the ids sampled on the
+        backend ([n_out], None where no row is) and, where it took more than one pass and some output
+        needs its logits, a copy of each pass's logits (the next pass overwrites llama.cpp's buffer).
+        On failure each sequence is trimmed back to `starts` (where it started) before raising."""
+        total = len(flat.tokens)
+        chunks = range(0, total, self.n_batch)
+        pieces: list[np.ndarray] = []
+        sampled = np.full(flat.n_out, -1, dtype=np.int32) if flat.backend else None  # [n_out]
         t0 = time.perf_counter()
         try:
             for lo in chunks:
                 hi = min(total, lo + self.n_batch)
                 m = hi - lo
-                self._b_token[:m] = tokens[lo:hi]
-                self._b_pos[:m] = pos[lo:hi]
-                self._b_logits[:m] = outs[lo:hi]
-                self._set_row_seqs(seqs[lo:hi])
-                self._batch.n_tokens = m
-                rc = llama_cpp.llama_decode(self._ctx, self._batch)
-                if rc != 0:
-                    if rc == 1:
-                        raise ContextFullError(f"no KV cache slot for {m} tokens")
-                    raise LlamaError(f"llama_decode failed with code {rc}")
-                n_chunk_out = int(outs[lo:hi].sum())
+                self._b_token[:m] = flat.tokens[lo:hi]
+                self._b_pos[:m] = flat.pos[lo:hi]
+                self._b_logits[:m] = flat.outs[lo:hi]
+                self._set_row_seqs(flat.seqs[lo:hi])
+                self._run_batch(m)
+                n_chunk_out = int(flat.outs[lo:hi].sum())
                 if sampled is not None:
-                    for i, j in backend:  # llama.cpp indexes a decode's rows from 0
+                    for i, j in flat.backend:  # llama.cpp indexes a decode's rows from 0
                         if lo <= i < hi:
                             sampled[j] = llama_cpp.llama_get_sampled_token_ith(self._ctx, i - lo)
-                if n_chunk_out and len(chunks) > 1 and host_rows:  # the next chunk overwrites the buffer
+                if n_chunk_out and len(chunks) > 1 and flat.host_rows:  # the next chunk overwrites the buffer
                     pieces.append(self._logits(n_chunk_out).copy())
-            if n_out == 0:
+            if flat.n_out == 0:
                 self._wait()  # nothing is read back: the work is waited for here, not in the next decode
         except BaseException:
             for seq, start in starts.items():  # leave every cache exactly as its mirror says
@@ -600,22 +398,21 @@ class LlamaContext(_Owner):
             raise
         finally:
             self.llama_seconds += time.perf_counter() - t0
-        for seq, start in padded:
-            llama_cpp.llama_memory_seq_rm(self._mem, seq, start, -1)
-        for r in rows:
-            if len(r.tokens):
-                self._seqs[r.seq].extend(int(t) for t in r.tokens)
-        self.last_sampled = sampled
-        if n_out == 0:
+        return sampled, pieces
+
+    def _flat_logits(self, flat: _FlatRows, pieces: list[np.ndarray]) -> np.ndarray:
+        """`decode_rows`' result once `flat` is decoded: its outputs' logits ([n_out, vocab]), or
+        [n_out, 0] where every one was sampled on the backend."""
+        if flat.n_out == 0:
             return np.zeros((0, self.n_vocab), dtype=np.float32)
-        if not host_rows:  # every output was sampled on the backend: llama.cpp copied no logits
-            return np.zeros((n_out, 0), dtype=np.float32)
-        if len(chunks) > 1:
+        if not flat.host_rows:  # every output was sampled on the backend: llama.cpp copied no logits
+            return np.zeros((flat.n_out, 0), dtype=np.float32)
+        if pieces:  # more than one pass: each one's logits were copied before the next
             out = np.concatenate(pieces)
             out.flags.writeable = False
             return out
         t0 = time.perf_counter()
-        logits = self._logits(n_out)  # waits for the device's work, where there is one
+        logits = self._logits(flat.n_out)  # waits for the device's work, where there is one
         self.llama_seconds += time.perf_counter() - t0
         return logits
 
@@ -624,9 +421,7 @@ class LlamaContext(_Owner):
         alone, a draft token, a verify pass): the batch filled in place, nothing built per call."""
         held = self._seqs[r.seq]
         n, start = len(r.tokens), len(held)
-        if start + n > self.n_ctx:
-            raise ContextFullError(f"context full: {start} + {n} tokens > n_ctx {self.n_ctx}"
-                                   + (f" (sequence {r.seq})" if self.n_seq > 1 else ""))
+        self._check_room(r.seq, n)
         k = min(r.n_logits, n)
         self._b_token[:n] = r.tokens
         self._b_pos[:n] = self._positions[start:start + n]  # start + n <= n_ctx: checked above
@@ -634,14 +429,9 @@ class LlamaContext(_Owner):
         self._b_logits[n - k:n] = 1
         if (self._b_seq[:n] != r.seq).any():
             self._set_row_seqs(np.full(n, r.seq, dtype=np.int32))
-        self._batch.n_tokens = n
         t0 = time.perf_counter()
         try:
-            rc = llama_cpp.llama_decode(self._ctx, self._batch)
-            if rc != 0:
-                if rc == 1:
-                    raise ContextFullError(f"no KV cache slot for {n} tokens")
-                raise LlamaError(f"llama_decode failed with code {rc}")
+            self._run_batch(n)
             if r.seq in self._greedy_chains:
                 sampled = np.array([llama_cpp.llama_get_sampled_token_ith(self._ctx, i) for i in range(n - k, n)],
                                    dtype=np.int32)  # [k]
@@ -661,6 +451,22 @@ class LlamaContext(_Owner):
         held.extend(r.tokens.tolist() if isinstance(r.tokens, np.ndarray) else map(int, r.tokens))
         self.last_sampled = sampled
         return logits
+
+    def _check_room(self, seq: int, n: int) -> None:
+        """ContextFullError unless sequence `seq` has room for `n` more tokens."""
+        held = len(self._seqs[seq])
+        if held + n > self.n_ctx:
+            raise ContextFullError(f"context full: {held} + {n} tokens > n_ctx {self.n_ctx}"
+                                   + (f" (sequence {seq})" if self.n_seq > 1 else ""))
+
+    def _run_batch(self, m: int) -> None:
+        """llama_decode the batch's first `m` rows (filled already)."""
+        self._batch.n_tokens = m
+        rc = llama_cpp.llama_decode(self._ctx, self._batch)
+        if rc != 0:
+            if rc == 1:
+                raise ContextFullError(f"no KV cache slot for {m} tokens")
+            raise LlamaError(f"llama_decode failed with code {rc}")
 
     def ubatches(self, rows: Sequence[tuple[int, int]]) -> list[list[tuple[int, int]]]:
         """How llama.cpp splits a batch of (sequence, tokens) rows, in this order, into the passes it
@@ -730,153 +536,3 @@ class LlamaContext(_Owner):
         """The KV cache's size in bytes, every sequence's (F16 keys and values, as llama.cpp's default)."""
         return self.model.kv_bytes_per_token() * self.n_ctx * self.n_seq
 
-
-# ---------------------------------------------------------------------------------------------
-# ggml's devices (local GPUs, RPC servers): llama-cpp-python binds none of ggml's backend registry,
-# so the few functions needed are bound here against the ggml libraries llama_cpp has loaded
-
-
-GGML_DEVICE_KINDS = {0: "CPU", 1: "GPU", 2: "IGPU", 3: "ACCEL", 4: "META"}  # enum ggml_backend_dev_type
-
-
-class _DevCaps(ctypes.Structure):
-    _fields_ = [("async_", ctypes.c_bool), ("host_buffer", ctypes.c_bool), ("buffer_from_host_ptr", ctypes.c_bool),
-                ("events", ctypes.c_bool), ("mmap_support", ctypes.c_bool)]
-
-
-class _DevProps(ctypes.Structure):  # struct ggml_backend_dev_props
-    _fields_ = [("name", ctypes.c_char_p), ("description", ctypes.c_char_p), ("memory_free", ctypes.c_size_t),
-                ("memory_total", ctypes.c_size_t), ("type", ctypes.c_int), ("device_id", ctypes.c_char_p),
-                ("caps", _DevCaps)]
-
-
-class Ggml:
-    """ctypes bindings of ggml's backend and device registry (ggml-backend.h), from the same
-    libraries the loaded llama_cpp uses. Get the process's one instance with `ggml()`."""
-
-    def __init__(self) -> None:
-        base = Path(getattr(llama_cpp, "_base_path", PACKAGE_DIR / "lib"))
-        self._libs = []
-        for name in ("ggml", "ggml-base"):  # already loaded by libllama: the same instances
-            try:
-                self._libs.append(llama_cpp.load_shared_library(name, base))
-            except (OSError, RuntimeError) as e:
-                log.debug("lib%s not loadable from %s: %s", name, base, e)
-        vp, size, text = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p
-        self.dev_count = self._bind("ggml_backend_dev_count", size)
-        self.dev_get = self._bind("ggml_backend_dev_get", vp, size)
-        self.dev_name = self._bind("ggml_backend_dev_name", text, vp)
-        self.dev_description = self._bind("ggml_backend_dev_description", text, vp)
-        self.dev_memory = self._bind("ggml_backend_dev_memory", None, vp, ctypes.POINTER(size), ctypes.POINTER(size))
-        self.dev_type = self._bind("ggml_backend_dev_type", ctypes.c_int, vp)
-        self.dev_get_props = self._bind("ggml_backend_dev_get_props", None, vp, ctypes.POINTER(_DevProps))
-        self.dev_backend_reg = self._bind("ggml_backend_dev_backend_reg", vp, vp)
-        self.dev_by_type = self._bind("ggml_backend_dev_by_type", vp, ctypes.c_int)
-        self.reg_by_name = self._bind("ggml_backend_reg_by_name", vp, text)
-        self.reg_name = self._bind("ggml_backend_reg_name", text, vp)
-        self.reg_dev_count = self._bind("ggml_backend_reg_dev_count", size, vp)
-        self.reg_dev_get = self._bind("ggml_backend_reg_dev_get", vp, vp, size)
-        self.reg_get_proc_address = self._bind("ggml_backend_reg_get_proc_address", vp, vp, text)
-
-    def _bind(self, name: str, restype, *argtypes):
-        for lib in self._libs:
-            fn = getattr(lib, name, None)
-            if fn is not None:
-                fn.restype, fn.argtypes = restype, list(argtypes)
-                return fn
-        raise LlamaError(f"llama.cpp's ggml library has no {name} (llama-cpp-python {VERSION})")
-
-    def device(self, handle: int) -> "Device":
-        reg = self.dev_backend_reg(handle)
-        props = _DevProps()
-        self.dev_get_props(handle, ctypes.byref(props))
-        return Device(handle=handle, name=(self.dev_name(handle) or b"").decode(errors="replace"),
-                      description=(self.dev_description(handle) or b"").decode(errors="replace"),
-                      kind=GGML_DEVICE_KINDS.get(self.dev_type(handle), "?"),
-                      backend=(self.reg_name(reg) or b"").decode(errors="replace") if reg else "",
-                      device_id=props.device_id.decode(errors="replace") if props.device_id else None)
-
-    def memory(self, handle: int) -> tuple[int, int]:
-        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
-        self.dev_memory(handle, ctypes.byref(free), ctypes.byref(total))
-        return free.value, total.value
-
-
-@dataclass(frozen=True)
-class Device:
-    """One ggml device (a `ggml_backend_dev_t`)."""
-
-    handle: int
-    name: str  # CPU, CUDA0, RPC0, ...
-    description: str  # for an RPC device: its server's HOST:PORT
-    kind: str  # CPU, GPU, IGPU, ACCEL (an RPC device says GPU whatever the server runs)
-    backend: str  # the backend registry's name: CPU, CUDA, RPC, ...
-    device_id: str | None = None
-
-    def memory(self) -> tuple[int, int]:
-        """(free, total) bytes; an RPC device asks its server."""
-        return ggml().memory(self.handle)
-
-
-_ggml: Ggml | None = None
-_ggml_lock = threading.Lock()
-
-
-def ggml() -> Ggml:
-    global _ggml
-    _ensure_backend()
-    with _ggml_lock:
-        if _ggml is None:
-            _ggml = Ggml()
-    return _ggml
-
-
-def local_devices() -> list[Device]:
-    """The devices of this machine llama.cpp knows (RPC servers are added per model, never here)."""
-    g = ggml()
-    return [g.device(g.dev_get(i)) for i in range(g.dev_count())]
-
-
-def local_gpus() -> list[Device]:
-    """The local GPUs llama.cpp offloads to by default: discrete GPUs (one per device id), integrated
-    ones only when there is none (llama_prepare_model_devices)."""
-    gpus: list[Device] = []
-    igpus: list[Device] = []
-    for dev in local_devices():
-        if dev.backend == "RPC":
-            continue
-        if dev.kind == "GPU" and not any(dev.device_id and g.device_id == dev.device_id for g in gpus):
-            gpus.append(dev)
-        elif dev.kind == "IGPU" and (not igpus or igpus[-1].backend == dev.backend):
-            igpus.append(dev)
-    return gpus or igpus
-
-
-def has_local_gpu() -> bool:
-    """Whether this machine has a GPU llama.cpp offloads to (llama_supports_gpu_offload() also says
-    yes for a CPU-only build with RPC support)."""
-    try:
-        return bool(local_gpus())
-    except LlamaError:
-        return bool(llama_cpp.llama_supports_gpu_offload()) and not llama_cpp.llama_supports_rpc()
-
-
-def model_n_layer(path: str | os.PathLike) -> int:
-    """The number of repeating layers (blocks) of a GGUF model, from its metadata alone."""
-    _ensure_backend()
-    check_gguf(Path(path))
-    params = llama_cpp.llama_model_default_params()
-    params.vocab_only = True
-    model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
-    if not model:
-        raise ModelLoadError(f"llama.cpp could not read the metadata of {path}")
-    try:
-        buf = ctypes.create_string_buffer(256)  # hparams are not read with vocab_only: the metadata is
-        n = llama_cpp.llama_model_meta_val_str(model, b"general.architecture", buf, len(buf))
-        arch = buf.value if n > 0 else b""
-        n = llama_cpp.llama_model_meta_val_str(model, arch + b".block_count", buf, len(buf))
-        if n <= 0 or not buf.value.isdigit():
-            raise ModelLoadError(f"{path} does not say how many layers it has ({arch.decode()}.block_count)")
-        return int(buf.value)
-    finally:
-        llama_cpp.llama_model_free(model)

@@ -47,87 +47,108 @@ def read_gguf_header(path: Path) -> GgufHeader:
     if size < 24:
         return GgufHeader("shorter than a GGUF header")
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        pos = 4
-
-        def take(fmt: str):
-            nonlocal pos
-            value = struct.unpack_from("<" + fmt, m, pos)
-            pos += struct.calcsize("<" + fmt)
-            return value[0]
-
-        def skip_string() -> bytes:
-            nonlocal pos
-            n = take("Q")
-            if n > size - pos:
-                raise ValueError("a string runs past the end of the file")
-            pos += n
-            return m[pos - n:pos]
-
-        def skip_value(kind: int, depth: int = 0):
-            nonlocal pos
-            if kind in _GGUF_SCALARS:
-                return take(_GGUF_SCALARS[kind])
-            if kind == 8:
-                return skip_string()
-            if kind == 9 and depth == 0:
-                item, n = take("I"), take("Q")
-                if item in _GGUF_SCALARS:
-                    width = struct.calcsize(_GGUF_SCALARS[item])
-                    if n * width > size - pos:
-                        raise ValueError("an array runs past the end of the file")
-                    pos += n * width
-                elif item == 8:  # strings (a vocabulary: ~50-250k of them): a tight loop, ~10 ms
-                    if n > size - pos:
-                        raise ValueError("an array runs past the end of the file")
-                    length_at = struct.Struct("<Q").unpack_from
-                    for _ in range(n):
-                        if pos + 8 > size:
-                            raise ValueError("an array runs past the end of the file")
-                        pos += 8 + length_at(m, pos)[0]
-                    if pos > size:
-                        raise ValueError("a string runs past the end of the file")
-                else:
-                    if n > size - pos:
-                        raise ValueError("an array runs past the end of the file")
-                    for _ in range(n):
-                        skip_value(item, depth + 1)
-                return None
-            raise ValueError(f"unknown value type {kind}")
-
+        walk = _Walk(m, size)
         try:
-            version = take("I")
+            version = walk.take("I")
             if version not in (2, 3):
                 return GgufHeader(f"unsupported version {version}")
-            n_tensors, n_kv = take("Q"), take("Q")
+            n_tensors, n_kv = walk.take("Q"), walk.take("Q")
             if n_tensors > size // 16 or n_kv > size // 16:
                 return GgufHeader(f"implausible counts: {n_tensors} tensors, {n_kv} keys")
-            alignment, vocab_digest = 32, None
-            for _ in range(n_kv):
-                key = skip_string()
-                start = pos
-                value = skip_value(take("I"))
-                if key == b"general.alignment" and isinstance(value, int) and value > 0:
-                    alignment = value
-                elif key == VOCABULARY_KEY:
-                    vocab_digest = hashlib.blake2b(m[start:pos], digest_size=16).digest()
-            tensors = []
-            for _ in range(n_tensors):
-                skip_string()
-                n_dims = take("I")
-                if n_dims > 8:
-                    return GgufHeader(f"a tensor with {n_dims} dimensions")
-                n_elements = 1
-                for _ in range(n_dims):
-                    n_elements *= take("Q")
-                tensors.append((n_elements, take("I"), take("Q")))
+            alignment, vocab_digest = walk.keys(n_kv)
+            tensors = walk.tensor_infos(n_tensors)
         except (struct.error, ValueError) as e:
             return GgufHeader("the header is cut short" if isinstance(e, struct.error) else str(e))
-        data_start = -(-pos // alignment) * alignment
+        data_start = -(-walk.pos // alignment) * alignment
         for n_elements, kind, offset in tensors:
             block, nbytes = _GGML_BLOCKS.get(kind, (1, 0))
             if data_start + offset + n_elements // block * nbytes > size:
                 return GgufHeader(f"tensor data ends past the end of the file ({size} bytes)")
     return GgufHeader(None, vocab_digest)
+
+
+class _Walk:
+    """`read_gguf_header`'s position in the mapped file (after the magic) and the reads it makes
+    there. What runs past the end raises struct.error (a fixed-size read) or ValueError (a length
+    the file cannot hold; also a value no GGUF has), and the header is then broken."""
+
+    def __init__(self, m: mmap.mmap, size: int) -> None:
+        self.m, self.size, self.pos = m, size, 4
+
+    def take(self, fmt: str):
+        value = struct.unpack_from("<" + fmt, self.m, self.pos)
+        self.pos += struct.calcsize("<" + fmt)
+        return value[0]
+
+    def string(self) -> bytes:
+        n = self.take("Q")
+        if n > self.size - self.pos:
+            raise ValueError("a string runs past the end of the file")
+        self.pos += n
+        return self.m[self.pos - n:self.pos]
+
+    def value(self, kind: int, depth: int = 0):
+        """A key's value of type `kind`: a scalar's value, a string's bytes; an array is skipped (None)."""
+        if kind in _GGUF_SCALARS:
+            return self.take(_GGUF_SCALARS[kind])
+        if kind == 8:
+            return self.string()
+        if kind == 9 and depth == 0:
+            self._skip_array()
+            return None
+        raise ValueError(f"unknown value type {kind}")
+
+    def _skip_array(self) -> None:
+        item, n = self.take("I"), self.take("Q")
+        size = self.size
+        if item in _GGUF_SCALARS:
+            width = struct.calcsize(_GGUF_SCALARS[item])
+            if n * width > size - self.pos:
+                raise ValueError("an array runs past the end of the file")
+            self.pos += n * width
+        elif item == 8:  # strings (a vocabulary: ~50-250k of them): a tight loop, ~10 ms
+            if n > size - self.pos:
+                raise ValueError("an array runs past the end of the file")
+            m, pos, length_at = self.m, self.pos, struct.Struct("<Q").unpack_from
+            for _ in range(n):
+                if pos + 8 > size:
+                    raise ValueError("an array runs past the end of the file")
+                pos += 8 + length_at(m, pos)[0]
+            self.pos = pos
+            if pos > size:
+                raise ValueError("a string runs past the end of the file")
+        else:
+            if n > size - self.pos:
+                raise ValueError("an array runs past the end of the file")
+            for _ in range(n):
+                self.value(item, 1)
+
+    def keys(self, n_kv: int) -> tuple[int, bytes | None]:
+        """Walk the `n_kv` key-value pairs: the data's alignment, and the vocabulary's digest."""
+        alignment, vocab_digest = 32, None
+        for _ in range(n_kv):
+            key = self.string()
+            start = self.pos
+            value = self.value(self.take("I"))
+            if key == b"general.alignment" and isinstance(value, int) and value > 0:
+                alignment = value
+            elif key == VOCABULARY_KEY:
+                vocab_digest = hashlib.blake2b(self.m[start:self.pos], digest_size=16).digest()
+        return alignment, vocab_digest
+
+    def tensor_infos(self, n_tensors: int) -> list[tuple[int, int, int]]:
+        """Walk the `n_tensors` tensor infos: (elements, ggml type, data offset) each."""
+        tensors = []
+        for _ in range(n_tensors):
+            self.string()
+            n_dims = self.take("I")
+            if n_dims > 8:
+                raise ValueError(f"a tensor with {n_dims} dimensions")
+            n_elements = 1
+            for _ in range(n_dims):
+                n_elements *= self.take("Q")
+            tensors.append((n_elements, self.take("I"), self.take("Q")))
+        return tensors
 
 
 MEMO_ENTRIES = 64  # files a header memo remembers (the latest checked)

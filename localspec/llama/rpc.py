@@ -33,7 +33,9 @@ from typing import Sequence
 
 from localspec.llama.bindings import PACKAGE_DIR, VERSION, llama_cpp
 
-from localspec.llama.context import Device, LlamaError, ggml, local_gpus, model_n_layer
+from localspec.llama.devices import Device, ggml, local_gpus
+from localspec.llama.errors import LlamaError
+from localspec.llama.model import model_n_layer
 
 BUILD_SCRIPT = "scripts/build_rpc.sh"
 DEFAULT_PORT = 50052

@@ -239,6 +239,16 @@ def hf_download(
         if _size(part):
             error = ModelError(f"{error}; kept {_kept(part, meta.size)}: the same command resumes the download")
         raise error from None
+    _check_download(part, actual, sha256, meta, label=label, progress=progress)
+    os.replace(part, dest)
+    return actual
+
+
+def _check_download(part: Path, actual: str, sha256: str | None, meta, *, label: str,
+                    progress: Progress | None) -> None:
+    """The downloaded file's sha256 (`actual`) against `sha256` if given, else against the hub's
+    ETag of an LFS file (none to check against: said, and recorded by the caller). On a mismatch
+    the partial file is deleted and ModelError raised."""
     etag = (meta.etag or "").lower()  # an LFS file's is its sha256 (a git file's is a sha1)
     expected = sha256.lower() if sha256 else etag if HEX64.match(etag) else None
     if expected is not None and actual != expected:
@@ -246,8 +256,6 @@ def hf_download(
         raise ModelError(f"sha256 mismatch for {label}: expected {expected}, got {actual} (download discarded)")
     if expected is None:
         say(progress, f"  {label}: no sha256 published; recording {actual}")
-    os.replace(part, dest)
-    return actual
 
 
 def _bytes_url(source: HFSource, meta, asked: str, endpoint: str) -> str:

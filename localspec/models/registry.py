@@ -190,6 +190,72 @@ def _opt_str(where: str, table: dict, key: str) -> str:
     return value
 
 
+def _parse_models(origin: str, raw_models: dict) -> dict[str, ModelSpec]:
+    """models.toml's [models] tables, checked: usable names, plain file names each model's own,
+    sources, sha256s."""
+    models: dict[str, ModelSpec] = {}
+    files: dict[str, str] = {}
+    for name, m in raw_models.items():
+        where = f"{origin}: model {name!r}"
+        _check_table(where, m, _MODEL_KEYS)
+        if not name or _looks_like_path(name) or name != name.strip():
+            raise ModelError(f"{where}: not a usable model name")
+        file = m.get("file")
+        if not isinstance(file, str) or not file or "/" in file or "\\" in file or file.startswith("."):
+            raise ModelError(f"{where}: file must be a plain file name")
+        if file in files:
+            raise ModelError(f"{where}: file {file} is already used by model {files[file]!r}")
+        files[file] = name
+        source = _parse_source(where, m.get("source"))
+        sha = m.get("sha256")
+        if sha is not None:
+            if not isinstance(sha, str) or not HEX64.match(sha.lower()):
+                raise ModelError(f"{where}: sha256 must be 64 hex digits")
+            if isinstance(source, DerivedSource):
+                raise ModelError(f"{where}: a derived model cannot pin a sha256 (quantizer output varies by build)")
+            sha = sha.lower()
+        models[name] = ModelSpec(
+            name=name,
+            description=_opt_str(where, m, "description"),
+            file=file,
+            sha256=sha,
+            quantization=_opt_str(where, m, "quantization"),
+            size=_opt_str(where, m, "size"),
+            source=source,
+        )
+    return models
+
+
+def _check_derivations(origin: str, models: dict[str, ModelSpec]) -> None:
+    """Every derived model comes, step by step, from a model in the registry, with no cycle."""
+    for name, spec in models.items():
+        seen = [name]
+        src = spec.source
+        while isinstance(src, DerivedSource):
+            if src.from_model not in models:
+                raise ModelError(f"{origin}: model {name!r} is derived from unknown model {src.from_model!r}")
+            if src.from_model in seen:
+                raise ModelError(f"{origin}: derivation cycle: {' -> '.join(seen + [src.from_model])}")
+            seen.append(src.from_model)
+            src = models[src.from_model].source
+
+
+def _parse_pairs(origin: str, raw_pairs: dict, models: dict[str, ModelSpec]) -> dict[str, PairSpec]:
+    """models.toml's [pairs] tables, checked: both models in the registry."""
+    pairs: dict[str, PairSpec] = {}
+    for name, p in raw_pairs.items():
+        where = f"{origin}: pair {name!r}"
+        _check_table(where, p, _PAIR_KEYS)
+        for role in ("oracle", "draft"):
+            if p.get(role) not in models:
+                raise ModelError(f"{where}: {role} {p.get(role)!r} is not a model in the registry")
+        cross = p.get("cross_tokenizer", False)
+        if not isinstance(cross, bool):
+            raise ModelError(f"{where}: cross_tokenizer must be true or false")
+        pairs[name] = PairSpec(name, p["oracle"], p["draft"], _opt_str(where, p, "description"), cross)
+    return pairs
+
+
 @dataclass
 class Registry:
     models: dict[str, ModelSpec]
@@ -226,60 +292,9 @@ class Registry:
         if not isinstance(raw_models, dict) or not isinstance(raw_pairs, dict):
             raise ModelError(f"{origin}: [models] and [pairs] must be tables")
 
-        models: dict[str, ModelSpec] = {}
-        files: dict[str, str] = {}
-        for name, m in raw_models.items():
-            where = f"{origin}: model {name!r}"
-            _check_table(where, m, _MODEL_KEYS)
-            if not name or _looks_like_path(name) or name != name.strip():
-                raise ModelError(f"{where}: not a usable model name")
-            file = m.get("file")
-            if not isinstance(file, str) or not file or "/" in file or "\\" in file or file.startswith("."):
-                raise ModelError(f"{where}: file must be a plain file name")
-            if file in files:
-                raise ModelError(f"{where}: file {file} is already used by model {files[file]!r}")
-            files[file] = name
-            source = _parse_source(where, m.get("source"))
-            sha = m.get("sha256")
-            if sha is not None:
-                if not isinstance(sha, str) or not HEX64.match(sha.lower()):
-                    raise ModelError(f"{where}: sha256 must be 64 hex digits")
-                if isinstance(source, DerivedSource):
-                    raise ModelError(f"{where}: a derived model cannot pin a sha256 (quantizer output varies by build)")
-                sha = sha.lower()
-            models[name] = ModelSpec(
-                name=name,
-                description=_opt_str(where, m, "description"),
-                file=file,
-                sha256=sha,
-                quantization=_opt_str(where, m, "quantization"),
-                size=_opt_str(where, m, "size"),
-                source=source,
-            )
-
-        for name, spec in models.items():
-            seen = [name]
-            src = spec.source
-            while isinstance(src, DerivedSource):
-                if src.from_model not in models:
-                    raise ModelError(f"{origin}: model {name!r} is derived from unknown model {src.from_model!r}")
-                if src.from_model in seen:
-                    raise ModelError(f"{origin}: derivation cycle: {' -> '.join(seen + [src.from_model])}")
-                seen.append(src.from_model)
-                src = models[src.from_model].source
-
-        pairs: dict[str, PairSpec] = {}
-        for name, p in raw_pairs.items():
-            where = f"{origin}: pair {name!r}"
-            _check_table(where, p, _PAIR_KEYS)
-            for role in ("oracle", "draft"):
-                if p.get(role) not in models:
-                    raise ModelError(f"{where}: {role} {p.get(role)!r} is not a model in the registry")
-            cross = p.get("cross_tokenizer", False)
-            if not isinstance(cross, bool):
-                raise ModelError(f"{where}: cross_tokenizer must be true or false")
-            pairs[name] = PairSpec(name, p["oracle"], p["draft"], _opt_str(where, p, "description"), cross)
-
+        models = _parse_models(origin, raw_models)
+        _check_derivations(origin, models)
+        pairs = _parse_pairs(origin, raw_pairs, models)
         default = data.get("default_pair", next(iter(pairs), ""))
         if pairs and default not in pairs:
             raise ModelError(f"{origin}: default_pair {default!r} is not a pair in the registry")

@@ -164,30 +164,38 @@ def build(oracle: str | os.PathLike, draft: str | os.PathLike | None = None, *,
     except BaseException:
         loader.close()
         raise
+    _add_caches(parts, suffix_cache=suffix_cache, prompt_cache_mib=prompt_cache_mib)
+    parts.policy = policy if policy is not None else _length_policy(parts, draft, draft_length, draft_max)
+    parts.calibrate = (on_local_gpu(gpu_layers) or parts.draft is not None and on_local_gpu(draft_gpu_layers)
+                       if calibrate is None else calibrate)
+    if loader.cost_store is not None and learns(parts.policy):
+        parts.costs = CostBook(loader.cost_store, loader.cost_identities(parts, gpu_layers=gpu_layers,
+                                                                         draft_gpu_layers=draft_gpu_layers,
+                                                                         p_min=p_min))
+    return parts
+
+
+def _add_caches(parts: Parts, *, suffix_cache: int, prompt_cache_mib: int) -> None:
+    """The prompt cache and the suffix cache `build` was asked for (0: none); the suffix cache's
+    proposer wraps the one built."""
     if prompt_cache_mib > 0:
         parts.prompt_cache = PromptCache(prompt_cache_mib << 20)
     if parts.proposer is not None and suffix_cache > 0:
         parts.suffix = SuffixPools(suffix_cache)
         parts.proposer = SuffixProposer(parts.proposer, parts.suffix, is_end=parts.oracle.model.is_eog)
+
+
+def _length_policy(parts: Parts, draft: str | os.PathLike | None, draft_length: int | None,
+                   draft_max: int | None) -> LengthPolicy:
+    """The length policy `build`'s arguments ask for: `draft_length` tokens a step, else the default
+    adaptive policy, capped by `draft_max` (None: 64 for prompt lookup, 16 for a draft model)."""
     lookup_max = LOOKUP_DRAFT_MAX if draft_max is None else draft_max
     if draft_max is None:
         draft_max = LOOKUP_DRAFT_MAX if draft == NGRAM else DEFAULT_DRAFT_MAX
-    if policy is None:
-        if parts.proposer is not None and draft_length is not None:
-            policy = FixedLength(min(draft_length, draft_max))
-        else:
-            policy = default_policy(parts.proposer, draft_max, lookup_max=lookup_max,
-                                    model_draft=parts.draft is not None,
-                                    cost_ratio=draft_cost_ratio(parts.oracle.model,
-                                                                parts.draft.model if parts.draft else None))
-    parts.policy = policy
-    parts.calibrate = (on_local_gpu(gpu_layers) or parts.draft is not None and on_local_gpu(draft_gpu_layers)
-                       if calibrate is None else calibrate)
-    if loader.cost_store is not None and learns(policy):
-        parts.costs = CostBook(loader.cost_store, loader.cost_identities(parts, gpu_layers=gpu_layers,
-                                                                         draft_gpu_layers=draft_gpu_layers,
-                                                                         p_min=p_min))
-    return parts
+    if parts.proposer is not None and draft_length is not None:
+        return FixedLength(min(draft_length, draft_max))
+    return default_policy(parts.proposer, draft_max, lookup_max=lookup_max, model_draft=parts.draft is not None,
+                          cost_ratio=draft_cost_ratio(parts.oracle.model, parts.draft.model if parts.draft else None))
 
 
 class _Loader:

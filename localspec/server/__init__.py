@@ -6,7 +6,8 @@
     render.py   OpenAI's response bodies from the engine's chunks
     report.py   the extension "speculative": {"sources": true}: where each token came from
     tools.py    response_format, tools and tool_choice: constraints and tool calls
-    schemas.py  OpenAI request/response bodies (pydantic)
+    schemas.py  OpenAI request bodies (pydantic), and the response bodies re-exported
+    responses.py  OpenAI response bodies (pydantic)
     gate.py     what every request goes through first: Host, Origin, the API key, the body
     errors.py   OpenAI-shaped error bodies and the exception handlers
     worker.py   the one thread that owns the engine, and its job queue

@@ -8,7 +8,7 @@ The server's modules, each importing only those below it:
     routes.py   the endpoints: a request -> its prompt, options and replies
     service.py  the one path every generation takes: jobs -> chunks -> the answer; shutdown
     render.py   OpenAI's response bodies from the engine's chunks
-    report.py, tools.py, schemas.py, gate.py, errors.py, worker.py, metrics.py
+    report.py, tools.py, schemas.py, responses.py, gate.py, errors.py, worker.py, metrics.py
 
 What every request goes through first (Host, Origin, CORS, the API key, the body) is in gate.py;
 the error bodies in errors.py."""
@@ -77,14 +77,7 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
     bound to: with `allowed_hosts` it decides which Host headers are answered; `cors_origins` are
     the web origins allowed to call it (besides its own pages). `body_timeout`: seconds a request
     body may take to arrive. `webui`: serve the chat page at / (server/webui.py)."""
-    if isinstance(engine_or_worker, EngineWorker):
-        worker, owns_worker = engine_or_worker, False
-        if max_queue is not None:
-            worker.max_queue = max_queue
-    else:
-        worker = EngineWorker(engine_or_worker, max_queue=DEFAULT_MAX_QUEUE if max_queue is None else max_queue)
-        owns_worker = True
-    metrics = worker.metrics
+    worker, owns_worker = _worker_for(engine_or_worker, max_queue)
     if max_tokens_limit is None:
         max_tokens_limit = max(1, worker.engine.n_ctx // 2)
     if max_tokens_limit < 1:
@@ -102,9 +95,35 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
                     "`usage` also reports drafted/accepted tokens and the acceptance rate. A chat page is at /.")
     app.state.service = service
     app.state.worker = worker
-    app.state.metrics = metrics
+    app.state.metrics = worker.metrics
     app.state.max_tokens_limit = max_tokens_limit
     app.state.begin_shutdown = service.begin_shutdown
+    _add_middleware(app, worker.metrics, api_key=api_key, max_body=max_body, body_timeout=body_timeout, host=host,
+                    allowed_hosts=allowed_hosts, cors_origins=cors_origins)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(Exception, on_internal_error)
+    app.include_router(router)
+    app.include_router(apidocs_router)
+    if webui:
+        app.include_router(webui_router)
+    return app
+
+
+def _worker_for(engine_or_worker, max_queue: int | None) -> tuple[EngineWorker, bool]:
+    """The app's worker, and whether the app owns it: the one given, or a new one over the engine given."""
+    if isinstance(engine_or_worker, EngineWorker):
+        if max_queue is not None:
+            engine_or_worker.max_queue = max_queue
+        return engine_or_worker, False
+    return EngineWorker(engine_or_worker, max_queue=DEFAULT_MAX_QUEUE if max_queue is None else max_queue), True
+
+
+def _add_middleware(app: FastAPI, metrics, *, api_key: str | Sequence[str] | None, max_body: int,
+                    body_timeout: float, host: str, allowed_hosts: Iterable[str], cors_origins: Iterable[str]) -> None:
+    """What every request goes through before its route: Guard (Host, Origin), CORS, then Gate (the
+    API key, the body)."""
 
     def methods_for(path: str) -> set[str]:
         out: set[str] = set()
@@ -119,15 +138,6 @@ def create_app(engine_or_worker, *, model_name: str, aliases: Iterable[str] = ()
     app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"], allow_headers=["*"],
                        expose_headers=["Retry-After"])
     app.add_middleware(Guard, metrics=metrics, hosts=HostRule(host, allowed_hosts), origins=OriginRule(cors_origins))
-    app.add_exception_handler(RequestValidationError, on_validation_error)
-    app.add_exception_handler(StarletteHTTPException, on_http_error)
-    app.add_exception_handler(APIError, on_api_error)
-    app.add_exception_handler(Exception, on_internal_error)
-    app.include_router(router)
-    app.include_router(apidocs_router)
-    if webui:
-        app.include_router(webui_router)
-    return app
 
 
 # ---------------------------------------------------------------- running it (localspec serve)
