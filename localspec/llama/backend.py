@@ -1,8 +1,8 @@
 """Process-wide llama.cpp set-up: the backend initialised once, llama.cpp's log routed to Python
 logging (and captured by a thread while it asks, `captured_log`), the threads a process may use.
 
-Its own module so that what loads models (llama/model.py, context.py) and what derives them (models/derive.py) both
-depend on it, not on each other.
+Its own module so that what loads models (llama/model.py, context.py) and what derives them
+(models/derive.py) both depend on it, not on each other.
 """
 
 from __future__ import annotations
