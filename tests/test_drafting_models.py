@@ -312,7 +312,7 @@ def test_a_hybrids_draft_model_keeps_its_costs_under_its_own_kind(registry, pair
     for oracle, kind in ((pair_paths[0], "model"), (gemma, "cross-tokenizer")):
         with Engine(oracle, pair_paths[1], n_ctx=256, cross_tokenizer=True) as engine:
             assert engine.proposer.describe() == "hybrid" and engine.proposer.model.describe() == kind
-            keys = engine.costs.keys
+            keys = engine.learner.costs.keys
             assert keys["draft"]["proposer"] == keys["acceptance"]["proposer"] == kind
             assert keys["lookup_acceptance"]["proposer"] == "hybrid-lookup"
 
