@@ -318,9 +318,9 @@ def test_metrics_count_draft_tokens_by_source():
 
 
 def test_token_sources_include_the_suffix_cache():
-    """Every source the engine labels a token with (runtime/engine.py's _DRAFT_SOURCES, and "oracle") is one
+    """Every source the engine labels a token with (runtime/apply.py's _DRAFT_SOURCES, and "oracle") is one
     the report's schema takes: a token the suffix cache drafted must not fail the reply."""
-    from localspec.runtime.engine import _DRAFT_SOURCES
+    from localspec.runtime.apply import _DRAFT_SOURCES
     from localspec.server import schemas as S
 
     labels = [*_DRAFT_SOURCES.values(), "oracle"]
