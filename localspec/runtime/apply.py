@@ -56,8 +56,9 @@ class Apply:
         seq, stats, step = r.seq, r.seq.stats, r.record
         emitted, finish = self._emit(r.tokens, seq, _sources(step.source, r.accepted, len(r.tokens))
                                      if seq.request.sources else None)
-        if not finish:
-            step = dataclasses.replace(step, unused=unused_offers(r.offer, step.source, emitted))
+        unused = unused_offers(r.offer, step.source, emitted) if not finish else ()
+        if unused:  # (most steps have none: no copy of the record then)
+            step = dataclasses.replace(step, unused=unused)
         if seq.request.speculative:  # a request that does not draft teaches the policy nothing
             seq.policy.observe(step)
             stats.idle_steps += r.limit > 0 and not step.drafted
