@@ -294,6 +294,8 @@ if [[ $mode == cuda && $wide == 1 ]]; then   # an 8B model's cost with SmolLM2's
     say "the 8B-shaped oracle derived in $((SECONDS - w0)) s"
     run_bench bench-as-8b --pair smollm2-as-8b --workload chat,code --max-prompts 2 --max-tokens 256 --reps 1 \
         --mixed-warmup 0 --systems baseline,k8,adaptive,lookup,llama.cpp-k4,llama.cpp-k8,llama.cpp-k16
+    run_bench bench-as-8b-t07 --pair smollm2-as-8b --temperature 0.7 --workload chat --max-prompts 2 --max-tokens 256 \
+        --reps 1 --mixed-warmup 0 --systems baseline,adaptive,llama.cpp-k4,llama.cpp-k8,llama.cpp-k16
     run_bench bench-as-8b-q2k --pair smollm2-as-8b-q2k --workload chat,code --max-prompts 2 --max-tokens 256 \
         --reps 1 --mixed-warmup 0 --systems baseline,adaptive,llama.cpp-k8
     run_bench clients-as-8b --pair smollm2-as-8b --clients 1,4,8 --max-tokens 128 --reps 1 \

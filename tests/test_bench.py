@@ -223,6 +223,11 @@ def test_anchor_run_on_a_stand_in(tmp_path):
                threads=1, n_ctx=512, flash_attn="off")
     args = log.read_text().split()
     assert args[args.index("--flash-attn") + 1] == "off"
+    anchor.run(fake, oracle="o.gguf", draft="d.gguf", prompt_text="p", prompt_echo="p", n_predict=8, k=16,
+               threads=1, n_ctx=512, temperature=0.7)
+    args = log.read_text().split()  # sampled as localspec samples by default: no other filter
+    for flag, value in [("--temp", "0.7"), ("--top-k", "0"), ("--top-p", "1.0"), ("--min-p", "0.0")]:
+        assert args[args.index(flag) + 1] == value, flag
 
 
 def test_anchor_ngram_lookup_runs_without_a_draft_model(tmp_path):
@@ -491,6 +496,41 @@ def test_bench_cli_tiny_run(tmp_path, pair_paths):
     assert k2_run["host_ms_per_step"] > 0 and k2_run["host_draft_time"] >= 0
     assert 0.0 <= k2["greedy_match"] <= 1.0
     assert "## Machine" in (tmp_path / "RESULTS.md").read_text()
+
+
+def test_a_sampled_bench_samples_every_system_and_claims_no_greedy_match(tmp_path, pair_paths):
+    """`--temperature 0.7`: localspec's runs sample (unseeded), a fresh `generate` is told to, and
+    llama-cpp-python's greedy-only systems are skipped; no run is compared with the baseline's text."""
+    from click.testing import CliRunner
+
+    from localspec.bench.runner import one_shot_command
+    from localspec.bench.systems import parse_systems
+    from localspec.bench.workloads import BenchPrompt
+    from localspec.cli.commands import main
+
+    oracle, draft = pair_paths
+    wl = tmp_path / "tiny.jsonl"
+    wl.write_text(json.dumps({"id": "t1", "messages": [{"role": "user", "content": "Name three colours."}],
+                              "max_tokens": 8}) + "\n")
+    out = tmp_path / "report.json"
+    result = CliRunner().invoke(main, [
+        "bench", "--oracle", str(oracle), "--draft", str(draft), "--workload", str(wl), "--systems", "k2,lcp-lookup",
+        "--temperature", "0.7", "--reps", "1", "--threads", "1", "--ctx", "512", "--json", str(out),
+        "--markdown", str(tmp_path / "RESULTS.md")])
+    assert result.exit_code == 0, result.output
+    rep = json.loads(out.read_text())
+    assert rep["config"]["temperature"] == 0.7
+    status = {s["name"]: s for s in rep["systems"]}
+    assert status["k2"]["status"] == "ok" and status["lcp-lookup"]["status"] == "skipped"
+    assert "greedy" in status["lcp-lookup"]["reason"]
+    assert {r["system"] for r in rep["runs"]} == {"baseline", "k2"}
+    assert all(r["match"] is None for r in rep["runs"])
+    assert "sampled at temperature 0.7" in (tmp_path / "RESULTS.md").read_text()
+    k2 = next(spec for spec in parse_systems(["k2"]) if spec.name == "k2")
+    prompt, models = BenchPrompt(workload="tiny", id="t1", max_tokens=8, prompt="hi"), {"oracle": "o", "draft": "d"}
+    cmd = one_shot_command(k2, prompt, models, 1, 4096, temperature=0.7)
+    assert cmd[cmd.index("--temperature") + 1] == "0.7"
+    assert "--temperature" not in one_shot_command(k2, prompt, models, 1, 4096)
 
 
 @pytest.mark.model

@@ -95,8 +95,9 @@ class Flags:
 
 def command(binary: str | os.PathLike, *, oracle: str, draft: str | None, prompt_file: str, n_predict: int,
             k: int | None, threads: int, n_ctx: int, p_min: float | None = None, seed: int = 1,
-            spec_type: str | None = None, flash_attn: str | None = None) -> list[str]:
-    """The command line of one greedy generation. `spec_type="ngram-simple"`: llama.cpp's prompt
+            spec_type: str | None = None, flash_attn: str | None = None, temperature: float = 0.0) -> list[str]:
+    """The command line of one generation, greedy (or sampled at `temperature`, with no other filter:
+    top-k 0, top-p 1, min-p 0, as localspec samples by default). `spec_type="ngram-simple"`: llama.cpp's prompt
     lookup, no draft model (`k`, if given, caps the drafted m-gram). `p_min` None: llama.cpp's own
     default; `flash_attn` None: its default (auto). CPU weight repacking is turned off where the
     program can (llama.cpp's repacked Q4_1 weights crash on AMX CPUs; elsewhere it did not change
@@ -104,8 +105,9 @@ def command(binary: str | os.PathLike, *, oracle: str, draft: str | None, prompt
     binary = str(binary)
     f = Flags.detect(binary)
     cmd = [binary, "-m", oracle, "-f", prompt_file, "-n", str(n_predict), "-c", str(n_ctx),
-           "-t", str(threads), "-tb", str(threads), "--temp", "0", "--top-k", "1", "--repeat-penalty", "1.0",
-           "--seed", str(seed)]
+           "-t", str(threads), "-tb", str(threads), "--repeat-penalty", "1.0", "--seed", str(seed)]
+    cmd += (["--temp", f"{temperature:g}", "--top-k", "0", "--top-p", "1.0", "--min-p", "0.0"] if temperature
+            else ["--temp", "0", "--top-k", "1"])
     if f.no_repack:
         cmd.append(f.no_repack)
     if flash_attn is not None:
@@ -208,7 +210,8 @@ def discard_log(log: IO) -> None:
 
 def run(binary: str | os.PathLike, *, oracle: str, draft: str | None, prompt_text: str, prompt_echo: str,
         n_predict: int, k: int | None, threads: int, n_ctx: int, p_min: float | None = None,
-        spec_type: str | None = None, flash_attn: str | None = None, timeout: float = 1800.0) -> dict:
+        spec_type: str | None = None, flash_attn: str | None = None, timeout: float = 1800.0,
+        temperature: float = 0.0) -> dict:
     """Run one generation; returns the parsed stats, the generated text and the process's peak RSS."""
     with tempfile.TemporaryDirectory(prefix="localspec-anchor-") as tmp:
         prompt_file = os.path.join(tmp, "prompt.txt")
@@ -216,7 +219,8 @@ def run(binary: str | os.PathLike, *, oracle: str, draft: str | None, prompt_tex
             fh.write(prompt_text + "\n")  # llama.cpp drops one trailing newline from -f files
         out_path, err_path = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
         cmd = command(binary, oracle=oracle, draft=draft, prompt_file=prompt_file, n_predict=n_predict, k=k,
-                      threads=threads, n_ctx=n_ctx, p_min=p_min, spec_type=spec_type, flash_attn=flash_attn)
+                      threads=threads, n_ctx=n_ctx, p_min=p_min, spec_type=spec_type, flash_attn=flash_attn,
+                      temperature=temperature)
         t0 = time.perf_counter()
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err)

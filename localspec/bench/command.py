@@ -21,13 +21,16 @@ def run(*, pair: str | None, oracle: str | None, draft: str | None, workload: st
         reps: int, max_prompts: int | None, max_tokens: int | None, threads: int | None, n_ctx: int,
         json_path: str | None, charts_dir: str | None, markdown_path: str | None, anchor_bin: str | None,
         cross_tokenizer: bool, paired: bool, one_shot: bool, mixed_warmup: int, clients: str | None,
-        progress: Callable[[str], None], echo: Callable[[str], None], base_tree: str | None = None) -> dict:
+        progress: Callable[[str], None], echo: Callable[[str], None], base_tree: str | None = None,
+        temperature: float = 0.0) -> dict:
     from localspec.models import Registry
 
     choice = Registry.load().choose(pair, oracle, draft)
     oracle, draft, chosen = choice.oracle, choice.draft, choice.pair
     if base_tree and not clients:
         raise ValueError("--base-tree goes with --clients (the serving benchmark)")
+    if temperature and clients:
+        raise ValueError("--temperature is for the single-stream runs; --clients streams greedy answers")
     if clients:
         return _run_clients(oracle, draft, clients, systems, workload, reps, max_prompts, max_tokens, threads,
                             anchor_bin, json_path, markdown_path, progress, echo, base_tree=base_tree)
@@ -38,7 +41,7 @@ def run(*, pair: str | None, oracle: str | None, draft: str | None, workload: st
     config = BenchConfig(oracle=oracle, draft=draft, prompts=prompts, systems=parse_systems(systems), reps=reps,
                          threads=threads, n_ctx=n_ctx, pair=chosen.name if oracle == chosen.oracle else None,
                          anchor_bin=anchor_bin, progress=progress, paired=paired, one_shot=one_shot, mixed_warmup=mixed_warmup,
-                         cross_tokenizer=cross_tokenizer or choice.cross_tokenizer)
+                         cross_tokenizer=cross_tokenizer or choice.cross_tokenizer, temperature=temperature)
     report = run_bench(config)
 
     charts: dict[str, str] = {}

@@ -61,7 +61,9 @@ def _setup_section(report: dict) -> list[str]:
         "## Setup",
         "",
         f"- oracle: `{c['oracle']}`; draft: `{c['draft']}`" + (f" (pair `{c['pair']}`)" if c.get("pair") else ""),
-        f"- greedy decoding (temperature 0), context {c['n_ctx']}, {c['reps']} interleaved repetitions, "
+        (f"- sampled at temperature {c['temperature']:g} (unseeded, no other filter; no greedy match), "
+         if c.get("temperature") else "- greedy decoding (temperature 0), ")
+        + f"context {c['n_ctx']}, {c['reps']} interleaved repetitions, "
         f"{len(c['prompts'])} prompts ({', '.join(c['workloads'])}); run time {report.get('elapsed_seconds', '?')} s",
         *warmup,
         "- every figure is measured in the same run, on the same prompts, GGUF files and thread count",

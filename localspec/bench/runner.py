@@ -37,7 +37,7 @@ from localspec.bench import anchor
 from localspec.bench.ceiling import percentile
 from localspec.bench.machine import load_average, machine_info
 from localspec.bench.report import aggregate
-from localspec.bench.systems import LLAMA_CPP, LOCALSPEC, SystemSpec, parse_systems
+from localspec.bench.systems import LLAMA_CPP, LLAMA_CPP_PYTHON, LOCALSPEC, SystemSpec, parse_systems
 from localspec.bench.workloads import BenchPrompt
 
 SCHEMA = "localspec-bench/1"
@@ -69,6 +69,7 @@ class BenchConfig:
     one_shot: bool = False  # also time each localspec system as a fresh `localspec generate` process
     warmup: bool = True
     mixed_warmup: int = MIXED_WARMUP  # sampled requests each drafting localspec system answers before the runs
+    temperature: float = 0.0  # every timed run's: 0 greedy; above it sampled, unseeded (no greedy match then)
     progress: Callable[[str], None] | None = None
 
 
@@ -147,7 +148,8 @@ def run_bench(config: BenchConfig) -> dict:
     finally:
         bench.close()
     bench.record_anchor_rss(runs)
-    _add_matches(runs, outputs)
+    if not config.temperature:  # sampled texts part wherever the draws do
+        _add_matches(runs, outputs)
     machine["load_average_end"] = load_average()
     report = {
         "schema": SCHEMA,
@@ -189,7 +191,7 @@ def _config_section(config: BenchConfig, models: dict, threads: int, prepared: d
         "pair": config.pair, "oracle": config.oracle, "draft": config.draft,
         "cross_tokenizer": config.cross_tokenizer,
         "oracle_path": models["oracle"], "draft_path": models["draft"], "threads": threads, "n_ctx": config.n_ctx,
-        "reps": config.reps, "temperature": 0.0, "paired": config.paired, "one_shot": config.one_shot,
+        "reps": config.reps, "temperature": config.temperature, "paired": config.paired, "one_shot": config.one_shot,
         "mixed_warmup": {"requests": config.mixed_warmup if config.warmup else 0, "max_tokens": MIXED_WARMUP_TOKENS,
                          "temperatures": list(MIXED_WARMUP_TEMPERATURES)},
         "workloads": sorted({p.workload for p in config.prompts}),
@@ -232,6 +234,8 @@ class _Bench:
         for spec in self.systems:
             if spec.uses_draft_model and not self.models["draft"]:
                 self.skip(spec, "no draft model given")
+            elif spec.kind == LLAMA_CPP_PYTHON and self.config.temperature:
+                self.skip(spec, "llama-cpp-python's runs are greedy")
             elif spec.kind == LLAMA_CPP:
                 self._find_anchor(spec)
             else:
@@ -343,7 +347,8 @@ class _Bench:
         try:
             return _run_one(spec, prompt, self.prepared[(prompt.workload, prompt.id)], rep, self.workers,
                             self.anchor_bins, self.models, self.threads, self.config.n_ctx, paired=self.config.paired,
-                            paired_first=paired_first, one_shot=self.config.one_shot)
+                            paired_first=paired_first, one_shot=self.config.one_shot,
+                            temperature=self.config.temperature)
         except Exception as e:
             if spec.is_baseline:
                 raise BenchError(f"the baseline failed on {prompt.id}: {e}") from e
@@ -392,14 +397,14 @@ def _first_line(e: BaseException) -> str:
 
 def _run_one(spec: SystemSpec, prompt: BenchPrompt, prep: dict, rep: int, workers: dict[str, Worker],
              anchor_bins: dict[str, Path], models: dict, threads: int, n_ctx: int, *, paired: bool = False,
-             paired_first: bool = True, one_shot: bool = False) -> tuple[dict, dict]:
+             paired_first: bool = True, one_shot: bool = False, temperature: float = 0.0) -> tuple[dict, dict]:
     base = {"system": spec.name, "workload": prompt.workload, "prompt_id": prompt.id, "rep": rep,
             "prompt_tokens": len(prep["tokens"]), "max_tokens": prompt.max_tokens}
     if spec.kind == LLAMA_CPP:
         r = anchor.run(anchor_bins[spec.name], oracle=models["oracle"], draft=models["draft"],
                        prompt_text=prep["anchor_text"], prompt_echo=prep["echo"], n_predict=prompt.max_tokens,
                        k=spec.params["k"], threads=threads, n_ctx=n_ctx, spec_type=spec.params.get("spec_type"),
-                       flash_attn=spec.params.get("flash_attn"))
+                       flash_attn=spec.params.get("flash_attn"), temperature=temperature)
         n_accept, n_drafted = r.get("n_accept") or 0, r.get("n_drafted") or 0
         n_predict = r.get("n_predict") if r.get("n_predict") is not None else r["completion_tokens"]
         record = {**base, "completion_tokens": r["completion_tokens"], "decode_time": r["decode_time"],
@@ -414,13 +419,14 @@ def _run_one(spec: SystemSpec, prompt: BenchPrompt, prep: dict, rep: int, worker
 
     def drafting_off() -> dict:
         return w.call(op="run", tokens=prep["tokens"], max_tokens=prompt.max_tokens, speculative=False,
-                      json_schema=_schema(prompt))["result"]
+                      json_schema=_schema(prompt), temperature=temperature)["result"]
 
     off = None
     paired = paired and spec.kind == LOCALSPEC and not spec.is_baseline
     if paired and paired_first:
         off = drafting_off()
-    r = w.call(op="run", tokens=prep["tokens"], max_tokens=prompt.max_tokens, json_schema=_schema(prompt))["result"]
+    r = w.call(op="run", tokens=prep["tokens"], max_tokens=prompt.max_tokens, json_schema=_schema(prompt),
+               temperature=temperature)["result"]
     if paired and not paired_first:
         off = drafting_off()
     latencies: list[float] = []
@@ -441,14 +447,15 @@ def _run_one(spec: SystemSpec, prompt: BenchPrompt, prep: dict, rep: int, worker
         record["paired_tokens_per_second"] = off["tokens_per_second"]
         record["paired_records"] = off.get("records")
     if one_shot and spec.kind == LOCALSPEC:
-        shot = one_shot_run(spec, prompt, models, threads, n_ctx)
+        shot = one_shot_run(spec, prompt, models, threads, n_ctx, temperature)
         if shot is not None:
             record.update(one_shot_wall=shot["wall"], one_shot_tokens=shot["completion_tokens"],
                           one_shot_ttft=shot["ttft"])
     return record, {"text": r["text"], "tokens": r["tokens"]}
 
 
-def one_shot_command(spec: SystemSpec, prompt: BenchPrompt, models: dict, threads: int, n_ctx: int) -> list[str] | None:
+def one_shot_command(spec: SystemSpec, prompt: BenchPrompt, models: dict, threads: int, n_ctx: int,
+                     temperature: float = 0.0) -> list[str] | None:
     """`localspec generate ... --json` for this system and prompt, as a user would type it; None for a
     prompt that one command line cannot express (chat messages other than an optional system message
     and one user message)."""
@@ -456,6 +463,8 @@ def one_shot_command(spec: SystemSpec, prompt: BenchPrompt, models: dict, thread
            "--oracle", models["oracle"], "--threads", str(threads)]
     if n_ctx != DEFAULT_CTX:  # else the context `generate` sizes for the prompt, as a user gets it
         cmd += ["--ctx", str(n_ctx)]
+    if temperature:
+        cmd += ["--temperature", f"{temperature:g}"]
     if prompt.messages is not None:
         roles = [m["role"] for m in prompt.messages]
         if roles not in (["user"], ["system", "user"]):
@@ -491,9 +500,10 @@ def one_shot_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
 
 
-def one_shot_run(spec: SystemSpec, prompt: BenchPrompt, models: dict, threads: int, n_ctx: int) -> dict | None:
+def one_shot_run(spec: SystemSpec, prompt: BenchPrompt, models: dict, threads: int, n_ctx: int,
+                 temperature: float = 0.0) -> dict | None:
     """Run a fresh `localspec generate` process; its wall time from start to exit, and its stats."""
-    cmd = one_shot_command(spec, prompt, models, threads, n_ctx)
+    cmd = one_shot_command(spec, prompt, models, threads, n_ctx, temperature)
     if cmd is None:
         return None
     t0 = time.perf_counter()

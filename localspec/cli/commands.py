@@ -360,6 +360,10 @@ def serve(ctx: click.Context, host: str, port: int, model_name: str | None, api_
               "llama.cpp-kN, llama.cpp-spec, llama.cpp-ngram-kN, lcp-lookup-kN; any name but the baseline and lcp-lookup "
               "takes -fa-auto|-fa-on|-fa-off; llama.cpp-grid is llama.cpp-k4/k8/k16, each with -fa auto and off).")
 @click.option("--reps", type=click.IntRange(1), default=3, show_default=True, help="Interleaved repetitions.")
+@click.option("--temperature", type=click.FloatRange(0.0, 2.0), default=0.0, show_default=True,
+              help="Sample every timed run at this temperature (unseeded, no other filter), localspec's systems and "
+                   "llama.cpp's alike; 0: greedy. Sampled runs have no greedy match, and llama-cpp-python's systems "
+                   "(greedy only) are skipped. Not with --clients.")
 @click.option("--max-prompts", type=click.IntRange(1), default=None, help="At most N prompts per workload (with "
               "--clients: N listings of records).")
 @OPTIONS["max_tokens"].click_option(default=None, help="Cap every prompt's max_tokens.")
