@@ -183,17 +183,16 @@ def test_where_the_draft_costs_as_much_as_the_oracle_the_default_never_loses(rec
     """The default pair on an H200 (../shared/gpu/h200-2026-11-27): both models launch-bound, a draft
     token dearer than a one-token oracle pass, a pass of two tokens 2.5x one. The best is the oracle
     alone (K = 0) on every trace, but for prompt lookup's long copies; the default, fresh (its costs
-    timed at load) >= 0.95x of the best of K = 0 and every fixed K on every trace, and once it has
-    served the others >= 0.975x (0.9796x at worst: one 10-token lookup of a 6-token match that held
-    for one token, a 4 ms pass instead of a 1.3 ms one). (It ran 0.76-0.96x fresh before it could
-    tell that no acceptance makes such a draft pay.)"""
+    timed at load) >= 0.95x of the best of K = 0 and every fixed K on every trace (0.979x at worst),
+    and once it has served the others >= 0.98x (0.989x at worst). (It ran 0.76-0.96x fresh before it
+    could tell that no acceptance makes such a draft pay.)"""
     traces, doc = recording
     costs = Costs.h200_smollm2()
     for trace in traces:
         best, name = best_fixed(trace, costs)
         got = speed(trace, default_policy(doc), costs)
         assert got >= 0.95 * best, f"fresh, {trace.prompt[:40]!r}: {got:.1f} tok/s against {name}'s {best:.1f}"
-    assert_learned_keeps_up(traces, doc, costs, share=0.975)
+    assert_learned_keeps_up(traces, doc, costs, share=0.98)
 
 
 def test_on_a_gpu_the_replay_times_both_models_at_load_as_the_engine_does(recording):
