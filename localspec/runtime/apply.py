@@ -37,10 +37,10 @@ class Apply:
         self.clock = clock if clock is not None else lambda: time.perf_counter()
 
     def __call__(self, output: StepOutput) -> list[StepOutcome]:
-        t0 = self.clock()
         outcomes = [self._step(r) if r.record is not None else self._chunk(r) for r in output.results]
         self.learner.observe(output.batch, self.oracle, self.draft)
-        other = self.clock() - t0  # emitting, the policies' updates: the host's time beside the step's
+        # after the verify: the results built, the prompt chunks' logprobs, emitting, the policies' updates
+        other = self.clock() - output.verified
         for r in output.results:
             if r.record is not None:
                 r.seq.stats.host_other_time += other

@@ -104,6 +104,7 @@ class PassRecord:
 class StepOutput:
     results: list[SeqResult]  # the running sequences' steps (slot order), then the prompt chunks
     batch: PassRecord
+    verified: float  # the step's clock when its verify ended: what comes after is the host's "other" time
 
 
 @dataclasses.dataclass(eq=False)
@@ -161,7 +162,7 @@ class Step:
                    for seq, (out, logprobs, n_accepted) in zip(running, verified)]
         results += [self._chunk(seq, n, logits, offsets[seq.slot]) for seq, n in prefill.items()]
         batch = PassRecord(rows, contexts, rounds, bool(prefill), t_decoded - t1, len(running), drafted)
-        return StepOutput(results, batch)
+        return StepOutput(results, batch, t2)
 
     # -- plan
 
