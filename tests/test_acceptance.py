@@ -419,3 +419,55 @@ def test_accept_takes_the_target_as_the_request_asked_for_it_and_its_regimes_rul
     sampled = SamplingParams(temperature=1.0)
     out, n = accept(draft, None, logits, sampled, np.random.default_rng(3), position=5)
     assert len(out) == n + 1 and 0 <= n <= 2
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_p=0.9),
+                                    SamplingParams(temperature=0.9, top_k=20, min_p=0.02)])
+@pytest.mark.parametrize("with_draft_probs", [True, False])
+def test_accept_reads_the_targets_rows_lazily_and_decides_as_the_whole_array(params, with_draft_probs):
+    """`accept` computes the oracle's rows only up to the first rejection (`LazyProbs`), in memory
+    kept from step to step: each outcome, generator draw for draw, is the one the whole
+    [k+1, vocab] array of probabilities gives, and no row past the rejection is computed."""
+    from localspec.speculative.acceptance import accept
+    from localspec.speculative.sampling import LazyProbs
+
+    gen = np.random.default_rng(11)
+    vocab, k = 300, 6
+    for trial in range(60):
+        target_logits = (gen.standard_normal((k + 1, vocab)) * 2.0).astype(np.float32)  # [k+1, vocab]
+        draft_logits = target_logits[:k] + gen.standard_normal((k, vocab)).astype(np.float32) * (trial % 3)
+        draft_probs = logits_to_probs(draft_logits, params)  # [k, vocab]
+        draft = np.array([sample(row, gen) for row in draft_probs])
+        whole = accept_draft(draft, draft_probs if with_draft_probs else None, logits_to_probs(target_logits, params),
+                             np.random.default_rng(trial))
+        lazy = accept(draft, draft_probs if with_draft_probs else None, target_logits, params,
+                      np.random.default_rng(trial), position=0)
+        assert lazy[0].tolist() == whole[0].tolist() and lazy[1] == whole[1]
+        rows = LazyProbs(target_logits, params)
+        accept_draft(draft, draft_probs if with_draft_probs else None, rows, np.random.default_rng(trial))
+        assert rows._done == whole[1] + 1  # the rows up to the rejection (or the bonus), none after
+
+
+def test_the_seeded_check_stops_at_the_first_disagreement_and_matches_the_picks():
+    """Seeded sampling's check (`accept_coupled`) emits what accept_greedy makes of the oracle's
+    seeded pick at every row, computing the rows only while the draft agrees."""
+    from localspec.speculative.acceptance import accept_coupled
+    from localspec.speculative.sampling import LazyProbs, coupled_choice
+
+    gen = np.random.default_rng(5)
+    params = SamplingParams(temperature=0.8, seed=3)
+    vocab, k = 200, 5
+    for trial in range(40):
+        logits = (gen.standard_normal((k + 1, vocab)) * 3.0).astype(np.float32)  # [k+1, vocab]
+        probs = logits_to_probs(logits, params)
+        picks = np.array([coupled_choice(row, 3, 10 + i) for i, row in enumerate(probs)])
+        draft = picks[:k].copy()
+        if trial % 2:
+            draft[trial % k] = (draft[trial % k] + 1) % vocab  # a disagreement there
+        expected = accept_greedy(draft, picks)
+        rows = LazyProbs(logits, params)
+        out, n = accept_coupled(draft, rows, 3, 10)
+        assert (out.tolist(), n) == (expected[0].tolist(), expected[1])
+        assert rows._done == n + 1
+    with pytest.raises(ValueError):
+        accept_coupled(np.array([1, 2]), LazyProbs(np.zeros((2, 4), np.float32), params), 3, 0)

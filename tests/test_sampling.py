@@ -464,3 +464,35 @@ def test_top_probability_floor_falls_back_where_the_far_logits_could_tip_it():
     assert top_probability(row, 0) < p_min
     assert not top_probability_at_least(row, 0, p_min)
     assert top_probability_at_least(row, 0, 1 / (1 + 2 * s_far))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.7),
+                                    SamplingParams(temperature=1.0, top_k=5), SamplingParams(temperature=1.2, top_p=0.8),
+                                    SamplingParams(temperature=0.9, min_p=0.1, top_p=0.95)])
+def test_probabilities_written_into_kept_memory_are_the_same(params):
+    """logits_to_probs(..., out=) writes the very probabilities it would return fresh (into a row
+    of kept memory, whatever that held before), and refuses an array of another shape or type."""
+    from localspec.speculative.sampling import RowBuffer, scratch
+
+    logits = (np.random.default_rng(2).standard_normal((3, 500)) * 2).astype(np.float32)
+    fresh = logits_to_probs(logits, params)
+    out = np.full((3, 500), 7.0)
+    assert logits_to_probs(logits, params, out=out) is out
+    np.testing.assert_array_equal(out, fresh)
+    rows = RowBuffer(500)
+    for _ in range(2):  # the second time over memory the first wrote
+        rows.clear()
+        for r in range(3):
+            logits_to_probs(logits[r], params, out=rows.claim())
+        rows.spare().fill(5.0)  # used and dropped: not among the rows
+        np.testing.assert_array_equal(rows.rows(), fresh)
+    for _ in range(20):  # grown past its first capacity, the rows claimed are kept
+        logits_to_probs(logits[0], params, out=rows.claim())
+    np.testing.assert_array_equal(rows.rows()[:3], fresh)
+    assert len(rows.rows()) == 23
+    with pytest.raises(ValueError):
+        logits_to_probs(logits, params, out=np.empty((3, 500), dtype=np.float32))
+    with pytest.raises(ValueError):
+        logits_to_probs(logits, params, out=np.empty(500))
+    a, b = scratch(100, slot="x"), scratch((2, 50), slot="x")
+    assert np.shares_memory(a, b) and not np.shares_memory(a, scratch(100, slot="y"))

@@ -43,8 +43,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from localspec.speculative.sampling import (SamplingParams, bias_logits, coupled_choice, draw_or_none, greedy_argmax,
-                                            logits_to_probs, mask_logits, sample)
+from localspec.speculative.sampling import (LazyProbs, SamplingParams, bias_logits, coupled_choice, draw_or_none,
+                                            greedy_argmax, mask_logits, sample, scratch)
 
 
 def accept_greedy(draft_tokens: np.ndarray, target_argmax: np.ndarray) -> tuple[np.ndarray, int]:
@@ -78,7 +78,8 @@ def accept_draft(
     docstring for the rule and its edge cases.
     """
     draft = np.asarray(draft_tokens).reshape(-1)  # [k]
-    target_probs = np.asarray(target_probs)  # [k+1, vocab]
+    if not isinstance(target_probs, LazyProbs):
+        target_probs = np.asarray(target_probs)  # [k+1, vocab]
     k = draft.size
     if target_probs.ndim != 2 or target_probs.shape[0] != k + 1:
         raise ValueError(f"target_probs must be [k+1={k + 1}, vocab], got {target_probs.shape}")
@@ -102,11 +103,12 @@ def accept_draft(
             continue
         # rejected: the recovered token comes from normalize(max(0, p - q))
         p = target_probs[i]  # [vocab]
+        residual = scratch(vocab, slot="residual")  # [vocab]
         if point_mass:
-            residual = p.copy()  # [vocab]
+            residual[...] = p
             residual[d] = 0.0
         else:
-            residual = np.maximum(p - draft_probs[i], 0.0)  # [vocab]
+            np.maximum(np.subtract(p, draft_probs[i], out=residual), 0.0, out=residual)
         recovered = draw_or_none(residual, rng)
         if recovered is None:  # residual mass 0: p == q up to rounding, rejection had prob ~0
             recovered = sample(p, rng)
@@ -135,8 +137,23 @@ def accept(draft_tokens: np.ndarray, draft_probs: np.ndarray | None, logits: np.
         logits = mask_logits(logits, masks)  # [k+1, vocab]
     if sampling.greedy:
         return accept_greedy(draft_tokens, greedy_argmax(logits))  # the target's argmax [k+1]
-    target_probs = logits_to_probs(logits, sampling)  # [k+1, vocab]
+    target_probs = LazyProbs(logits, sampling)  # [k+1, vocab], each row computed when first read
     if sampling.coupled:
-        picks = [coupled_choice(row, sampling.seed, position + i) for i, row in enumerate(target_probs)]
-        return accept_greedy(draft_tokens, np.asarray(picks))  # the oracle's seeded picks [k+1]
+        return accept_coupled(draft_tokens, target_probs, sampling.seed, position)
     return accept_draft(draft_tokens, draft_probs, target_probs, rng)
+
+
+def accept_coupled(draft_tokens: np.ndarray, target_probs: np.ndarray | LazyProbs, seed: int,
+                   position: int) -> tuple[np.ndarray, int]:
+    """Seeded sampling's check: `accept_greedy` against the oracle's own seeded pick at each
+    verified row of target_probs [k+1, vocab] (`coupled_choice` at position + i), each pick made
+    only when the draft has agreed so far."""
+    tokens = np.asarray(draft_tokens).reshape(-1).tolist()  # [k]
+    k = len(tokens)
+    if len(target_probs) != k + 1:
+        raise ValueError(f"target_probs needs k+1 = {k + 1} rows, got {len(target_probs)}")
+    for i, d in enumerate(tokens):
+        pick = coupled_choice(target_probs[i], seed, position + i)
+        if pick != d:
+            return np.array(tokens[:i] + [pick], dtype=np.int32), i
+    return np.array(tokens + [coupled_choice(target_probs[k], seed, position + k)], dtype=np.int32), k

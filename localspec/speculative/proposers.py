@@ -31,8 +31,8 @@ import numpy as np
 from localspec.batch import DecodeContext, Rows
 from localspec.outputs import DraftSource
 from localspec.speculative.plan import NO_OFFER, DraftPlan, Found, Offer, plain_plan
-from localspec.speculative.sampling import (SamplingParams, bias_logits, coupled_choice, greedy_argmax, logits_to_probs, mask_logits,
-                       sample, top_probability_at_least)
+from localspec.speculative.sampling import (RowBuffer, SamplingParams, bias_logits, coupled_choice, greedy_argmax,
+                                            logits_to_probs, mask_logits, sample, top_probability_at_least)
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,9 @@ class Draft:
     they were drawn from (the verifier compares them with the oracle's own, id for id)."""
 
     tokens: np.ndarray  # [k] int32
-    probs: np.ndarray | None  # [k, oracle vocab] the distributions the tokens were drawn from; None: point masses
+    # [k, oracle vocab] the distributions the tokens were drawn from (a view of the proposer's kept
+    # memory, valid until its next proposal); None: point masses
+    probs: np.ndarray | None
     evaluated: int = 0  # tokens a draft model evaluated to propose these (its catch-up included)
     prompt_time: float = 0.0  # seconds of the proposing spent evaluating a new request's prompt
     source: DraftSource = DraftSource.MODEL  # where the tokens came from
@@ -195,6 +197,7 @@ class DraftModelProposer(_Drives):
         self.catch_up = False  # the next proposal evaluates all it has not seen, however much
         self.prompt_pending = False  # ... and that is a new request's prompt
         self.tokens_evaluated = 0  # draft-side tokens decoded, prompt included
+        self._probs = RowBuffer(self.n_vocab)  # a sampled draft's distributions (`Draft.probs` views them)
 
     def fork(self, seq: int) -> "DraftModelProposer":
         twin = DraftModelProposer(self.ctx, p_min=self.p_min, max_catch_up=self.max_catch_up, n_vocab=self.n_vocab,
@@ -288,7 +291,8 @@ class DraftModelProposer(_Drives):
         self.tokens_evaluated += len(todo)
         evaluated = len(todo)
         tokens: list[int] = []
-        probs: list[np.ndarray] = []
+        probs = self._probs  # the distributions the tokens are drawn from: kept memory, reused
+        probs.clear()
         keeps_probs = not sampling.greedy and not sampling.coupled  # _pick hands its distributions on
         stop = ""
         while True:
@@ -316,10 +320,9 @@ class DraftModelProposer(_Drives):
             logits = yield Rows(self.seq, readable, 1)
             self.tokens_evaluated += len(readable)
             evaluated += len(readable)
-        return Draft(np.asarray(tokens, dtype=np.int32), np.stack(probs) if probs else None, evaluated, prompt_time,
-                     stop=stop)
+        return Draft(np.asarray(tokens, dtype=np.int32), probs.rows(), evaluated, prompt_time, stop=stop)
 
-    def _forced(self, constraint, tokens: list[int], max_len: int, probs: list[np.ndarray] | None) -> list[int]:
+    def _forced(self, constraint, tokens: list[int], max_len: int, probs: RowBuffer | None) -> list[int]:
         """The run of tokens the grammar forces after `tokens` (keys, punctuation), drafted without
         the model: its masked distribution there is a point mass whatever its logits, so the model
         reads the run in one batch with the token before it. Appended to `tokens` (and their
@@ -333,7 +336,9 @@ class DraftModelProposer(_Drives):
             tokens.append(forced)
             run.append(forced)
             if probs is not None:
-                probs.append(np.eye(1, self.n_vocab, forced, dtype=np.float64)[0])  # [oracle vocab] one-hot
+                one_hot = probs.claim()  # [oracle vocab]
+                one_hot.fill(0.0)
+                one_hot[forced] = 1.0
         return run
 
     def _in_oracle_vocab(self, row: np.ndarray) -> np.ndarray:
@@ -346,19 +351,16 @@ class DraftModelProposer(_Drives):
         return padded
 
     def _pick(self, row: np.ndarray, sampling: SamplingParams, rng: np.random.Generator,
-              probs: list[np.ndarray], position: int) -> tuple[int, bool]:
+              probs: RowBuffer, position: int) -> tuple[int, bool]:
         """Choose the next draft token from logits `row` [oracle vocab]; say whether to keep drafting."""
         if sampling.greedy:
             token = int(greedy_argmax(row))
             if self.p_min <= 0:
                 return token, True
             return token, top_probability_at_least(row, token, self.p_min)
-        dist = logits_to_probs(row, sampling)  # [vocab]
-        if sampling.coupled:  # the oracle will check its own pick with the same noise
-            token = coupled_choice(dist, sampling.seed, position)
-        else:
-            probs.append(dist)
-            token = sample(dist, rng)
+        # the oracle will check a seeded pick with its own noise: its distribution is not kept
+        dist = logits_to_probs(row, sampling, out=probs.spare() if sampling.coupled else probs.claim())  # [vocab]
+        token = coupled_choice(dist, sampling.seed, position) if sampling.coupled else sample(dist, rng)
         return token, self.p_min <= 0 or dist.max() >= self.p_min
 
 
