@@ -10,8 +10,17 @@ and the reads of the logits. Vocabularies of 49k (SmolLM2), 128k (Llama 3) and 2
 fixed draft lengths; 1 and 8 sequences; greedy and sampled (temperature 1). Structured output is
 not covered (its grammar needs a real tokenizer).
 
+`--adaptive` runs the engine's default instead of fixed lengths: prompt lookup beside the draft
+model, the adaptive policy. With `--gpu-like` each decode also takes what the default pair's took
+on an H200 (the oracle 1.25 ms for one token, 3.1 ms for two, +0.087 ms a token after; the draft
+1.5 ms a decode: ../shared/gpu/h200-2026-11-27), spent as a busy wait that counts as llama.cpp's
+time, so the policy rests as it does there (a draft as dear as its oracle) and what is measured is
+an idle step's host time. `--text repetitive` draws the text from 16 tokens, so prompt lookup finds
+a match most steps (and is right 1 time in 16), as a real text's repeated word pairs make it.
+
     python scripts/host_cost.py                       # the whole grid, a table
     python scripts/host_cost.py --vocab 262144 --k 16 --seqs 1 --json out.json
+    python scripts/host_cost.py --adaptive --gpu-like --text repetitive --vocab 49152 --seqs 1 --temperature 0
 """
 
 from __future__ import annotations
@@ -25,12 +34,18 @@ from typing import Sequence
 import numpy as np
 
 from localspec.runtime.engine import Engine
-from localspec.runtime.factory import DEFAULT_P_MIN
+from localspec.runtime.factory import DEFAULT_P_MIN, default_policy
 from localspec.llama.context import shared_prefix
 from localspec.speculative.policy import FixedLength
-from localspec.speculative.proposers import DraftModelProposer
+from localspec.speculative.proposers import DraftModelProposer, HybridProposer, PromptLookupProposer
 
 EOS = 1
+TEXTS = ("distinct", "repetitive")
+REPETITIVE_ALPHABET = 16
+_repetitive = np.random.default_rng(1234).integers(2, 2 + REPETITIVE_ALPHABET, size=1 << 16)  # [positions]
+TEXT = "distinct"  # which text next_token reads (main sets it)
+# the default pair's decodes on an H200 (seconds): the oracle's t(1), t(2), each token after; a draft decode
+GPU_LIKE = {"oracle_one": 1.25e-3, "oracle_two": 3.1e-3, "oracle_token": 0.087e-3, "draft": 1.5e-3}
 
 
 class StandInModel:
@@ -58,8 +73,18 @@ class StandInModel:
 
 
 def next_token(position: int, n_vocab: int) -> int:
-    """The text's token after `position` tokens: never BOS or EOS."""
+    """The text's token after `position` tokens: never BOS or EOS (`TEXT`: distinct tokens, or 16
+    drawn at random)."""
+    if TEXT == "repetitive":
+        return int(_repetitive[position % len(_repetitive)])
     return 2 + (position * 7919) % (n_vocab - 2)
+
+
+def spin(seconds: float) -> None:
+    """Wait `seconds` busily (a GPU's pass, as the host waits for it)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 class StandInContext:
@@ -69,8 +94,11 @@ class StandInContext:
     flash_attn = "off"
     n_batch = 512
 
-    def __init__(self, model: StandInModel, *, n_seq: int, n_ctx: int = 4096, rows: int = 8, seed: int = 0) -> None:
+    def __init__(self, model: StandInModel, *, n_seq: int, n_ctx: int = 4096, rows: int = 8, seed: int = 0,
+                 cost=None) -> None:
+        """`cost`: seconds a decode of n tokens takes beyond the stand-in's own work (None: none)."""
         self.model, self.n_vocab, self.n_seq, self.n_ctx = model, model.n_vocab, n_seq, n_ctx
+        self.cost = cost
         rng = np.random.default_rng(seed)
         self._rows = (rng.standard_normal((rows, model.n_vocab)) * 2.0).astype(np.float32)  # [rows, vocab]
         self._seqs: list[list[int]] = [[] for _ in range(n_seq)]
@@ -117,6 +145,8 @@ class StandInContext:
             n = min(r.n_logits, len(r.tokens))
             positions += range(start + len(r.tokens) - n + 1, start + len(r.tokens) + 1)
             backend += [r.seq in self._greedy] * n
+        if self.cost is not None:
+            spin(self.cost(sum(len(r.tokens) for r in rows)))
         self.last_sampled = np.array([next_token(p, self.n_vocab) if b else -1 for p, b in zip(positions, backend)],
                                      dtype=np.int32) if any(backend) else None
         if positions and all(backend):  # no logits cross to the host
@@ -134,38 +164,69 @@ class StandInContext:
         return view
 
 
-def run(n_vocab: int, k: int, n_seqs: int, temperature: float, max_tokens: int, *, seeded: bool = False,
-        host_picks: bool = False, p_min: float = DEFAULT_P_MIN) -> dict:
+def gpu_like_costs() -> tuple:
+    """The oracle's and the draft's decode costs (seconds for n tokens) of `GPU_LIKE`."""
+    g = GPU_LIKE
+    oracle = lambda n: g["oracle_one"] if n <= 1 else g["oracle_two"] + (n - 2) * g["oracle_token"]  # noqa: E731
+    return oracle, lambda n: g["draft"]
+
+
+def run(n_vocab: int, k: int | None, n_seqs: int, temperature: float, max_tokens: int, *, seeded: bool = False,
+        host_picks: bool = False, p_min: float = DEFAULT_P_MIN, gpu_like: bool = False, rounds: int = 1) -> dict:
     """One grid point: `n_seqs` requests of `max_tokens` at a fixed draft length k (the draft
-    stopping under p_min, as by default); sampled requests unseeded (speculative sampling) unless
-    `seeded` (the seed's coupled noise). Greedy picks are made "in the graph" as on a GPU (the
-    stand-in knows them), unless `host_picks`: then every verified row's logits are read."""
+    stopping under p_min, as by default), or the engine's default where k is None (prompt lookup
+    and the draft model, the adaptive policy); sampled requests unseeded (speculative sampling)
+    unless `seeded` (the seed's coupled noise). Greedy picks are made "in the graph" as on a GPU
+    (the stand-in knows them), unless `host_picks`: then every verified row's logits are read.
+    `gpu_like`: decodes cost what the H200's did (`GPU_LIKE`). `rounds`: the requests run this many
+    times (the policy learning as it goes); the last round is measured."""
     model = StandInModel(n_vocab, f"stand-in-{n_vocab}")
-    oracle = StandInContext(model, n_seq=n_seqs)
-    draft = StandInContext(model, n_seq=n_seqs, seed=1)
-    engine = Engine.from_parts(oracle=oracle, proposer=DraftModelProposer(draft, p_min=p_min, cache_source=oracle),
-                               policy=FixedLength(k), draft=draft)
+    oracle_cost, draft_cost = gpu_like_costs() if gpu_like else (None, None)
+    oracle = StandInContext(model, n_seq=n_seqs, cost=oracle_cost)
+    draft = StandInContext(model, n_seq=n_seqs, seed=1, cost=draft_cost)
+    proposer = DraftModelProposer(draft, p_min=p_min, cache_source=oracle)
+    if k is None:
+        proposer = HybridProposer(PromptLookupProposer(is_end=model.is_eog), proposer)
+    engine = Engine.from_parts(oracle=oracle, proposer=proposer,
+                               policy=default_policy(proposer) if k is None else FixedLength(k), draft=draft)
     engine.slots.backend_sampling = not host_picks  # as on a GPU: greedy picks made "in the graph" (no logits read)
-    prompts = [[0] + [next_token(p, n_vocab) for p in range(1 + i, 33 + i)] for i in range(n_seqs)]
-    seqs = [engine.prepare(p, max_tokens=max_tokens, temperature=temperature,
-                           seed=7 if temperature and seeded else None, draft_min=0) for p in prompts]
-    for seq in seqs:
-        engine.scheduler.add(seq)
-    t0, l0 = time.perf_counter(), engine.stepper._llama_seconds()
-    while engine.scheduler.has_work:
-        engine.scheduler.step()
+    for round_ in range(rounds):
+        prompts = [[0] + [next_token(p, n_vocab) for p in range(1 + i + 40 * round_, 33 + i + 40 * round_)]
+                   for i in range(n_seqs)]
+        seqs = [engine.prepare(p, max_tokens=max_tokens, temperature=temperature,
+                               seed=7 if temperature and seeded else None, draft_min=0) for p in prompts]
         for seq in seqs:
-            seq.outbox.clear()
-    wall, llama = time.perf_counter() - t0, engine.stepper._llama_seconds() - l0
+            engine.scheduler.add(seq)
+        t0, l0 = time.perf_counter(), engine.stepper._llama_seconds()
+        idle_host, step_host = [], []  # each step's host time: of every step, of the steps that drafted nothing
+        while engine.scheduler.has_work:
+            s0, sl0, steps0 = time.perf_counter(), engine.stepper._llama_seconds(), seqs[0].stats.steps
+            engine.scheduler.step()
+            host_s = (time.perf_counter() - s0) - (engine.stepper._llama_seconds() - sl0)
+            for seq in seqs:
+                seq.outbox.clear()
+            if n_seqs == 1 and seqs[0].stats.steps > max(1, steps0):  # a step after the first token's
+                step_host.append(host_s)
+                if not seqs[0].stats.records[-1].drafted:
+                    idle_host.append(host_s)
+        wall, llama = time.perf_counter() - t0, engine.stepper._llama_seconds() - l0
     steps = max(s.stats.steps for s in seqs)
     tokens = sum(s.stats.completion_tokens for s in seqs)
     drafted = sum(s.stats.drafted for s in seqs)
     host = wall - llama
-    return {"vocab": n_vocab, "k": k, "sequences": n_seqs, "temperature": temperature, "steps": steps,
-            "tokens": tokens, "drafted": drafted, "host_ms_per_step": 1000 * host / steps,
+    return {"vocab": n_vocab, "k": "adaptive" if k is None else k, "sequences": n_seqs, "temperature": temperature,
+            "gpu_like": gpu_like, "text": TEXT, "steps": steps, "tokens": tokens, "drafted": drafted,
+            "idle_steps": sum(s.stats.idle_steps for s in seqs), "host_ms_per_step": 1000 * host / steps,
             "host_ms_per_token": 1000 * host / tokens,
             "host_ms_per_draft_token": 1000 * host / drafted if drafted else None,
-            "llama_ms_per_step": 1000 * llama / steps}
+            "llama_ms_per_step": 1000 * llama / steps,
+            # single stream: the median step's host time, and the median of the steps that drafted nothing
+            "host_ms_median": 1000 * float(np.median(step_host)) if step_host else None,
+            "idle_host_ms_median": 1000 * float(np.median(idle_host)) if idle_host else None}
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def main() -> None:
@@ -179,20 +240,29 @@ def main() -> None:
     ap.add_argument("--p-min", type=float, default=DEFAULT_P_MIN)
     ap.add_argument("--host-picks", action="store_true",
                     help="greedy verification reads every row's logits (the CPU's default), not picks made in the graph")
+    ap.add_argument("--adaptive", action="store_true",
+                    help="the engine's default (prompt lookup and the draft model, the adaptive policy), not --k")
+    ap.add_argument("--gpu-like", action="store_true", help="decodes cost what the default pair's did on an H200")
+    ap.add_argument("--text", choices=TEXTS, default="distinct")
+    ap.add_argument("--rounds", type=int, default=1, help="run the requests this many times; the last is measured")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    global TEXT
+    TEXT = args.text
     results = []
-    print("| vocab | k | seqs | T | host ms/step | host ms/token | (llama ms/step) |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("| vocab | k | seqs | T | host ms/step | host ms/token | (llama ms/step) | idle steps | median idle step |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n_vocab in args.vocab:
-        for k in args.k:
+        for k in [None] if args.adaptive else args.k:
             for n_seqs in args.seqs:
                 for temperature in args.temperature:
                     r = run(n_vocab, k, n_seqs, temperature, args.max_tokens, seeded=args.seeded, p_min=args.p_min,
-                            host_picks=args.host_picks)
+                            host_picks=args.host_picks, gpu_like=args.gpu_like, rounds=args.rounds)
                     results.append(r)
-                    print(f"| {n_vocab} | {k} | {n_seqs} | {temperature:g} | {r['host_ms_per_step']:.2f} | "
-                          f"{r['host_ms_per_token']:.3f} | {r['llama_ms_per_step']:.2f} |", flush=True)
+                    print(f"| {n_vocab} | {r['k']} | {n_seqs} | {temperature:g} | {r['host_ms_per_step']:.3f} | "
+                          f"{r['host_ms_per_token']:.3f} | {r['llama_ms_per_step']:.2f} | {r['idle_steps']} | "
+                          f"{_ms(r['idle_host_ms_median'])} |",
+                          flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
 

@@ -177,3 +177,31 @@ def test_a_pass_of_several_sequences_and_one_split_in_passes():
     for _ in range(3):
         split.observe_passes([([1, 1], [50, 50]), ([2], [51])], truth([1, 1], [50, 50]) + truth([2], [51]))
     assert split.observations == 3
+
+
+def test_observations_folded_in_one_go_make_the_sums_added_one_by_one():
+    """PassCost keeps each observation aside and adds the pending ones together when a fit or its
+    state is wanted (`_fold`): the decayed sums are those of adding each in turn, however fits and
+    observations interleave; a cost never asked for folds them all the same."""
+    rng = np.random.default_rng(4)
+    cost = PassCost(decay=0.97)
+    from localspec.speculative.costs import START
+
+    for _ in range(START):
+        cost.observe(1, 100, 0.02)  # a scale, so that it can fit (and no first passes left to settle)
+    cost._pending, cost.gram, cost.moment, cost.weight = [], np.zeros((6, 6)), np.zeros(6), 0.0
+    gram, moment, weight = np.zeros((6, 6)), np.zeros(6), 0.0
+    for i in range(400):
+        phi, seconds = rng.uniform(0, 3, 6), float(rng.uniform(0.01, 0.05))
+        cost._add(phi, seconds)
+        gram, moment, weight = 0.97 * gram + np.outer(phi, phi), 0.97 * moment + phi * seconds, 0.97 * weight + 1.0
+        assert len(cost._pending) < 64
+        if rng.random() < 0.05:
+            cost._w = None
+            cost.weights()  # a fit takes every observation so far
+            assert not cost._pending
+            np.testing.assert_allclose(cost.gram, gram, rtol=1e-9)
+    state = cost.state(max_weight=1e9)
+    np.testing.assert_allclose(np.array(state["gram"]), gram, rtol=1e-9)
+    np.testing.assert_allclose(np.array(state["moment"]), moment, rtol=1e-9)
+    assert state["weight"] == pytest.approx(weight, rel=1e-12)

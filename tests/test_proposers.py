@@ -51,6 +51,30 @@ def test_the_lookup_finds_what_a_search_of_every_earlier_window_finds():
         assert draft.tokens.tolist() == tokens and (draft.match_length == held or not tokens)
 
 
+def test_a_lookup_kept_from_step_to_step_finds_what_a_fresh_one_finds():
+    """One proposer asked every step of a growing text (a request's history, appended to) keeps the
+    text as an array and extends it; a text whose last token changed, another list or a shorter one
+    is read anew.
+    Each offer is the one a fresh proposer makes of the same text."""
+    rng = np.random.default_rng(3)
+    kept = PromptLookupProposer().fork(0)
+    for _ in range(30):
+        history = rng.integers(0, 5, int(rng.integers(1, 20))).tolist()
+        for _ in range(int(rng.integers(1, 40))):
+            offer, fresh = kept.offer(history, 6), PromptLookupProposer().offer(history, 6)
+            assert offer.found() == [] if fresh.lookup is None else (
+                offer.lookup.tokens.tolist() == fresh.lookup.tokens.tolist()
+                and offer.lookup.match_length == fresh.lookup.match_length)
+            change = rng.random()
+            if change < 0.1 and len(history) > 2:
+                history[-1] = (history[-1] + 1) % 5  # its last token taken back and another put there
+            elif change < 0.15:
+                history = list(history[:len(history) // 2])  # another, shorter list
+            else:
+                history += rng.integers(0, 5, int(rng.integers(1, 4))).tolist()
+    assert PromptLookupProposer().fork(1) is not PromptLookupProposer().fork(1)
+
+
 def test_longest_match_wins_over_a_more_recent_shorter_one():
     # suffix [1, 2, 3]: the 3-gram occurs at 0 (followed by 40); "3" alone occurs later at 6 (followed by 50)
     history = [1, 2, 3, 40, 41, 9, 3, 50, 51, 1, 2, 3]

@@ -118,6 +118,9 @@ class PassCost:
         self.gram = np.zeros((N_FEATURES, N_FEATURES))  # [6, 6] sum of decayed phi phi^T
         self.moment = np.zeros(N_FEATURES)  # [6] sum of decayed phi * t
         self.weight = 0.0  # sum of decayed observation weights
+        # observations not yet in gram/moment/weight (`_fold` adds them, in one go, when a fit or the
+        # sums are wanted: a 6x6 update costs ~16 us in numpy, and an idle step observes one pass)
+        self._pending: list[tuple[np.ndarray, float]] = []
         self.observations = 0  # ever, including those loaded
         self._w: np.ndarray | None = None  # the fit, None when observations came since
         self._last: np.ndarray | None = None  # the latest fit made (for clipping outliers)
@@ -170,11 +173,24 @@ class PassCost:
         self._start = []
 
     def _add(self, phi: np.ndarray, seconds: float) -> None:
-        self.gram *= self.decay
-        self.gram += np.outer(phi, phi)
-        self.moment *= self.decay
-        self.moment += phi * seconds
-        self.weight = self.decay * self.weight + 1.0
+        self._pending.append((phi, seconds))
+        if len(self._pending) >= 64:  # a cost that is never asked for stays small all the same
+            self._fold()
+
+    def _fold(self) -> None:
+        """The pending observations into the decayed sums, the latest weighing most: the same sums as
+        adding each in turn (gram <- decay * gram + phi phi^T, ...), up to rounding."""
+        if not self._pending:
+            return
+        phis = np.array([phi for phi, _ in self._pending])  # [m, 6]
+        seconds = np.array([t for _, t in self._pending])  # [m]
+        m = len(self._pending)
+        self._pending = []
+        w = self.decay ** np.arange(m - 1, -1, -1)  # [m] the weight each has once the last is in
+        scale = self.decay ** m
+        self.gram = scale * self.gram + (phis * w[:, None]).T @ phis
+        self.moment = scale * self.moment + phis.T @ (w * seconds)
+        self.weight = scale * self.weight + float(w.sum())
 
     def weights(self) -> np.ndarray:
         """w [6]: the ridge (maximum a posteriori) solution of
@@ -183,6 +199,7 @@ class PassCost:
         that the data cannot tell apart (all passes of one size, say) stays near the prior's."""
         if self._w is None:
             assert self.scale is not None
+            self._fold()
             prior = self.scale * self.shape  # [6]
             self._w = self._last = _solve_context_nonnegative(self.gram + self.ridge, self.moment + self.ridge @ prior)
         return self._w
@@ -257,6 +274,7 @@ class PassCost:
         `max_weight` observations there, so its own steps soon outweigh it."""
         if self._start:
             self._settle_start()
+        self._fold()
         shrink = self._shrink(max_weight)
         return {"shape": self.shape.tolist(), "scale": self.scale, "gram": (self.gram * shrink).tolist(),
                 "moment": (self.moment * shrink).tolist(), "weight": self.weight * shrink,
@@ -268,6 +286,7 @@ class PassCost:
     def soften(self, max_weight: float) -> None:
         """Let the history count as at most `max_weight` observations from now on, so the next few
         outweigh it (the fit keeps its shape meanwhile): for a re-judgement on fresh evidence."""
+        self._fold()
         shrink = self._shrink(max_weight)
         self.gram *= shrink
         self.moment *= shrink
@@ -287,7 +306,7 @@ class PassCost:
         self.observations = int(state.get("observations", 0))
         if self.scale is not None:  # its first passes are in the fit already
             self.observations = max(self.observations, START)
-        self._start = []
+        self._start, self._pending = [], []
         self._w = self._last = None
 
 
