@@ -883,3 +883,27 @@ def test_an_idle_step_where_no_acceptance_would_pay_rests_between_rechecks():
         p.observe(step(0, 0, 0.0, verify(1)))
     assert ks == [0] * 64
     assert len(calls) <= 3 * (64 // p.recheck_every), len(calls)  # a recheck's, a probe's; 2 a step before
+
+
+def test_where_no_acceptance_would_pay_the_rechecks_grow_apart_and_drafting_resumes_when_it_pays():
+    """Idle where no acceptance would pay (a draft as dear as its oracle), a draft model's policy
+    rechecks after 8 idle steps, then 16, 32 and every 64 (only the oracle's cost moves meanwhile,
+    with the context), and makes no probe: 512 idle steps cost a few dozen rate computations, not
+    one every 8th step. Once the oracle's passes grow dear enough that drafting pays (a long
+    context, say), it drafts again within the longest rest."""
+    verify = lambda n: 0.00125 if n == 1 else 0.0026 + 0.0001 * n  # noqa: E731 (an H200's shape)
+    p = primed(verify, 0.0016)
+    calls = []
+    real = p.outlook.rates
+    p.outlook.rates = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    for _ in range(512):
+        assert p.draft_length(16, CONTEXT) == 0
+        p.observe(step(0, 0, 0.0, verify(1)))
+    assert len(calls) <= 3 * 14, len(calls)  # rechecks at 8, 16, 32, 64, then every 64 (and probes' checks)
+    assert p.est.rechecks >= 3
+    dear = lambda n: 0.030 + 0.0001 * n  # noqa: E731 (a big oracle: a pass costs nearly the same for 1 or 17 tokens)
+    for n in (1, 2, 4, 8, 16) * 30:
+        p.verify_cost.observe(n, CONTEXT, dear(n))
+    waited = next(i for i in range(200) if p.draft_length(16, CONTEXT) > 0 or p.observe(step(0, 0, 0.0, dear(1))))
+    assert waited <= p.recheck_max
+    assert p.est.rechecks == 0

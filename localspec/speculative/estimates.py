@@ -193,6 +193,8 @@ class Estimates:
         # requests to wait, and waited, before an idle regime re-tries whatever its probe budget says
         self.retry_wait, self.since_retry = 1, 0
         self.idle_steps = 0  # consecutive k = 0 steps
+        self.since_probe = 0  # ... since the last probe (or the last chance of one)
+        self.rechecks = 0  # rechecks in a row, while idle, that found no acceptance would pay
         self.drafting = False  # the last step drafted: drafting goes on more easily than it starts
 
     def cap_probe_bank(self, budget: float, bank: float) -> None:

@@ -293,7 +293,8 @@ class AdaptiveLength:
                                text_weight=text_weight)
         self.probe_every = probe_every  # idle (k = 0) steps before a probe
         self.probe_bank = probe_bank  # seconds of steps whose unused probe budget carries over
-        self.recheck_every = 8  # while idle, judge k afresh every this many steps
+        self.recheck_every = 8  # while idle, judge k afresh every this many steps ...
+        self.recheck_max = 64  # ... or up to this many apart where no acceptance would pay (see draft_length)
         # the length last chosen, and whether it drafts for evidence rather than because drafting pays
         self.last_k = 0
         self.probing = False  # ... a probe's
@@ -352,12 +353,18 @@ class AdaptiveLength:
                 out.resync = True
         # idle, k is judged afresh every recheck_every steps: meanwhile only the oracle's cost moved
         # (a step that rests costs next to nothing: an idle step's host time is the oracle alone's)
-        resting = est.idle_steps % self.recheck_every and (est.fresh_trials >= out.min_trials or out.hopeless)
+        interval = min(self.recheck_every << est.rechecks, self.recheck_max)
+        resting = est.idle_steps % interval and (est.fresh_trials >= out.min_trials or out.hopeless)
         # a re-try drafts at the length the prior guess of the draft's cost would choose, so what it
         # measures is the cost of the drafts the policy would go on with
         k = 0 if resting else out.best_length(available, optimistic=est.exploring)
+        if k == 0 and not resting and est.idle_steps and self.learned.model_draft:
+            # a recheck that found nothing: where no acceptance would pay either (a draft as dear as
+            # its oracle: the default pair on a GPU), only the costs can change that, slowly (with
+            # the context): the next recheck waits twice as long, up to recheck_max steps
+            est.rechecks = min(est.rechecks + 1, 8) if self._judge_hopeless(available) else 0
         if k > 0:
-            est.idle_steps = 0
+            est.idle_steps = est.rechecks = 0
         elif resting:
             k = self._idle_step(available)
         elif est.fresh_trials < out.min_trials and not self._judge_hopeless(available):
@@ -385,11 +392,12 @@ class AdaptiveLength:
         steps while the probe budget allows."""
         out = self.outlook
         out.est.idle_steps += 1
-        if out.est.idle_steps < self.probe_every or not out.budget_left():
+        out.est.since_probe += 1
+        if out.est.since_probe < self.probe_every or not out.budget_left():
             return 0
-        out.est.idle_steps = 0
-        if not out.can_pay(available):
-            return 0  # no acceptance a probe could find would pay
+        out.est.since_probe = 0
+        if out.hopeless or not out.can_pay(available):
+            return 0  # no acceptance a probe could find would pay (as the last recheck found)
         self.probing = True
         return min(out.probe_length, available)
 
