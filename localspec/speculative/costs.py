@@ -84,6 +84,14 @@ def pass_features(ns: Sequence[int], contexts: Sequence[int]) -> np.ndarray:
 def passes_features(passes: Sequence[tuple[Sequence[int], Sequence[int]]]) -> np.ndarray:
     """phi [6] of one decode llama.cpp runs as `passes` (each (ns, contexts)): the passes' features
     add up (summed in plain Python: a step may price several decodes)."""
+    return np.array(_features(passes))
+
+
+def _features(passes: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[float]:
+    """`passes_features` as a list."""
+    if len(passes) == 1 and len(passes[0][0]) == 1:  # one sequence's pass (most steps): no loops
+        (n,), (c,) = passes[0]
+        return [1.0, float(n > 1), float(n), c / CONTEXT_UNIT, n * c / CONTEXT_UNIT, 0.0]
     phi = [0.0] * N_FEATURES
     for ns, contexts in passes:
         total = sum(ns)
@@ -93,7 +101,7 @@ def passes_features(passes: Sequence[tuple[Sequence[int], Sequence[int]]]) -> np
         phi[3] += sum(contexts) / CONTEXT_UNIT
         phi[4] += sum(n * c for n, c in zip(ns, contexts)) / CONTEXT_UNIT
         phi[5] += len(ns) - 1
-    return np.array(phi)
+    return phi
 
 
 class PassCost:
@@ -142,11 +150,14 @@ class PassCost:
     def observe_passes(self, passes: Sequence[tuple[Sequence[int], Sequence[int]]], seconds: float) -> None:
         """One decode that llama.cpp ran as several passes (its ubatches: each (tokens per sequence,
         their contexts)) took `seconds` in all: the model is linear, so their features add up."""
-        if not passes or any(not ns or min(ns) < 1 for ns, _ in passes) or not seconds > 0:
+        if not passes or not seconds > 0:
             return
-        phi = passes_features(passes)  # [6]
+        for ns, _ in passes:
+            if not ns or min(ns) < 1:
+                return
+        phi = _features(passes)  # [6]
         if self.observations < START:
-            self._start.append((phi, seconds))
+            self._start.append((np.array(phi), seconds))
             self.observations += 1
             self._w = None
             if self.observations == START:
@@ -172,7 +183,7 @@ class PassCost:
             self._add(phi, min(seconds, self.outlier * self.scale * float(phi @ self.shape)))
         self._start = []
 
-    def _add(self, phi: np.ndarray, seconds: float) -> None:
+    def _add(self, phi: np.ndarray | list[float], seconds: float) -> None:
         self._pending.append((phi, seconds))
         if len(self._pending) >= 64:  # a cost that is never asked for stays small all the same
             self._fold()
@@ -212,14 +223,15 @@ class PassCost:
         t = w[0] + w[3] * c + (max(0.0, w[1]) if n > 1 else 0.0) + max(0.0, w[2] + w[4] * c) * n
         return max(float(t), self._floor())
 
-    def _at(self, w: np.ndarray, phi: np.ndarray) -> float:
+    def _at(self, w: np.ndarray, phi: np.ndarray | list[float]) -> float:
         """The prediction for features phi [6] (of one pass, or the sum over several), held like
         `predict`'s: no part of it below zero (a token, a sequence or a context never makes a pass
-        cheaper)."""
+        cheaper). In Python floats: numpy's scalar arithmetic costs ~10x theirs (a step asks once)."""
+        w, phi = w.tolist(), phi if isinstance(phi, list) else phi.tolist()
         per_token = max(0.0, w[2] + w[4] * phi[4] / phi[2]) if phi[2] else 0.0
         t = (w[0] * phi[0] + w[3] * phi[3] + max(0.0, w[1]) * phi[1] + per_token * phi[2]
              + max(0.0, w[5]) * phi[5])
-        return max(float(t), self._floor() * phi[0])
+        return max(t, self._floor() * phi[0])
 
     def pass_time(self, ns: Sequence[int], contexts: Sequence[int]) -> float:
         """Seconds for a pass carrying ns[s] tokens of each sequence s over its context contexts[s]."""

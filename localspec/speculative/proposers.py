@@ -420,7 +420,9 @@ class PromptLookupProposer(_Drives):
             return NO_OFFER
         # the ends of the earlier occurrences of the last token, then of the last 2, 3, ... tokens:
         # each set within the last one; the longest n-gram that occurred wins
-        found, n = np.flatnonzero(tokens[:-1] == tokens[-1]), 1  # [m]
+        found, n = (tokens[:-1] == tokens[-1]).nonzero()[0], 1  # [m]
+        if not found.size:
+            return NO_OFFER  # (most steps of most texts: the cheapest way out)
         while n < min(self.max_ngram, len(tokens) - 1):
             longer = found[found >= n]
             longer = longer[tokens[longer - n] == tokens[-1 - n]]  # [m'] ends of the last n+1 tokens
