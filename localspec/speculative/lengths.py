@@ -295,6 +295,7 @@ class AdaptiveLength:
         self.probe_bank = probe_bank  # seconds of steps whose unused probe budget carries over
         self.recheck_every = 8  # while idle, judge k afresh every this many steps ...
         self.recheck_max = 64  # ... or up to this many apart where no acceptance would pay (see draft_length)
+        self.recheck_patience = 8  # ... once this many rechecks in a row found so
         # the length last chosen, and whether it drafts for evidence rather than because drafting pays
         self.last_k = 0
         self.probing = False  # ... a probe's
@@ -353,7 +354,7 @@ class AdaptiveLength:
                 out.resync = True
         # idle, k is judged afresh every recheck_every steps: meanwhile only the oracle's cost moved
         # (a step that rests costs next to nothing: an idle step's host time is the oracle alone's)
-        interval = min(self.recheck_every << est.rechecks, self.recheck_max)
+        interval = min(self.recheck_every << max(0, est.rechecks + 1 - self.recheck_patience), self.recheck_max)
         resting = est.idle_steps % interval and (est.fresh_trials >= out.min_trials or out.hopeless)
         # a re-try drafts at the length the prior guess of the draft's cost would choose, so what it
         # measures is the cost of the drafts the policy would go on with
@@ -361,8 +362,10 @@ class AdaptiveLength:
         if k == 0 and not resting and est.idle_steps and self.learned.model_draft:
             # a recheck that found nothing: where no acceptance would pay either (a draft as dear as
             # its oracle: the default pair on a GPU), only the costs can change that, slowly (with
-            # the context): the next recheck waits twice as long, up to recheck_max steps
-            est.rechecks = min(est.rechecks + 1, 8) if self._judge_hopeless(available) else 0
+            # the context): after recheck_patience such rechecks (not a passing stall: a busy
+            # machine's timings idled a paying draft for a few of them), each waits twice as long
+            # as the last, up to recheck_max steps
+            est.rechecks = min(est.rechecks + 1, 32) if self._judge_hopeless(available) else 0
         if k > 0:
             est.idle_steps = est.rechecks = 0
         elif resting:
