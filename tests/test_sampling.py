@@ -496,3 +496,6 @@ def test_probabilities_written_into_kept_memory_are_the_same(params):
         logits_to_probs(logits, params, out=np.empty(500))
     a, b = scratch(100, slot="x"), scratch((2, 50), slot="x")
     assert np.shares_memory(a, b) and not np.shares_memory(a, scratch(100, slot="y"))
+    from localspec.speculative.sampling import SCRATCH_KEEP_BYTES
+    big = SCRATCH_KEEP_BYTES // 8 + 1
+    assert not np.shares_memory(scratch(big, slot="x"), scratch(big, slot="x"))  # too big to keep: fresh

@@ -200,21 +200,25 @@ def _exp_dtype(x: np.ndarray, temperature: float) -> np.dtype:
 
 
 _scratch = threading.local()  # each thread's working memory (`scratch`)
+SCRATCH_KEEP_BYTES = 64 * 2**20  # a slot keeps at most this much (17 rows of a 262k vocabulary take 36 MB)
 
 
 def scratch(shape: int | tuple[int, ...], dtype=np.float64, *, slot: str = "") -> np.ndarray:
     """An array of `shape`, uninitialised, from memory this thread keeps from call to call (one
-    per `slot` and dtype, grown as needed): its contents last until the slot's next use. A fresh
-    array of a vocabulary's size is mapped anew by the allocator each time and costs its page
-    faults: on a 2-core Xeon VM, 8 fresh 49k rows cost 780 us a row to fill against 190 us in
-    reused memory."""
+    per `slot` and dtype, grown as needed, up to SCRATCH_KEEP_BYTES; a larger one is fresh): its
+    contents last until the slot's next use. A fresh array of a vocabulary's size is mapped anew by
+    the allocator each time and costs its page faults: on a 2-core Xeon VM, 8 fresh 49k rows cost
+    780 us a row to fill against 190 us in reused memory."""
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     size = math.prod(shape)
+    dtype = np.dtype(dtype)
+    if size * dtype.itemsize > SCRATCH_KEEP_BYTES:
+        return np.empty(shape, dtype)
     pool = _scratch.__dict__.setdefault("pool", {})
-    key = (slot, np.dtype(dtype))
-    buf = pool.get(key)
+    buf = pool.get((slot, dtype))
     if buf is None or buf.size < size:
-        buf = pool[key] = np.empty(max(size, 2 * (buf.size if buf is not None else 0)), dtype)
+        grown = max(size, min(2 * (buf.size if buf is not None else 0), SCRATCH_KEEP_BYTES // dtype.itemsize))
+        buf = pool[(slot, dtype)] = np.empty(grown, dtype)
     return buf[:size].reshape(shape)
 
 
@@ -364,7 +368,9 @@ class RowBuffer:
     """Probability rows of one width, written one after another into memory kept from use to use
     (a draft's distributions, one per drafted token: see `scratch` for why). `claim()` the next
     row to write; `spare()` a row to use and drop (not kept); `rows()` those claimed since
-    `clear()`, [n, width] (a view, valid until the next clear), or None."""
+    `clear()`, [n, width] (a view, valid until the next clear), or None. It keeps as many rows as
+    its longest run claimed: a sampled draft model's draft_max rows (16 rows of a 128k vocabulary:
+    16 MB) for each sequence slot that drafted sampled."""
 
     def __init__(self, width: int) -> None:
         self.width = width
