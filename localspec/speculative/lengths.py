@@ -273,7 +273,8 @@ class AdaptiveLength:
     (`Outlook.best_length`), drafting nothing unless that beats the oracle alone by `min_gain`; and
     drafts made for evidence: short ones until `min_trials` draft tokens are judged, a probe every
     `probe_every` idle steps within the probe budget, a re-try after a fully accepted probe. While
-    idle, k is judged afresh every `recheck_every` steps only."""
+    idle, k is judged afresh every `recheck_every` steps only (a draft model's up to `recheck_max`
+    apart once `recheck_patience` rechecks in a row found that no acceptance would pay)."""
 
     def __init__(self, *, k_max: int = 16, prior_acceptance: float = 0.9, prior_continuation: float = 1.0,
                  prior_weight: float = 4.0, draft_cost_ratio: float = 0.5, model_draft: bool = True,
