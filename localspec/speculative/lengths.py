@@ -360,18 +360,21 @@ class AdaptiveLength:
         # a re-try drafts at the length the prior guess of the draft's cost would choose, so what it
         # measures is the cost of the drafts the policy would go on with
         k = 0 if resting else out.best_length(available, optimistic=est.exploring)
+        hopeless = None  # judged at this step (a recheck's), else None
         if k == 0 and not resting and est.idle_steps and self.learned.model_draft:
             # a recheck that found nothing: where no acceptance would pay either (a draft as dear as
             # its oracle: the default pair on a GPU), only the costs can change that, slowly (with
             # the context): after recheck_patience such rechecks (not a passing stall: a busy
             # machine's timings idled a paying draft for a few of them), each waits twice as long
             # as the last, up to recheck_max steps
-            est.rechecks = min(est.rechecks + 1, 32) if self._judge_hopeless(available) else 0
+            hopeless = self._judge_hopeless(available)
+            est.rechecks = min(est.rechecks + 1, 32) if hopeless else 0
         if k > 0:
             est.idle_steps = est.rechecks = 0
         elif resting:
             k = self._idle_step(available)
-        elif est.fresh_trials < out.min_trials and not self._judge_hopeless(available):
+        elif est.fresh_trials < out.min_trials and not (hopeless if hopeless is not None
+                                                         else self._judge_hopeless(available)):
             k = min(out.probe_length, available)  # one or two early rejections are not evidence enough
         elif not self._near_the_end(limit):
             k = self._idle_step(available)
