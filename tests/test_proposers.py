@@ -6,7 +6,8 @@ import pytest
 from localspec.runtime.factory import lookup_policy
 from localspec.outputs import DraftSource
 from localspec.speculative.plan import DraftPlan, Found, Offer, unused_offers
-from localspec.speculative.proposers import (EMPTY_DRAFT, MATCH_CAP, MODEL_OFFER, Draft, DraftModelProposer, HybridProposer,
+from localspec.speculative.ngram import MATCH_CAP
+from localspec.speculative.proposers import (EMPTY_DRAFT, MODEL_OFFER, Draft, DraftModelProposer, HybridProposer,
                                   PromptLookupProposer, drive)
 from localspec.speculative.sampling import SamplingParams, logits_to_probs
 from scripted import ScriptedContext, ScriptedModel, hashed_logits, related_logits
@@ -28,7 +29,7 @@ def _lookup_by_brute_force(history, max_len, max_ngram=4, min_ngram=2):
     """What prompt lookup should propose, spelled out: the longest n whose last-n tokens occurred
     before, the occurrence whose preceding text agrees longest (latest on a tie, among the latest
     SOURCES_COMPARED), what followed it."""
-    from localspec.speculative.proposers import SOURCES_COMPARED, match_length
+    from localspec.speculative.ngram import SOURCES_COMPARED, match_length
 
     tokens = np.asarray(history, dtype=np.int32)
     for n in range(min(max_ngram, len(history) - 1), min_ngram - 1, -1):
@@ -73,6 +74,20 @@ def test_a_lookup_kept_from_step_to_step_finds_what_a_fresh_one_finds():
             else:
                 history += rng.integers(0, 5, int(rng.integers(1, 4))).tolist()
     assert PromptLookupProposer().fork(1) is not PromptLookupProposer().fork(1)
+
+
+def test_the_lookups_plain_python_and_numpy_searches_agree():
+    """find_source narrows and ranks a few occurrences in plain Python over the token list, many in
+    numpy: both give the same source and match length, on texts with few and with many repeats."""
+    from localspec.speculative.ngram import find_source
+
+    rng = np.random.default_rng(9)
+    for _ in range(500):
+        history = rng.integers(0, int(rng.integers(2, 40)), int(rng.integers(0, 300))).tolist()
+        tokens = np.asarray(history, dtype=np.int32)
+        for max_ngram, min_ngram in ((4, 2), (3, 1), (6, 3)):
+            assert (find_source(tokens, history, max_ngram=max_ngram, min_ngram=min_ngram)
+                    == find_source(tokens, None, max_ngram=max_ngram, min_ngram=min_ngram))
 
 
 def test_longest_match_wins_over_a_more_recent_shorter_one():
