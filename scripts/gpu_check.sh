@@ -311,6 +311,15 @@ cat >"$results/SUMMARY.md" <<EOF
 - benchmarks: exit $bench_rc (bench-*.md, clients-*.md and their .json)
 - the whole check: $((SECONDS - t0)) s
 EOF
+if [[ -f $results/idle_host_time.json ]]; then   # tests/test_gpu.py's record of an idle step's host time
+    "$PY" - "$results/idle_host_time.json" >>"$results/SUMMARY.md" <<'EOF' || true
+import json, sys
+d = json.load(open(sys.argv[1]))
+alone, default = d["oracle_alone"], d["default"]
+print(f"- host ms a step: the oracle alone {alone['host_ms_per_step']:.3f}, the default {default['host_ms_per_step']:.3f}"
+      f" ({default['idle_steps']} of {default['steps']} steps idle; an idle step's target: <= 0.10 ms)")
+EOF
+fi
 [[ -n ${OUT:-} && -d ${OUT:-} ]] && cp "$results"/*.md "$results"/*.json "$results"/tests.log "$OUT"/ 2>/dev/null
 say "done in $((SECONDS - t0)) s: $results/SUMMARY.md"
 ((tests_rc == 0 && bench_rc == 0))

@@ -43,6 +43,9 @@ def test_the_cpu_check_runs_every_step(tmp_path):
     host = json.loads((results / "host_time.json").read_text())
     assert host["speculative"]["host_ms_per_step"] > 0 and host["oracle_alone"]["host_ms_per_token"] > 0
     assert json.loads((results / "logits.json").read_text())["max_abs_diff"] < 0.25
+    idle = json.loads((results / "idle_host_time.json").read_text())
+    assert idle["default"]["host_ms_per_step"] > 0 and idle["oracle_alone"]["host_ms_per_step"] > 0
+    assert "host ms a step: the oracle alone" in summary  # the idle step's figure, on the report
 
     # localspec against llama.cpp's speculative program built in the same step
     bench = json.loads((results / "bench-smollm2.json").read_text())
