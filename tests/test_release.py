@@ -244,9 +244,12 @@ def test_version_and_models_from_the_installed_wheel(venv):
 
 
 @pytest.mark.model
-def test_generate_from_the_installed_wheel(venv, pair_paths):
-    """`localspec generate` with default settings: the default pair from the cache, speculating."""
-    out = json.loads(run_in(venv, "localspec", "generate", "Say hello.", "--max-tokens", "8",
+def test_generate_from_the_installed_wheel(venv, pair_paths, tmp_path):
+    """`localspec generate` with default settings: the default pair from the cache, speculating, as a
+    new user's first run (no costs kept: the suite's shared store holds what earlier tests taught,
+    and an 8-token answer started idle from one such state once)."""
+    fresh = {**venv, "env": {**venv["env"], "LOCALSPEC_COST_CACHE": str(tmp_path)}}
+    out = json.loads(run_in(fresh, "localspec", "generate", "Say hello.", "--max-tokens", "8",
                                           "--json").stdout)
     assert out["text"].strip() and out["stats"]["completion_tokens"] >= 1 and out["stats"]["steps"] >= 1
     assert out["stats"]["drafted"] >= 1, out["stats"]
