@@ -28,15 +28,19 @@ def test_ngram_match_proposes_what_followed():
 def _lookup_by_brute_force(history, max_len, max_ngram=4, min_ngram=2):
     """What prompt lookup should propose, spelled out: the longest n whose last-n tokens occurred
     before, the occurrence whose preceding text agrees longest (latest on a tie, among the latest
-    SOURCES_COMPARED), what followed it."""
-    from localspec.speculative.ngram import SOURCES_COMPARED, match_length
+    SOURCES_COMPARED), what followed it. A source's agreement: how many of the history's last tokens
+    equal the ones before it, read backwards, up to MATCH_CAP."""
+    from localspec.speculative.ngram import SOURCES_COMPARED
 
-    tokens = np.asarray(history, dtype=np.int32)
+    def agreement(follow):
+        span = min(follow, MATCH_CAP)
+        return next((i for i in range(span) if history[follow - 1 - i] != history[-1 - i]), span)
+
     for n in range(min(max_ngram, len(history) - 1), min_ngram - 1, -1):
         follows = [s + n for s in range(len(history) - n) if history[s:s + n] == history[-n:]]
         if follows:
             follows = follows[-SOURCES_COMPARED:]
-            held = [match_length(tokens, f) for f in follows]
+            held = [agreement(f) for f in follows]
             best = max(range(len(follows)), key=lambda i: (held[i], i))
             return history[follows[best]:follows[best] + max_len], held[best]
     return [], 0

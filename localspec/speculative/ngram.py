@@ -22,7 +22,7 @@ def find_source(tokens: np.ndarray, text: Sequence[int] | None = None, *, max_ng
                 min_ngram: int = 2) -> tuple[int, int] | None:
     """Where a lookup draft of `tokens` [n] (the text so far) would copy from: the position after
     the best earlier occurrence of the text's longest last n-gram (min_ngram <= n <= max_ngram) that
-    occurred, and how far back its agreement goes (`match_length`); None where none occurred.
+    occurred, and how far back its agreement goes (`match_lengths`); None where none occurred.
     `text`: the same tokens as a list (indexed from Python on the small cases), or None."""
     if len(tokens) <= min_ngram:
         return None
@@ -68,7 +68,7 @@ def _longest_few(text: Sequence[int], ends: list[int], top: int) -> tuple[np.nda
 def best_source(tokens: np.ndarray, follows: np.ndarray, text: Sequence[int] | None = None) -> tuple[int, int]:
     """Of the candidate sources `follows` [m] (positions right after an occurrence of the text's last
     n-gram, oldest first), the one whose preceding tokens agree longest with the text's last ones,
-    the latest on a tie; and that agreement's length (`match_length`). On the bench's 26 prompts
+    the latest on a tie; and that agreement's length (`match_lengths`). On the bench's 26 prompts
     (the default oracle's greedy answers, a guess at every position with a match) the guesses held
     for 13.2 tokens on average against 12.1 from the latest occurrence (grounded 12.6 vs 10.9, long
     7.9 vs 6.7, code 7.1 vs 6.9, copy 27.0 vs 26.3), their first token 81% of the time against 80%.
@@ -84,7 +84,9 @@ def best_source(tokens: np.ndarray, follows: np.ndarray, text: Sequence[int] | N
 
 
 def match_lengths(tokens: np.ndarray, follows: np.ndarray) -> np.ndarray:
-    """`match_length` of each of `follows` [m], in one pass: [m]."""
+    """How far each source agrees with the text's end, for each of `follows` [m], in one pass: [m],
+    how many of the last tokens of `tokens` [n] equal the ones before the source (read backwards,
+    up to MATCH_CAP)."""
     back = np.arange(min(MATCH_CAP, len(tokens)))  # [cap] steps back from a source, and from the end
     before = follows[:, None] - 1 - back  # [m, cap] positions read backwards from each source
     agree = (tokens[np.maximum(before, 0)] == tokens[len(tokens) - 1 - back]) & (before >= 0)  # [m, cap]
@@ -93,21 +95,9 @@ def match_lengths(tokens: np.ndarray, follows: np.ndarray) -> np.ndarray:
 
 
 def _match_length_few(text: Sequence[int], follow: int) -> int:
-    """`match_length` read from a list."""
+    """`match_lengths` of one source, read from a list."""
     span, last = min(follow, MATCH_CAP), len(text) - 1
     i = 0
     while i < span and text[follow - 1 - i] == text[last - i]:
         i += 1
     return i
-
-
-def match_length(tokens: np.ndarray, follow: int) -> int:
-    """How many of the last tokens of `tokens` [n] agree with the ones before position `follow`
-    (read backwards, up to MATCH_CAP)."""
-    span = min(follow, MATCH_CAP)
-    if span <= 0:
-        return 0
-    before = tokens[follow - span:follow][::-1]  # [span] the source, backwards from its draft
-    last = tokens[len(tokens) - span:][::-1]  # [span] the history, backwards from its end
-    differs = np.flatnonzero(before != last)
-    return int(differs[0]) if differs.size else span
