@@ -43,6 +43,17 @@ def record(name: str, value) -> None:
         (Path(directory) / f"{name}.json").write_text(json.dumps(value, indent=2) + "\n")
 
 
+def host_figures(stats) -> dict:
+    """A generation's host time (wall minus time inside llama.cpp) for the check's report: per token,
+    per step and its parts (proposing, verifying, the rest), beside how much it drafted."""
+    return {"tokens": stats.completion_tokens, "steps": stats.steps, "idle_steps": stats.idle_steps,
+            "drafted": stats.drafted, "host_ms_per_token": stats.host_ms_per_token,
+            "host_ms_per_step": stats.host_ms_per_step,
+            "host_ms_per_step_parts": [1000 * t / stats.steps for t in
+                                       (stats.host_draft_time, stats.host_verify_time, stats.host_other_time)],
+            "generation_s": stats.generation_time, "tokens_per_second": stats.tokens_per_second}
+
+
 @pytest.fixture(scope="module")
 def gpu_engine(pair_paths):
     from localspec.runtime.engine import Engine
@@ -113,9 +124,7 @@ def test_host_time_per_step_is_measured(gpu_engine):
     out = {}
     for speculative in (False, True):
         stats = gpu_engine.generate(chat(PROMPTS[1]), max_tokens=128, speculative=speculative).stats
-        out["speculative" if speculative else "oracle_alone"] = {
-            "tokens": stats.completion_tokens, "steps": stats.steps, "host_ms_per_token": stats.host_ms_per_token,
-            "host_ms_per_step": stats.host_ms_per_step, "generation_s": stats.generation_time}
+        out["speculative" if speculative else "oracle_alone"] = host_figures(stats)
         assert 0 < stats.host_time < stats.total_time
     record("host_time", {"gpu": GPU, **out})
 
@@ -132,11 +141,6 @@ def test_an_idle_steps_host_time_is_measured(pair_paths):
     with Engine(oracle, draft, n_ctx=1024, gpu_layers=LAYERS, draft_gpu_layers=LAYERS, cost_cache=False) as e:
         for speculative in (False, True):
             stats = e.generate(chat(PROMPTS[0]), max_tokens=64, speculative=speculative).stats
-            out["default" if speculative else "oracle_alone"] = {
-                "steps": stats.steps, "idle_steps": stats.idle_steps, "drafted": stats.drafted,
-                "host_ms_per_step": stats.host_ms_per_step,
-                "host_ms_per_step_parts": [1000 * t / stats.steps for t in
-                                           (stats.host_draft_time, stats.host_verify_time, stats.host_other_time)],
-                "tokens_per_second": stats.tokens_per_second}
+            out["default" if speculative else "oracle_alone"] = host_figures(stats)
             assert 0 < stats.host_time < stats.total_time
     record("idle_host_time", {"gpu": GPU, **out})
