@@ -222,7 +222,8 @@ def run(n_vocab: int, k: int | None, n_seqs: int, temperature: float, max_tokens
             "llama_ms_per_step": 1000 * llama / steps,
             # single stream: the median step's host time, and the median of the steps that drafted nothing
             "host_ms_median": 1000 * float(np.median(step_host)) if step_host else None,
-            "idle_host_ms_median": 1000 * float(np.median(idle_host)) if idle_host else None}
+            "idle_host_ms_median": 1000 * float(np.median(idle_host)) if idle_host else None,
+            "idle_host_ms_mean": 1000 * float(np.mean(idle_host)) if idle_host else None}
 
 
 def _ms(value: float | None) -> str:
@@ -250,8 +251,8 @@ def main() -> None:
     global TEXT
     TEXT = args.text
     results = []
-    print("| vocab | k | seqs | T | host ms/step | host ms/token | (llama ms/step) | idle steps | median idle step |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| vocab | k | seqs | T | host ms/step | host ms/token | (llama ms/step) | idle steps | idle step: median | mean |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n_vocab in args.vocab:
         for k in [None] if args.adaptive else args.k:
             for n_seqs in args.seqs:
@@ -261,7 +262,7 @@ def main() -> None:
                     results.append(r)
                     print(f"| {n_vocab} | {r['k']} | {n_seqs} | {temperature:g} | {r['host_ms_per_step']:.3f} | "
                           f"{r['host_ms_per_token']:.3f} | {r['llama_ms_per_step']:.2f} | {r['idle_steps']} | "
-                          f"{_ms(r['idle_host_ms_median'])} |",
+                          f"{_ms(r['idle_host_ms_median'])} | {_ms(r['idle_host_ms_mean'])} |",
                           flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")

@@ -119,6 +119,7 @@ class PassCost:
     def __init__(self, shape: Sequence[float] = VERIFY_SHAPE, *, decay: float = 0.99,
                  spread: Sequence[float] = PRIOR_SPREAD, noise: float = NOISE, outlier: float = 2.0) -> None:
         self.shape = np.asarray(shape, dtype=np.float64)  # [6]
+        self._floor_shape = 0.1 * float(self.shape[0] + self.shape[2])  # the floor, per unit of scale
         self.decay = decay
         self.ridge = np.diag((noise / np.asarray(spread, dtype=np.float64)) ** 2)  # [6, 6]
         self.outlier = outlier
@@ -131,6 +132,7 @@ class PassCost:
         self._pending: list[tuple[np.ndarray, float]] = []
         self.observations = 0  # ever, including those loaded
         self._w: np.ndarray | None = None  # the fit, None when observations came since
+        self._listed: tuple[np.ndarray, list[float]] | None = None  # a fit and its Python floats
         self._last: np.ndarray | None = None  # the latest fit made (for clipping outliers)
         self._start: list[tuple[np.ndarray, float]] = []  # the first START passes, until they set the scale
 
@@ -215,13 +217,21 @@ class PassCost:
             self._w = self._last = _solve_context_nonnegative(self.gram + self.ridge, self.moment + self.ridge @ prior)
         return self._w
 
+    def _weights_list(self) -> list[float]:
+        """`weights()` as Python floats (the fit's last conversion kept): numpy's scalar
+        arithmetic costs ~10x theirs, and a policy prices a few lengths a step."""
+        w = self.weights()
+        if self._listed is None or self._listed[0] is not w:
+            self._listed = (w, w.tolist())
+        return self._listed[1]
+
     def _floor(self) -> float:
         assert self.scale is not None
-        return 0.1 * self.scale * float(self.shape[0] + self.shape[2])
+        return self.scale * self._floor_shape
 
-    def _scalar(self, w: np.ndarray, n: int, c: float) -> float:
+    def _scalar(self, w: list[float], n: int, c: float) -> float:
         t = w[0] + w[3] * c + (max(0.0, w[1]) if n > 1 else 0.0) + max(0.0, w[2] + w[4] * c) * n
-        return max(float(t), self._floor())
+        return max(t, self._floor())
 
     def _at(self, w: np.ndarray, phi: np.ndarray | list[float]) -> float:
         """The prediction for features phi [6] (of one pass, or the sum over several), held like
@@ -264,20 +274,25 @@ class PassCost:
     def predict(self, ns: np.ndarray, context: int) -> np.ndarray:
         """Seconds for passes of each size in ns [m] at `context`: never decreasing in n, never
         below a tenth of the prior's one-token time."""
+        return np.array(self.times(np.asarray(ns, dtype=np.float64).tolist(), context))
+
+    def times(self, ns: Sequence[float], context: int) -> list[float]:
+        """`predict` in Python floats, for the few sizes a policy prices each step (numpy's
+        per-call cost on arrays of 17 is most of theirs)."""
         if self.scale is None:
             raise ValueError("no cost observed yet")
-        w = self.weights()
+        w0, w1, w2, w3, w4, _ = self._weights_list()
         c = context / CONTEXT_UNIT
-        base = w[0] + w[3] * c  # a one-token pass, without its per-token part
-        per_token = max(0.0, w[2] + w[4] * c)
-        ns = np.asarray(ns, dtype=np.float64)
-        out = base + np.where(ns > 1, max(0.0, w[1]), 0.0) + per_token * ns
-        return np.maximum(out, self._floor())
+        base = w0 + w3 * c  # a one-token pass, without its per-token part
+        more = max(0.0, w1)  # two tokens or more: the matrix-matrix kernels
+        per_token = max(0.0, w2 + w4 * c)
+        floor = self._floor()
+        return [max(base + (more if n > 1 else 0.0) + per_token * n, floor) for n in ns]
 
     def __call__(self, n: int, context: int) -> float:
         if self.scale is None:
             raise ValueError("no cost observed yet")
-        return self._scalar(self.weights(), n, context / CONTEXT_UNIT)
+        return self._scalar(self._weights_list(), n, context / CONTEXT_UNIT)
 
     # -- persistence
 
@@ -421,13 +436,18 @@ def expected_tokens(a: float, k):
     return float(e) if e.ndim == 0 else e
 
 
-def expected_tokens_by_place(ahead: np.ndarray, continuation: float = 1.0) -> np.ndarray:
+def expected_tokens_by_place(ahead: Sequence[float], continuation: float = 1.0) -> list[float]:
     """E(k) for k = 0..K [K+1], each draft token i (of K) accepted with probability ahead[i] given
     the ones before it were, and the draft going on after an accepted token with probability
-    `continuation`: E(k) = 1 + sum_{i=1..k} ahead[0] * ... * ahead[i-1] * continuation^(i-1)."""
-    ahead = np.asarray(ahead, dtype=np.float64)  # [K]
-    reach = np.cumprod(ahead) * continuation ** np.arange(len(ahead))  # [K] P(token i proposed, it and all before accepted)
-    return 1.0 + np.concatenate(([0.0], np.cumsum(reach)))
+    `continuation`: E(k) = 1 + sum_{i=1..k} ahead[0] * ... * ahead[i-1] * continuation^(i-1).
+    In Python floats (a policy asks every step, for K <= 64)."""
+    out, total, reach, going_on = [1.0], 1.0, 1.0, 1.0
+    for a in ahead:
+        reach *= float(a)  # P(token i proposed, it and all before it accepted)
+        total += reach * going_on
+        going_on *= continuation
+        out.append(total)
+    return out
 
 
 def speedup(oracle_alone: float | None, *spent: float) -> float | None:

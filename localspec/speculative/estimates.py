@@ -12,8 +12,6 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-import numpy as np
-
 from localspec.outputs import StepRecord
 from localspec.speculative.costs import DRAFT_ROUND_SHAPE, DRAFT_SHAPE, VERIFY_SHAPE, PassCost
 from localspec.speculative.sampling import SamplingParams
@@ -55,6 +53,7 @@ class AcceptanceByPlace:
             raise ValueError(f"priors: one per key ({n})")
         self.estimates = [float(v) for v in priors] if priors is not None else [prior] * n
         self.events = [0] * n
+        self._pooled: tuple[tuple, list[float]] | None = None  # (estimates and events, `monotone()` of them)
 
     def key(self, place: int, run: int) -> int:
         """The estimate for the draft token at `place` (0: a step's first) of a step whose first
@@ -64,10 +63,15 @@ class AcceptanceByPlace:
             return 2 if place else int(run > 0)
         return bisect.bisect_right(self.runs, run + place)
 
-    def ahead(self, k: int, run: int) -> np.ndarray:
+    def ahead(self, k: int, run: int) -> list[float]:
         """The acceptance of each of the next step's k draft tokens [k]."""
-        estimates = self.estimates if self.runs is None else self.monotone()
-        return np.array([estimates[self.key(i, run)] for i in range(k)], dtype=np.float64)
+        if self.runs is None:  # the first token by its step's predecessor, then one rate
+            return [self.estimates[int(run > 0)]] + [self.estimates[2]] * (k - 1) if k > 0 else []
+        held = (*self.estimates, *self.events)  # pooled once per judgement, not per length priced
+        if self._pooled is None or self._pooled[0] != held:
+            self._pooled = (held, self.monotone())
+        estimates, runs = self._pooled[1], self.runs
+        return [estimates[bisect.bisect_right(runs, run + i)] for i in range(k)]
 
     def monotone(self) -> list[float]:
         """A lookup's estimates as a non-decreasing function of the match's length: the closest such
@@ -256,20 +260,19 @@ class BatchPrice:
 
     sequences: int = 1  # in the pass
 
-    def verify_times(self, ns: np.ndarray) -> np.ndarray:
+    def verify_times(self, ns: Sequence[float]) -> list[float]:
         """Seconds for this sequence's share of a pass when it carries ns [m] tokens of it: beside
         the sequences that do not draft, the ones that do cost the pass llama.cpp splits off for
         their extra tokens (`LlamaContext.ubatches`), which they share (none when all of them draft)."""
-        ns = np.asarray(ns, dtype=np.float64)
         drafting = min(max(1.0, self.drafting), float(self.sequences))
         share = self.split * (self.sequences - drafting) / (self.sequences * drafting) if self.sequences > 1 else 0.0
-        return self.base + self.verify_token * (ns - 1.0) + (ns > 1) * share
+        return [self.base + self.verify_token * (n - 1.0) + (share if n > 1 else 0.0) for n in ns]
 
-    def draft_times(self, lengths: np.ndarray, evaluated: np.ndarray) -> np.ndarray:
+    def draft_times(self, lengths: Sequence[float], evaluated: Sequence[float]) -> list[float]:
         """Seconds this sequence adds to the drafting rounds for drafts of `lengths` [m] tokens that
         evaluate `evaluated` [m] draft tokens."""
-        return (self.draft_round / max(1.0, self.drafting)) * np.asarray(lengths, dtype=np.float64) \
-            + self.draft_token * np.asarray(evaluated, dtype=np.float64)
+        per_round = self.draft_round / max(1.0, self.drafting)
+        return [per_round * n + self.draft_token * e for n, e in zip(lengths, evaluated)]
 
 
 class Learned:
@@ -407,15 +410,15 @@ class Learned:
         """Whether the oracle's pass costs, and the draft model's, are still to be measured."""
         return not self.verify_cost.ready, self.model_draft and not self.draft_cost.ready
 
-    def draft_times_alone(self, sizes: np.ndarray, context: int, *, optimistic: bool = False) -> np.ndarray:
+    def draft_times_alone(self, sizes: Sequence[float], context: int, *, optimistic: bool = False) -> list[float]:
         """Seconds for proposals that evaluate `sizes` [m] draft tokens, drafting alone.
         `optimistic`: the lower of the fitted cost and the prior guess."""
         per_token = self.draft_cost_ratio * self.verify_cost(1, context)  # the prior guess
-        guess = per_token * (DRAFT_SHAPE[0] + DRAFT_SHAPE[2] * sizes)
+        guess = [per_token * (DRAFT_SHAPE[0] + DRAFT_SHAPE[2] * n) for n in sizes]
         if not self.draft_cost.ready:
             return guess  # not measured yet
-        fitted = self.draft_cost.predict(sizes, context)
-        return np.minimum(fitted, guess) if optimistic else fitted
+        fitted = self.draft_cost.times(sizes, context)
+        return [min(f, g) for f, g in zip(fitted, guess)] if optimistic else fitted
 
     def batch_price(self, contexts: Sequence[int], context: int, drafting: float) -> BatchPrice | None:
         """The price of a draft for a sequence at `context` whose pass carries the sequences at
@@ -431,8 +434,8 @@ class Learned:
             draft_token = rounds.token_time(context) + rounds.sequence_time()
             draft_round = max(0.0, one - rounds.token_time(context))
         else:  # no batched drafting measured yet: a draft token alone, split as the prior shape says
-            one, two = self.draft_times_alone(np.array([1.0, 2.0]), context)
-            alone = float(two - one)
+            one, two = self.draft_times_alone([1.0, 2.0], context)
+            alone = two - one
             split = DRAFT_ROUND_SHAPE[2] / (DRAFT_ROUND_SHAPE[0] + DRAFT_ROUND_SHAPE[2])
             draft_token, draft_round = alone * split, alone * (1.0 - split)
         return BatchPrice(base, verify_token, draft_round, draft_token, drafting,

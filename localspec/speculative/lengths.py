@@ -10,8 +10,6 @@ import copy
 import dataclasses
 from typing import Any, Mapping, Sequence
 
-import numpy as np
-
 from localspec.outputs import StepRecord
 from localspec.speculative.costs import START as COST_START, expected_tokens_by_place
 from localspec.speculative.estimates import GREEDY, MAX_RETRY_WAIT, BatchPrice, Learned, Regime
@@ -110,7 +108,7 @@ class Outlook:
         # stops measuring the draft (a probe drafts from a window, at another rate), so a cost fitted
         # while the machine was busy would otherwise keep it idle for good, in later processes too
         rate = self.rates(self.k_max, acceptance=self.est.long_acceptance, optimistic=True)  # [K+1]
-        if rate[1:].max(initial=0.0) >= (1.0 + self.min_gain) * rate[0]:
+        if max(rate[1:], default=0.0) >= (1.0 + self.min_gain) * rate[0]:
             self.begin_retry()  # it pays in the long run: judge min_trials draft tokens on this prompt
 
     # -- what each length yields and takes
@@ -123,61 +121,68 @@ class Outlook:
         """T(k): the seconds a step drafting k takes."""
         return float(self._step_times(k, self.context if context is None else context)[k])
 
-    def _expected_tokens(self, k_top: int, acceptance: float | None = None) -> np.ndarray:
+    def _expected_tokens(self, k_top: int, acceptance: float | None = None) -> list[float]:
         """E(k) for k = 0..k_top [k_top+1]: each draft token at its place's acceptance after a step
         like the last one (`acceptance` given: that one for every token)."""
-        ahead = (np.full(k_top, acceptance) if acceptance is not None
+        ahead = ([acceptance] * k_top if acceptance is not None
                  else self.in_this_text(self.est.by_place.ahead(k_top, self.run)))  # [k_top]
         return expected_tokens_by_place(ahead, self.est.continuation_accepted)
 
-    def in_this_text(self, acceptance: np.ndarray) -> np.ndarray:
+    def in_this_text(self, acceptance: Sequence[float]) -> list[float]:
         """Acceptance estimates [m] corrected for the text at hand: each failure probability times
         the text's failure ratio so far (see `text_weight`). The estimates follow every text
         alike; texts differ: a copy's lookups hold where an edit's, on matches as long, do not
         (on the bench, the first token 84-100% of the time on copy, grounded and long prompts,
         33% on a code edit)."""
         if self.text_weight is None:
-            return acceptance
+            return list(acceptance)
         ratio = (self.text_weight + self._text_failed) / (self.text_weight + self._text_predicted)
-        return np.clip(1.0 - (1.0 - acceptance) * ratio, 0.0, 1.0)
+        return [min(1.0, max(0.0, 1.0 - (1.0 - float(a)) * ratio)) for a in acceptance]
 
-    def _evaluated(self, lengths: np.ndarray) -> np.ndarray:
+    def _evaluated(self, lengths: Sequence[float]) -> list[float]:
         """Tokens the draft evaluates to propose each of `lengths` [m] (the draft cost's size)."""
-        lengths = np.asarray(lengths, dtype=np.float64)
         if not self.learned.model_draft:
-            return np.ones_like(lengths)
-        return np.maximum(1.0, lengths - 1.0 + self.learned.catch_up)
+            return [1.0] * len(lengths)
+        catch_up = self.learned.catch_up
+        return [max(1.0, float(n) - 1.0 + catch_up) for n in lengths]
 
-    def draft_times(self, lengths: np.ndarray, context: int, *, optimistic: bool = False) -> np.ndarray:
+    def draft_times(self, lengths: Sequence[float], context: int, *, optimistic: bool = False) -> list[float]:
         """Seconds for the draft to propose each of `lengths` [m] tokens at `context` [m].
         `optimistic`: the lower of the fitted cost and the prior guess."""
         sizes = self._evaluated(lengths)  # [m]
         if self.price is not None:
             if not self.learned.model_draft:
-                return np.zeros(len(sizes))  # a lookup: nothing to decode
+                return [0.0] * len(sizes)  # a lookup: nothing to decode
             return self.price.draft_times(lengths, sizes)
         return self.learned.draft_times_alone(sizes, context, optimistic=optimistic)
 
-    def _step_times(self, k_top: int, context: int, *, optimistic: bool = False) -> np.ndarray:
-        """T(k) for k = 0..k_top [k_top+1] at `context`."""
-        lengths = np.arange(1, k_top + 1)  # [K] tokens drafted
-        passes = np.arange(1, k_top + 2)  # [K+1] passes of 1..K+1 tokens
-        verify = (self.learned.verify_cost.predict(passes, context) if self.price is None
+    def _step_times(self, k_top: int, context: int, *, optimistic: bool = False) -> list[float]:
+        """T(k) for k = 0..k_top [k_top+1] at `context`: a draft of length l (of k) costs its
+        proposal and a pass of l + 1 tokens; it runs to l with P(L >= l) = c^(l-1), c the
+        draft's continuation."""
+        passes = range(1, k_top + 2)  # [K+1] passes of 1..K+1 tokens
+        verify = (self.learned.verify_cost.times(passes, context) if self.price is None
                   else self.price.verify_times(passes))  # [K+1]
-        cost = self.draft_times(lengths, context, optimistic=optimistic) + verify[1:]  # [K]
+        drafts = self.draft_times(range(1, k_top + 1), context, optimistic=optimistic)  # [K]
         c = self.est.continuation
-        at_least = c ** (lengths - 1)  # [K] P(L >= l)
-        stopped = np.concatenate(([0.0], np.cumsum(at_least * (1.0 - c) * cost)))[:-1]  # [K] drafts ending before l
-        return np.concatenate((verify[:1], stopped + at_least * cost))
+        out, stopped, at_least = [verify[0]], 0.0, 1.0  # drafts ending before l (their cost), P(L >= l)
+        for proposal, verify_pass in zip(drafts, verify[1:]):
+            cost = proposal + verify_pass
+            out.append(stopped + at_least * cost)
+            stopped += at_least * (1.0 - c) * cost
+            at_least *= c
+        return out
 
     def rates(self, limit: int, context: int | None = None, *, acceptance: float | None = None,
-              optimistic: bool = False) -> np.ndarray:
+              optimistic: bool = False) -> list[float]:
         """Expected tokens per second for k = 0..min(limit, k_max) [K+1] (needs a measured pass), at
-        the running acceptance or the one given (`optimistic`: see draft_times)."""
+        the running acceptance or the one given (`optimistic`: see draft_times). In Python floats,
+        as every quantity it is made of: a policy asks at every recheck and for every offer it
+        sizes, and on arrays of a few to 65 lengths numpy's cost per call was most of the time."""
         k_top = min(limit, self.k_max)
         expected = self._expected_tokens(k_top, acceptance)
-        return expected / self._step_times(k_top, self.context if context is None else context,
-                                           optimistic=optimistic)
+        times = self._step_times(k_top, self.context if context is None else context, optimistic=optimistic)
+        return [e / t for e, t in zip(expected, times)]
 
     # -- what pays
 
@@ -199,7 +204,7 @@ class Outlook:
         # a draft cost from fewer than START proposals may be one caught in a stall: the guess bounds it
         settled = not self.learned.model_draft or self.learned.draft_cost.observations >= COST_START
         rate = self.rates(limit, context, acceptance=1.0, optimistic=optimistic or not settled)  # [K+1]
-        return bool(rate[1:].max(initial=0.0) >= (1.0 + self.min_gain) * rate[0])
+        return max(rate[1:], default=0.0) >= (1.0 + self.min_gain) * rate[0]
 
     def best_length(self, limit: int, context: int | None = None, *, optimistic: bool = False) -> int:
         """The k (0..limit) that promises the most tokens per second, if it beats the oracle alone by
@@ -207,7 +212,7 @@ class Outlook:
         if not self.learned.verify_cost.ready:
             return min(self.probe_length, limit)  # nothing measured yet: try a short draft
         rate = self.rates(limit, context, optimistic=optimistic)  # [K+1]
-        k = int(np.argmax(rate))  # the shortest k on a tie
+        k = rate.index(max(rate))  # the shortest k on a tie
         gain = self.keep_gain if self.est.drafting else self.min_gain  # drafting goes on more easily than it starts
         return k if rate[k] >= (1.0 + gain) * rate[0] else 0
 
@@ -225,7 +230,7 @@ class Outlook:
         """Learn from `trials` draft tokens of a step whose first one extended a match `run` tokens
         long (see `AcceptanceByPlace.key`), the first `n_accepted` accepted."""
         if self.text_weight is not None and trials:
-            self._text_predicted += float(np.sum(1.0 - self.est.by_place.ahead(trials, run)))
+            self._text_predicted += sum(1.0 - a for a in self.est.by_place.ahead(trials, run))
             self._text_failed += float(trials - n_accepted)
         self.learned.judge(self.est, trials, n_accepted, run)
         if self.est.fresh_trials >= self.min_trials and self.est.exploring:  # the re-try is judged
@@ -434,11 +439,11 @@ class AdaptiveLength:
         if not self.learned.verify_cost.ready or out.k_max < 1:
             return None
         rate = out.rates(out.k_max)  # [K+1]
-        k = 1 + int(np.argmax(rate[1:]))
+        k = 1 + rate[1:].index(max(rate[1:]))
         need = 1.0 + (out.keep_gain if out.est.drafting else out.min_gain)
         costs = f"an oracle pass {1000 * self.learned.verify_cost(1, out.context):.0f} ms"
         if self.learned.model_draft:
-            one, nine = out.draft_times(np.array([1, 9]), out.context)
+            one, nine = out.draft_times([1, 9], out.context)
             costs += f", a draft token {1000 * (nine - one) / 8:.0f} ms"
         return (f"{source}'s estimated acceptance {out.est.acceptance:.0%} ({out.regime.describe()}; {costs}) "
                 f"predicts {rate[k] / rate[0]:.2f}x the oracle alone at best (k={k}); drafting needs {need:.2f}x")
