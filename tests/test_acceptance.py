@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from localspec.speculative.acceptance import accept_draft, accept_greedy
-from localspec.speculative.sampling import SamplingParams, logits_to_probs, sample
+from localspec.speculative.sampling import SamplingParams, logits_to_probs, proposal_probs, sample
 from scripted import ScriptedRng
 
 
@@ -342,6 +342,25 @@ def test_speculative_sampling_with_filters_applied_to_both_models():
     pairs, n_acc = first_two_emitted(1, target, sampling_drafter(draft), 20000, seed=21)
     assert np.all(np.bincount(n_acc, minlength=K + 1) > 0)
     assert_emits_the_oracle_distribution(pairs, 1, target)
+
+
+def test_a_draft_without_its_far_tail_still_emits_the_oracle_distribution():
+    """A sampled draft model drafts from its distribution less the far tail (`proposal_probs`):
+    tokens the oracle gives real weight get none from the draft; what is emitted is the oracle's."""
+    rng = np.random.default_rng(50)
+    vocab = 8
+    target_logits = rng.standard_normal((vocab, vocab)).astype(np.float32) * 1.5  # [prev, vocab]
+    draft_logits = (target_logits + rng.standard_normal((vocab, vocab)) * 4).astype(np.float32)  # far spread
+    params = SamplingParams(temperature=0.8)
+    target = logits_to_probs(target_logits, params)
+    draft = np.empty((vocab, vocab))
+    for prev in range(vocab):
+        proposal_probs(draft_logits[prev], params, out=draft[prev])
+    cut = (draft == 0) & (logits_to_probs(draft_logits, params) > 0)
+    assert cut.sum() >= vocab and target[cut].max() > 0.05  # the tail left out, weighty for the oracle
+    pairs, n_acc = first_two_emitted(4, target, sampling_drafter(draft), 20000, seed=51)
+    assert np.all(np.bincount(n_acc, minlength=K + 1) > 0)
+    assert_emits_the_oracle_distribution(pairs, 4, target)
 
 
 @pytest.mark.parametrize("kind", ["greedy draft model", "prompt lookup", "adversarial"])

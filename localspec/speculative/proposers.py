@@ -33,7 +33,8 @@ from localspec.outputs import DraftSource
 from localspec.speculative.ngram import find_source
 from localspec.speculative.plan import NO_OFFER, DraftPlan, Found, Offer, plain_plan
 from localspec.speculative.sampling import (RowBuffer, SamplingParams, bias_logits, coupled_choice, greedy_argmax,
-                                            logits_to_probs, mask_logits, sample, top_probability_at_least)
+                                            logits_to_probs, mask_logits, proposal_probs, sample,
+                                            top_probability_at_least)
 
 
 @dataclass(frozen=True)
@@ -359,10 +360,12 @@ class DraftModelProposer(_Drives):
             if self.p_min <= 0:
                 return token, True
             return token, top_probability_at_least(row, token, self.p_min)
-        # the oracle will check a seeded pick with its own noise: its distribution is not kept
-        dist = logits_to_probs(row, sampling, out=probs.spare() if sampling.coupled else probs.claim())  # [vocab]
-        token = coupled_choice(dist, sampling.seed, position) if sampling.coupled else sample(dist, rng)
-        return token, self.p_min <= 0 or dist.max() >= self.p_min
+        if sampling.coupled:  # the oracle will check a seeded pick with its own noise: its distribution is not kept
+            dist = logits_to_probs(row, sampling, out=probs.spare())  # [vocab]
+            return coupled_choice(dist, sampling.seed, position), self.p_min <= 0 or dist.max() >= self.p_min
+        # speculative sampling: a distribution without the far tail (`proposal_probs`), kept for acceptance
+        ids, kept = proposal_probs(row, sampling, out=probs.claim())  # [m], [m]
+        return int(ids[sample(kept, rng)]), self.p_min <= 0 or kept.max() >= self.p_min
 
 
 def set_draft_p_min(proposer, p_min: float) -> None:
