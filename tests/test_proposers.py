@@ -295,9 +295,10 @@ def oracle_sized(row: np.ndarray, n_oracle: int) -> np.ndarray:
 
 def without_far_tail(row: np.ndarray, sampling: SamplingParams) -> np.ndarray:
     """The reference of a sampled draft's distribution: the request's, over the tokens whose logits
-    lie within (log(vocab) + PROPOSAL_TAIL_NATS) * temperature of the top (the rest masked)."""
-    reach = (np.log(row.size) + PROPOSAL_TAIL_NATS) * sampling.temperature
-    return logits_to_probs(np.where(row >= row.max() - reach, row, -np.inf), sampling)
+    lie within (log(vocab) + PROPOSAL_TAIL_NATS) * temperature of the top (the rest masked), unless
+    those are more than half the row (then the whole of it)."""
+    near = row >= row.max() - (np.log(row.size) + PROPOSAL_TAIL_NATS) * sampling.temperature
+    return logits_to_probs(np.where(near, row, -np.inf) if 2 * near.sum() <= row.size else row, sampling)
 
 
 @pytest.mark.parametrize("n_draft", [36, 40, 44])

@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from localspec.speculative.sampling import (SamplingParams, greedy_argmax, log_softmax, logits_to_probs, sample, top_ids,
-                                top_probability, top_probability_at_least)
+from localspec.speculative.sampling import (PROPOSAL_TAIL_NATS, SamplingParams, greedy_argmax, log_softmax, logits_to_probs,
+                                            proposal_probs, sample, top_ids, top_probability, top_probability_at_least)
 from scripted import ScriptedRng
 
 
@@ -499,3 +499,33 @@ def test_probabilities_written_into_kept_memory_are_the_same(params):
     from localspec.speculative.sampling import SCRATCH_KEEP_BYTES
     big = SCRATCH_KEEP_BYTES // 8 + 1
     assert not np.shares_memory(scratch(big, slot="x"), scratch(big, slot="x"))  # too big to keep: fresh
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.7), SamplingParams(temperature=0.8, top_k=20, min_p=0.01)],
+                         ids=["temperature", "filtered"])
+def test_a_drafts_proposal_leaves_out_only_the_far_tail(params):
+    """`proposal_probs` on a real-sized row: the request's distribution over the tokens within
+    (log(vocab) + PROPOSAL_TAIL_NATS) * temperature of the top, renormalised, zero elsewhere; the
+    ids and probabilities it returns are that distribution's support; the tail it left out weighs
+    under e^-PROPOSAL_TAIL_NATS."""
+    rng = np.random.default_rng(9)
+    row = (rng.standard_normal(49152) * 2.0).astype(np.float32)
+    row[rng.integers(0, 49152, 30)] += 9.0  # a few likely tokens above the bulk
+    out = np.full(49152, np.nan)
+    ids, probs = proposal_probs(row, params, out=out)
+    near = row >= row.max() - (math.log(row.size) + PROPOSAL_TAIL_NATS) * params.temperature
+    assert 0 < near.sum() < row.size // 2 and ids.tolist() == np.flatnonzero(near).tolist()
+    np.testing.assert_allclose(out, logits_to_probs(np.where(near, row, -np.inf), params), rtol=1e-5, atol=1e-12)
+    np.testing.assert_allclose(probs, out[ids], rtol=1e-12)
+    assert out.sum() == pytest.approx(1.0) and not out[~near].any()
+    full = logits_to_probs(row, SamplingParams(temperature=params.temperature))
+    assert full[~near].sum() < math.exp(-PROPOSAL_TAIL_NATS)
+
+
+def test_a_drafts_proposal_keeps_the_whole_row_where_the_tail_is_not_most_of_it():
+    row = np.linspace(0.0, 3.0, 1000).astype(np.float32)  # every logit within reach of the top
+    out = np.empty(1000)
+    ids, probs = proposal_probs(row, SamplingParams(temperature=1.0), out=out)
+    assert ids.tolist() == list(range(1000))
+    np.testing.assert_allclose(out, logits_to_probs(row, SamplingParams(temperature=1.0)), rtol=1e-12)
+    np.testing.assert_allclose(probs, out)
