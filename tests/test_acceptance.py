@@ -445,8 +445,10 @@ def test_accept_takes_the_target_as_the_request_asked_for_it_and_its_regimes_rul
 @pytest.mark.parametrize("with_draft_probs", [True, False])
 def test_accept_reads_the_targets_rows_lazily_and_decides_as_the_whole_array(params, with_draft_probs):
     """`accept` computes the oracle's rows only up to the first rejection (`LazyProbs`), in memory
-    kept from step to step: each outcome, generator draw for draw, is the one the whole
-    [k+1, vocab] array of probabilities gives, and no row past the rejection is computed."""
+    kept from step to step, and under the temperature alone only the row a token is drawn from
+    (an accepted token's test reads its one probability): each outcome, generator draw for draw,
+    is the one the whole [k+1, vocab] array of probabilities gives, and no row past the rejection
+    is computed."""
     from localspec.speculative.acceptance import accept
     from localspec.speculative.sampling import LazyProbs
 
@@ -464,7 +466,11 @@ def test_accept_reads_the_targets_rows_lazily_and_decides_as_the_whole_array(par
         assert lazy[0].tolist() == whole[0].tolist() and lazy[1] == whole[1]
         rows = LazyProbs(target_logits, params)
         accept_draft(draft, draft_probs if with_draft_probs else None, rows, np.random.default_rng(trial))
-        assert rows._done == whole[1] + 1  # the rows up to the rejection (or the bonus), none after
+        whole_rows = [i for i, done in enumerate(rows._done) if done]
+        if params.top_k or params.top_p < 1.0 or params.min_p:  # filtered: the rows up to the rejection (or the bonus)
+            assert whole_rows == list(range(whole[1] + 1))
+        else:  # the temperature alone: an accepted token's test reads one probability, no row
+            assert whole_rows == [whole[1]]
 
 
 def test_the_seeded_check_stops_at_the_first_disagreement_and_matches_the_picks():
@@ -487,6 +493,6 @@ def test_the_seeded_check_stops_at_the_first_disagreement_and_matches_the_picks(
         rows = LazyProbs(logits, params)
         out, n = accept_coupled(draft, rows, 3, 10)
         assert (out.tolist(), n) == (expected[0].tolist(), expected[1])
-        assert rows._done == n + 1
+        assert rows._done == [True] * (n + 1) + [False] * (k - n)  # computed while the draft agreed, none after
     with pytest.raises(ValueError):
         accept_coupled(np.array([1, 2]), LazyProbs(np.zeros((2, 4), np.float32), params), 3, 0)
