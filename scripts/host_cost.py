@@ -2,9 +2,10 @@
 """The controller's own cost, with nothing to hide behind: the real engine (scheduler, policy,
 proposers, acceptance, text) over stand-in contexts that hand back ready logits at once.
 
-A stand-in model's logits at every position are a fixed random row whose argmax is the "text's"
-next token (the oracle's and the draft's alike, so every greedy draft token is accepted; sampled,
-their distributions agree too), copied into a buffer as llama.cpp's output would be; that copy
+A stand-in model's logits at every position are a fixed random row shaped as a language model's (a
+bulk, a hundred plausible tokens, the next one well above them) whose argmax is the "text's" next
+token (the oracle's and the draft's alike, so every greedy draft token is accepted; sampled, their
+distributions mostly agree), copied into a buffer as llama.cpp's output would be; that copy
 counts as time inside llama.cpp. What is left of each step's wall time is the host's: Python, numpy
 and the reads of the logits. Vocabularies of 49k (SmolLM2), 128k (Llama 3) and 262k (Gemma 3);
 fixed draft lengths; 1 and 8 sequences; greedy and sampled (temperature 1). Structured output is
@@ -40,6 +41,7 @@ from localspec.speculative.policy import FixedLength
 from localspec.speculative.proposers import DraftModelProposer, HybridProposer, PromptLookupProposer
 
 EOS = 1
+PLAUSIBLE, NEXT_LOGIT = 100, 16.0  # a stand-in row's plausible tokens, and its next token's logit (see StandInContext)
 TEXTS = ("distinct", "repetitive")
 REPETITIVE_ALPHABET = 16
 _repetitive = np.random.default_rng(1234).integers(2, 2 + REPETITIVE_ALPHABET, size=1 << 16)  # [positions]
@@ -100,7 +102,12 @@ class StandInContext:
         self.model, self.n_vocab, self.n_seq, self.n_ctx = model, model.n_vocab, n_seq, n_ctx
         self.cost = cost
         rng = np.random.default_rng(seed)
-        self._rows = (rng.standard_normal((rows, model.n_vocab)) * 2.0).astype(np.float32)  # [rows, vocab]
+        # shaped as a language model's: a bulk (sd 1), a hundred plausible tokens 6-10 above it, the
+        # next token 16 (then the default draft's real rows: the tokens within log(vocab) + 3 nats of
+        # the top, over the temperature, ~100 at T = 0.7 and ~800 at T = 1 here, 111 and 1271 there)
+        self._rows = rng.standard_normal((rows, model.n_vocab)).astype(np.float32)  # [rows, vocab]
+        for row in self._rows:
+            row[rng.choice(model.n_vocab, PLAUSIBLE, replace=False)] += rng.uniform(6.0, 10.0, PLAUSIBLE)
         self._seqs: list[list[int]] = [[] for _ in range(n_seq)]
         self._out = np.empty((0, model.n_vocab), dtype=np.float32)
         self.llama_seconds = 0.0
@@ -157,7 +164,7 @@ class StandInContext:
         out = self._out[:len(positions)]  # [n_logits, vocab]: llama.cpp's output buffer
         for i, p in enumerate(positions):
             out[i] = self._rows[p % len(self._rows)]
-            out[i, next_token(p, self.n_vocab)] = 50.0
+            out[i, next_token(p, self.n_vocab)] = NEXT_LOGIT
         view = out.view()
         view.flags.writeable = False
         self.llama_seconds += time.perf_counter() - t0
