@@ -353,9 +353,10 @@ def test_a_draft_without_its_far_tail_still_emits_the_oracle_distribution():
     draft_logits = (target_logits + rng.standard_normal((vocab, vocab)) * 4).astype(np.float32)  # far spread
     params = SamplingParams(temperature=0.8)
     target = logits_to_probs(target_logits, params)
-    draft = np.empty((vocab, vocab))
+    draft = np.zeros((vocab, vocab))
     for prev in range(vocab):
-        proposal_probs(draft_logits[prev], params, out=draft[prev])
+        ids, probs = proposal_probs(draft_logits[prev], params)
+        draft[prev, ids] = probs
     cut = (draft == 0) & (logits_to_probs(draft_logits, params) > 0)
     assert cut.sum() >= vocab and target[cut].max() > 0.05  # the tail left out, weighty for the oracle
     pairs, n_acc = first_two_emitted(4, target, sampling_drafter(draft), 20000, seed=51)
@@ -496,3 +497,24 @@ def test_the_seeded_check_stops_at_the_first_disagreement_and_matches_the_picks(
         assert rows._done == [True] * (n + 1) + [False] * (k - n)  # computed while the draft agreed, none after
     with pytest.raises(ValueError):
         accept_coupled(np.array([1, 2]), LazyProbs(np.zeros((2, 4), np.float32), params), 3, 0)
+
+
+def test_sparse_draft_rows_decide_as_the_dense_array():
+    """A sampled draft's distributions held as their supports (`SparseRows`, as the draft model
+    hands them on) give every outcome, generator draw for draw, that the dense array gives."""
+    from localspec.speculative.sampling import SparseRows
+
+    gen = np.random.default_rng(12)
+    vocab, k = 300, 5
+    for trial in range(60):
+        target_probs = logits_to_probs((gen.standard_normal((k + 1, vocab)) * 2.0).astype(np.float32),
+                                       SamplingParams(temperature=0.8))
+        rows = SparseRows(vocab)
+        for _ in range(k):
+            ids = np.sort(gen.choice(vocab, 40, replace=False))
+            rows.add(ids, gen.dirichlet(np.ones(40)))
+        dense = np.asarray(rows)  # [k, vocab]
+        draft = np.array([sample(row, gen) if trial % 3 else int(gen.integers(vocab)) for row in dense])  # some off the support
+        sparse = accept_draft(draft, rows, target_probs, np.random.default_rng(trial))
+        whole = accept_draft(draft, dense, target_probs, np.random.default_rng(trial))
+        assert sparse[0].tolist() == whole[0].tolist() and sparse[1] == whole[1]

@@ -472,24 +472,13 @@ def test_top_probability_floor_falls_back_where_the_far_logits_could_tip_it():
 def test_probabilities_written_into_kept_memory_are_the_same(params):
     """logits_to_probs(..., out=) writes the very probabilities it would return fresh (into a row
     of kept memory, whatever that held before), and refuses an array of another shape or type."""
-    from localspec.speculative.sampling import RowBuffer, scratch
+    from localspec.speculative.sampling import scratch
 
     logits = (np.random.default_rng(2).standard_normal((3, 500)) * 2).astype(np.float32)
     fresh = logits_to_probs(logits, params)
     out = np.full((3, 500), 7.0)
     assert logits_to_probs(logits, params, out=out) is out
     np.testing.assert_array_equal(out, fresh)
-    rows = RowBuffer(500)
-    for _ in range(2):  # the second time over memory the first wrote
-        rows.clear()
-        for r in range(3):
-            logits_to_probs(logits[r], params, out=rows.claim())
-        rows.spare().fill(5.0)  # used and dropped: not among the rows
-        np.testing.assert_array_equal(rows.rows(), fresh)
-    for _ in range(20):  # grown past its first capacity, the rows claimed are kept
-        logits_to_probs(logits[0], params, out=rows.claim())
-    np.testing.assert_array_equal(rows.rows()[:3], fresh)
-    assert len(rows.rows()) == 23
     with pytest.raises(ValueError):
         logits_to_probs(logits, params, out=np.empty((3, 500), dtype=np.float32))
     with pytest.raises(ValueError):
@@ -511,21 +500,42 @@ def test_a_drafts_proposal_leaves_out_only_the_far_tail(params):
     rng = np.random.default_rng(9)
     row = (rng.standard_normal(49152) * 2.0).astype(np.float32)
     row[rng.integers(0, 49152, 30)] += 9.0  # a few likely tokens above the bulk
-    out = np.full(49152, np.nan)
-    ids, probs = proposal_probs(row, params, out=out)
+    ids, probs = proposal_probs(row, params)
     near = row >= row.max() - (math.log(row.size) + PROPOSAL_TAIL_NATS) * params.temperature
     assert 0 < near.sum() < row.size // 2 and ids.tolist() == np.flatnonzero(near).tolist()
-    np.testing.assert_allclose(out, logits_to_probs(np.where(near, row, -np.inf), params), rtol=1e-5, atol=1e-12)
-    np.testing.assert_allclose(probs, out[ids], rtol=1e-12)
-    assert out.sum() == pytest.approx(1.0) and not out[~near].any()
+    reference = logits_to_probs(np.where(near, row, -np.inf), params)
+    np.testing.assert_allclose(probs, reference[ids], rtol=1e-5, atol=1e-12)
+    assert probs.sum() == pytest.approx(1.0) and not reference[~near].any()
     full = logits_to_probs(row, SamplingParams(temperature=params.temperature))
     assert full[~near].sum() < math.exp(-PROPOSAL_TAIL_NATS)
 
 
 def test_a_drafts_proposal_keeps_the_whole_row_where_the_tail_is_not_most_of_it():
     row = np.linspace(0.0, 3.0, 1000).astype(np.float32)  # every logit within reach of the top
-    out = np.empty(1000)
-    ids, probs = proposal_probs(row, SamplingParams(temperature=1.0), out=out)
+    ids, probs = proposal_probs(row, SamplingParams(temperature=1.0))
     assert ids.tolist() == list(range(1000))
-    np.testing.assert_allclose(out, logits_to_probs(row, SamplingParams(temperature=1.0)), rtol=1e-12)
-    np.testing.assert_allclose(probs, out)
+    np.testing.assert_allclose(probs, logits_to_probs(row, SamplingParams(temperature=1.0)), rtol=1e-12)
+
+
+def test_sparse_rows_read_as_the_dense_array_would():
+    """`SparseRows`: each row's support and weights, read id for id, row for row and whole as the
+    dense [n, vocab] array; a snapshot keeps its rows when the rows are cleared and refilled."""
+    from localspec.speculative.sampling import SparseRows
+
+    gen = np.random.default_rng(4)
+    rows, dense = SparseRows(50), np.zeros((3, 50))
+    for r in range(3):
+        ids = np.sort(gen.choice(50, 5 + r, replace=False))
+        probs = gen.dirichlet(np.ones(ids.size))
+        rows.add(ids, probs)
+        dense[r, ids] = probs
+    assert rows.shape == (3, 50) and len(rows) == 3
+    kept = rows.snapshot()
+    rows.clear()
+    rows.add(np.array([7]), np.ones(1))
+    assert rows.shape == (1, 50) and SparseRows(50).snapshot() is None
+    np.testing.assert_array_equal(np.asarray(kept), dense)
+    for r in range(3):
+        np.testing.assert_array_equal(kept[r], dense[r])
+        assert [kept[r, t] for t in range(50)] == dense[r].tolist()
+    assert rows[0, 7] == 1.0 and rows[0, 6] == 0.0 and rows[0, 49] == 0.0

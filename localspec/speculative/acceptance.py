@@ -43,8 +43,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from localspec.speculative.sampling import (LazyProbs, SamplingParams, bias_logits, coupled_choice, draw_or_none,
-                                            greedy_argmax, mask_logits, sample, scratch)
+from localspec.speculative.sampling import (LazyProbs, SamplingParams, SparseRows, bias_logits, coupled_choice,
+                                            draw_or_none, greedy_argmax, mask_logits, sample, scratch)
 
 
 def accept_greedy(draft_tokens: np.ndarray, target_argmax: np.ndarray) -> tuple[np.ndarray, int]:
@@ -67,13 +67,13 @@ def accept_greedy(draft_tokens: np.ndarray, target_argmax: np.ndarray) -> tuple[
 
 def accept_draft(
     draft_tokens: np.ndarray,
-    draft_probs: np.ndarray | None,
+    draft_probs: np.ndarray | SparseRows | None,
     target_probs: np.ndarray,
     rng: np.random.Generator,
 ) -> tuple[np.ndarray, int]:
     """Speculative sampling for one sequence.
 
-    draft_tokens [k] int; draft_probs [k, vocab] or None (point-mass drafts); target_probs
+    draft_tokens [k] int; draft_probs [k, vocab] (an array, or `SparseRows`) or None (point-mass drafts); target_probs
     [k+1, vocab]. Returns (output_tokens [n_accepted+1] int32, n_accepted). See the module
     docstring for the rule and its edge cases.
     """
@@ -85,7 +85,8 @@ def accept_draft(
         raise ValueError(f"target_probs must be [k+1={k + 1}, vocab], got {target_probs.shape}")
     vocab = target_probs.shape[1]
     if draft_probs is not None:
-        draft_probs = np.asarray(draft_probs)  # [k, vocab]
+        if not isinstance(draft_probs, SparseRows):
+            draft_probs = np.asarray(draft_probs)  # [k, vocab]
         if draft_probs.shape != (k, vocab):
             raise ValueError(f"draft_probs must be [k={k}, vocab={vocab}], got {draft_probs.shape}")
     tokens = draft.tolist()

@@ -32,8 +32,8 @@ from localspec.batch import DecodeContext, Rows
 from localspec.outputs import DraftSource
 from localspec.speculative.ngram import find_source
 from localspec.speculative.plan import NO_OFFER, DraftPlan, Found, Offer, plain_plan
-from localspec.speculative.sampling import (RowBuffer, SamplingParams, bias_logits, coupled_choice, greedy_argmax,
-                                            logits_to_probs, mask_logits, proposal_probs, sample,
+from localspec.speculative.sampling import (SamplingParams, SparseRows, bias_logits, coupled_choice, greedy_argmax,
+                                            logits_to_probs, mask_logits, proposal_probs, sample, scratch,
                                             top_probability_at_least)
 
 
@@ -199,7 +199,7 @@ class DraftModelProposer(_Drives):
         self.catch_up = False  # the next proposal evaluates all it has not seen, however much
         self.prompt_pending = False  # ... and that is a new request's prompt
         self.tokens_evaluated = 0  # draft-side tokens decoded, prompt included
-        self._probs = RowBuffer(self.n_vocab)  # a sampled draft's distributions (`Draft.probs` views them)
+        self._probs = SparseRows(self.n_vocab)  # a sampled draft's distributions (`Draft.probs`: a snapshot)
 
     def fork(self, seq: int) -> "DraftModelProposer":
         twin = DraftModelProposer(self.ctx, p_min=self.p_min, max_catch_up=self.max_catch_up, n_vocab=self.n_vocab,
@@ -293,7 +293,7 @@ class DraftModelProposer(_Drives):
         self.tokens_evaluated += len(todo)
         evaluated = len(todo)
         tokens: list[int] = []
-        probs = self._probs  # the distributions the tokens are drawn from: kept memory, reused
+        probs = self._probs  # the distributions the tokens are drawn from
         probs.clear()
         keeps_probs = not sampling.greedy and not sampling.coupled  # _pick hands its distributions on
         stop = ""
@@ -322,9 +322,9 @@ class DraftModelProposer(_Drives):
             logits = yield Rows(self.seq, readable, 1)
             self.tokens_evaluated += len(readable)
             evaluated += len(readable)
-        return Draft(np.asarray(tokens, dtype=np.int32), probs.rows(), evaluated, prompt_time, stop=stop)
+        return Draft(np.asarray(tokens, dtype=np.int32), probs.snapshot(), evaluated, prompt_time, stop=stop)
 
-    def _forced(self, constraint, tokens: list[int], max_len: int, probs: RowBuffer | None) -> list[int]:
+    def _forced(self, constraint, tokens: list[int], max_len: int, probs: SparseRows | None) -> list[int]:
         """The run of tokens the grammar forces after `tokens` (keys, punctuation), drafted without
         the model: its masked distribution there is a point mass whatever its logits, so the model
         reads the run in one batch with the token before it. Appended to `tokens` (and their
@@ -338,9 +338,7 @@ class DraftModelProposer(_Drives):
             tokens.append(forced)
             run.append(forced)
             if probs is not None:
-                one_hot = probs.claim()  # [oracle vocab]
-                one_hot.fill(0.0)
-                one_hot[forced] = 1.0
+                probs.add(np.array([forced]), np.ones(1))  # a one-hot
         return run
 
     def _in_oracle_vocab(self, row: np.ndarray) -> np.ndarray:
@@ -353,7 +351,7 @@ class DraftModelProposer(_Drives):
         return padded
 
     def _pick(self, row: np.ndarray, sampling: SamplingParams, rng: np.random.Generator,
-              probs: RowBuffer, position: int) -> tuple[int, bool]:
+              probs: SparseRows, position: int) -> tuple[int, bool]:
         """Choose the next draft token from logits `row` [oracle vocab]; say whether to keep drafting."""
         if sampling.greedy:
             token = int(greedy_argmax(row))
@@ -361,10 +359,11 @@ class DraftModelProposer(_Drives):
                 return token, True
             return token, top_probability_at_least(row, token, self.p_min)
         if sampling.coupled:  # the oracle will check a seeded pick with its own noise: its distribution is not kept
-            dist = logits_to_probs(row, sampling, out=probs.spare())  # [vocab]
+            dist = logits_to_probs(row, sampling, out=scratch(self.n_vocab, slot="draft"))  # [vocab]
             return coupled_choice(dist, sampling.seed, position), self.p_min <= 0 or dist.max() >= self.p_min
         # speculative sampling: a distribution without the far tail (`proposal_probs`), kept for acceptance
-        ids, kept = proposal_probs(row, sampling, out=probs.claim())  # [m], [m]
+        ids, kept = proposal_probs(row, sampling)  # [m], [m]
+        probs.add(ids, kept)
         return int(ids[sample(kept, rng)]), self.p_min <= 0 or kept.max() >= self.p_min
 
 
