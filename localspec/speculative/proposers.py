@@ -43,9 +43,9 @@ class Draft:
     they were drawn from (the verifier compares them with the oracle's own, id for id)."""
 
     tokens: np.ndarray  # [k] int32
-    # [k, oracle vocab] the distributions the tokens were drawn from (a view of the proposer's kept
-    # memory, valid until its next proposal); None: point masses
-    probs: np.ndarray | None
+    # [k, oracle vocab] the distributions the tokens were drawn from (a sampled draft model's: each
+    # row's support, `SparseRows`); None: point masses
+    probs: SparseRows | np.ndarray | None
     evaluated: int = 0  # tokens a draft model evaluated to propose these (its catch-up included)
     prompt_time: float = 0.0  # seconds of the proposing spent evaluating a new request's prompt
     source: DraftSource = DraftSource.MODEL  # where the tokens came from
@@ -167,8 +167,9 @@ class DraftModelProposer(_Drives):
     A new prompt is evaluated by the first proposal after it, not before the oracle's first token.
 
     Greedy decoding drafts the argmax and hands the verifier point masses (probs=None). Sampled
-    decoding draws each token from the draft's filtered distribution and hands that distribution on,
-    so the acceptance test uses exactly the probabilities the token was drawn from.
+    decoding draws each token from the draft's filtered distribution less its far tail
+    (`sampling.proposal_probs`) and hands that distribution on (its support: `SparseRows`), so the
+    acceptance test uses exactly the probabilities the token was drawn from.
 
     `p_min`: stop drafting once the draft's own top probability falls below it (0 disables).
 
