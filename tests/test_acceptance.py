@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from localspec.speculative.acceptance import accept_draft, accept_greedy
-from localspec.speculative.sampling import SamplingParams, logits_to_probs, proposal_probs, sample
+from localspec.speculative.proposal import SparseRows, proposal_probs
+from localspec.speculative.sampling import SamplingParams, logits_to_probs, sample
 from scripted import ScriptedRng
 
 
@@ -502,8 +503,6 @@ def test_the_seeded_check_stops_at_the_first_disagreement_and_matches_the_picks(
 def test_sparse_draft_rows_decide_as_the_dense_array():
     """A sampled draft's distributions held as their supports (`SparseRows`, as the draft model
     hands them on) give every outcome, generator draw for draw, that the dense array gives."""
-    from localspec.speculative.sampling import SparseRows
-
     gen = np.random.default_rng(12)
     vocab, k = 300, 5
     for trial in range(60):

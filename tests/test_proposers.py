@@ -9,7 +9,8 @@ from localspec.speculative.plan import DraftPlan, Found, Offer, unused_offers
 from localspec.speculative.ngram import MATCH_CAP
 from localspec.speculative.proposers import (EMPTY_DRAFT, MODEL_OFFER, Draft, DraftModelProposer, HybridProposer,
                                   PromptLookupProposer, drive)
-from localspec.speculative.sampling import PROPOSAL_TAIL_NATS, SamplingParams, logits_to_probs
+from localspec.speculative.proposal import PROPOSAL_TAIL_NATS
+from localspec.speculative.sampling import SamplingParams, logits_to_probs
 from scripted import ScriptedContext, ScriptedModel, hashed_logits, related_logits
 
 GREEDY = SamplingParams()

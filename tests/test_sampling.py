@@ -7,8 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from localspec.speculative.sampling import (PROPOSAL_TAIL_NATS, SamplingParams, greedy_argmax, log_softmax, logits_to_probs,
-                                            proposal_probs, sample, top_ids, top_probability, top_probability_at_least)
+from localspec.speculative.proposal import PROPOSAL_TAIL_NATS, SparseRows, proposal_probs
+from localspec.speculative.sampling import (SamplingParams, greedy_argmax, log_softmax, logits_to_probs, sample, top_ids,
+                                            top_probability, top_probability_at_least)
 from scripted import ScriptedRng
 
 
@@ -520,8 +521,6 @@ def test_a_drafts_proposal_keeps_the_whole_row_where_the_tail_is_not_most_of_it(
 def test_sparse_rows_read_as_the_dense_array_would():
     """`SparseRows`: each row's support and weights, read id for id, row for row and whole as the
     dense [n, vocab] array; a snapshot keeps its rows when the rows are cleared and refilled."""
-    from localspec.speculative.sampling import SparseRows
-
     gen = np.random.default_rng(4)
     rows, dense = SparseRows(50), np.zeros((3, 50))
     for r in range(3):

@@ -43,8 +43,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from localspec.speculative.sampling import (LazyProbs, SamplingParams, SparseRows, bias_logits, coupled_choice,
-                                            draw_or_none, greedy_argmax, mask_logits, sample, scratch)
+from localspec.speculative.proposal import SparseRows
+from localspec.speculative.sampling import (LazyProbs, SamplingParams, bias_logits, coupled_choice, draw_or_none,
+                                            greedy_argmax, mask_logits, sample, scratch)
 
 
 def accept_greedy(draft_tokens: np.ndarray, target_argmax: np.ndarray) -> tuple[np.ndarray, int]:

@@ -32,9 +32,9 @@ from localspec.batch import DecodeContext, Rows
 from localspec.outputs import DraftSource
 from localspec.speculative.ngram import find_source
 from localspec.speculative.plan import NO_OFFER, DraftPlan, Found, Offer, plain_plan
-from localspec.speculative.sampling import (SamplingParams, SparseRows, bias_logits, coupled_choice, greedy_argmax,
-                                            logits_to_probs, mask_logits, proposal_probs, sample, scratch,
-                                            top_probability_at_least)
+from localspec.speculative.proposal import SparseRows, proposal_probs
+from localspec.speculative.sampling import (SamplingParams, bias_logits, coupled_choice, greedy_argmax, logits_to_probs,
+                                            mask_logits, sample, scratch, top_probability_at_least)
 
 
 @dataclass(frozen=True)
@@ -168,7 +168,7 @@ class DraftModelProposer(_Drives):
 
     Greedy decoding drafts the argmax and hands the verifier point masses (probs=None). Sampled
     decoding draws each token from the draft's filtered distribution less its far tail
-    (`sampling.proposal_probs`) and hands that distribution on (its support: `SparseRows`), so the
+    (`proposal.proposal_probs`) and hands that distribution on (its support: `SparseRows`), so the
     acceptance test uses exactly the probabilities the token was drawn from.
 
     `p_min`: stop drafting once the draft's own top probability falls below it (0 disables).
