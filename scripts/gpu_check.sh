@@ -320,6 +320,19 @@ print(f"- host ms a step: the oracle alone {alone['host_ms_per_step']:.3f}, the 
       f" ({default['idle_steps']} of {default['steps']} steps idle; an idle step's target: <= 0.10 ms)")
 EOF
 fi
+for f in "$results"/bench-*.json; do   # the controller's share of each system's wall time (issue 50's target)
+    [[ -f $f ]] || continue
+    "$PY" - "$f" >>"$results/SUMMARY.md" <<'EOF' || true
+import json, sys
+from pathlib import Path
+d = json.load(open(sys.argv[1]))
+shares = [f"{r['system']} ({r['workload']}) {r['host_ms_per_token'] * r['tokens_per_second'] / 10:.1f}%"
+          for r in d.get("results", []) if r.get("host_ms_per_token") and r.get("tokens_per_second")]
+if shares:
+    print(f"- {Path(sys.argv[1]).stem}, host time's share of the wall: " + ", ".join(shares)
+          + " (a speculative step's target on the 8B-shaped oracle: <= 10%)")
+EOF
+done
 [[ -n ${OUT:-} && -d ${OUT:-} ]] && cp "$results"/*.md "$results"/*.json "$results"/tests.log "$OUT"/ 2>/dev/null
 say "done in $((SECONDS - t0)) s: $results/SUMMARY.md"
 ((tests_rc == 0 && bench_rc == 0))
