@@ -383,24 +383,44 @@ def test_the_drafts_catch_up_on_the_prompt_is_after_the_first_token_and_counts_i
         assert s.tokens_per_second == pytest.approx(s.completion_tokens / s.generation_time)
 
 
+def greedy_estimates(engine) -> list[tuple]:
+    """What each source's policy learned of the greedy regime: (source, acceptance, tokens judged)."""
+    return [(r["source"], r["acceptance"], r["trials"]) for r in engine.policy.known_regimes() if r["regime"] == "greedy"]
+
+
 def test_sampled_requests_leave_greedy_ones_drafting(pair_paths, tmp_path, monkeypatch):
     """Issue 33's experiment, shortened, on the default pair: a greedy chat request, a dozen short
     requests at temperature 1 (what an OpenAI client sends when it sets none), then the greedy
-    request again: it drafts about as much as the first time (one estimate for every request had it
-    draft 6 tokens of 128 against 119) and its text is the same; so does a fresh engine on the kept
-    state. Each request's stats name its regime."""
-    monkeypatch.setenv("LOCALSPEC_COST_CACHE", str(tmp_path))
+    request again. The sampled requests teach the greedy regime's estimates nothing, and the greedy
+    request drafts about as much as the first time (one estimate for every request had it draft 6
+    tokens of 128 against 119) with the same text; so does a fresh engine on the kept state. Each
+    request's stats name its regime.
+
+    How much a request drafts also rests on the pass costs every request measures, and on this
+    shared 2-core VM a stall while they are measured can price the draft out for a request (the
+    policy re-tries at later ones): with a busy loop on the other core for 0.3 s of every second, the
+    greedy request drafted less than half as much as before them in 2 of 9 runs of ce55e58 and 3 of
+    12 of the code after it. So the drafting is asked of two tries, each on a cost store of its own;
+    the estimates, which no timing moves, of every try."""
     prompt = [{"role": "user", "content": "Give me five tips for staying focused while studying."}]
-    with Engine(*pair_paths, n_ctx=1024) as engine:
-        first = engine.generate(prompt, max_tokens=96)
-        for topic in ("octopuses", "autumn", "bees", "the sea") * 3:
-            r = engine.generate([{"role": "user", "content": f"Tell me about {topic}."}], max_tokens=32,
-                                temperature=1.0)
-            assert r.stats.regime == "temperature 0.85-1.15"
-        after = engine.generate(prompt, max_tokens=96)
-    assert first.stats.regime == after.stats.regime == "greedy"
-    assert after.text == first.text
-    assert after.stats.drafted >= 0.5 * first.stats.drafted > 0
+    for attempt in range(2):
+        monkeypatch.setenv("LOCALSPEC_COST_CACHE", str(tmp_path / str(attempt)))
+        with Engine(*pair_paths, n_ctx=1024) as engine:
+            first = engine.generate(prompt, max_tokens=96)
+            before = greedy_estimates(engine)
+            for topic in ("octopuses", "autumn", "bees", "the sea") * 3:
+                r = engine.generate([{"role": "user", "content": f"Tell me about {topic}."}], max_tokens=32,
+                                    temperature=1.0)
+                assert r.stats.regime == "temperature 0.85-1.15"
+            assert greedy_estimates(engine) == before and before  # the sampled requests taught the greedy regime nothing
+            after = engine.generate(prompt, max_tokens=96)
+        assert first.stats.regime == after.stats.regime == "greedy"
+        assert after.text == first.text
+        if after.stats.drafted >= 0.5 * first.stats.drafted > 0:
+            break
+    else:
+        pytest.fail(f"the greedy request drafted {after.stats.drafted} tokens after the sampled ones, against "
+                    f"{first.stats.drafted} before them, in both tries")
     with Engine(*pair_paths, n_ctx=1024) as fresh:
         again = fresh.generate(prompt, max_tokens=96)
     assert again.text == first.text and again.stats.drafted >= 0.5 * first.stats.drafted
