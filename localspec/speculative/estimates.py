@@ -65,8 +65,9 @@ class AcceptanceByPlace:
 
     def ahead(self, k: int, run: int) -> list[float]:
         """The acceptance of each of the next step's k draft tokens [k]."""
-        if self.runs is None:  # the first token by its step's predecessor, then one rate
-            return [self.estimates[int(run > 0)]] + [self.estimates[2]] * (k - 1) if k > 0 else []
+        if self.runs is None:  # the first token by its step's predecessor, then one rate for the rest
+            first, later = self.estimates[self.key(0, run)], self.estimates[self.key(1, run)]
+            return [first] + [later] * (k - 1) if k > 0 else []
         held = (*self.estimates, *self.events)  # pooled once per judgement, not per length priced
         if self._pooled is None or self._pooled[0] != held:
             self._pooled = (held, self.monotone())

@@ -38,7 +38,7 @@ def proposal_probs(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarr
     ids = np.flatnonzero(x >= top - reach)  # [m]: the top among them
     if 2 * ids.size > x.size:  # most of the row: the whole distribution costs no more, and loses no acceptance
         return np.arange(x.size), logits_to_probs(x, params)
-    if params.top_k <= 0 and params.top_p >= 1.0 and params.min_p <= 0.0:  # the temperature alone
+    if params.temperature_only:
         probs = np.exp((x[ids].astype(np.float64) - float(top)) / float(params.temperature))  # [m]
         return ids, probs / probs.sum()
     return ids, logits_to_probs(x[ids], params)

@@ -377,8 +377,6 @@ def set_draft_p_min(proposer, p_min: float) -> None:
             set_draft_p_min(part, p_min)
 
 
-
-
 class PromptLookupProposer(_Drives):
     """Prompt lookup (n-gram) drafting, no model: find the earlier occurrences of the history's
     last n tokens (longest n first) and propose what followed the one whose text before it agrees

@@ -85,6 +85,11 @@ class SamplingParams:
         (up to near-ties in llama.cpp's batch-size-dependent logits, as with greedy)."""
         return not self.greedy and self.seed is not None
 
+    @property
+    def temperature_only(self) -> bool:
+        """Sampled at a temperature, with top-k, top-p and min-p all off."""
+        return not self.greedy and self.top_k <= 0 and self.top_p >= 1.0 and self.min_p <= 0.0
+
 
 _FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "logit_bias")
 
@@ -358,7 +363,6 @@ class LazyProbs:
         self.shape = self.logits.shape
         self._rows = scratch(self.shape, slot="target")  # [n, vocab]
         self._done = [False] * self.shape[0]  # each row: computed whole
-        self._plain = not params.greedy and params.top_k <= 0 and params.top_p >= 1.0 and params.min_p <= 0.0
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -368,7 +372,7 @@ class LazyProbs:
         if not 0 <= i < self.shape[0]:
             raise IndexError(f"row {i} of {self.shape[0]}")
         if not self._done[i]:
-            if self._plain and isinstance(key, tuple):
+            if self.params.temperature_only and isinstance(key, tuple):
                 return self._one(i, key[1])
             logits_to_probs(self.logits[i], self.params, out=self._rows[i])
             self._done[i] = True
