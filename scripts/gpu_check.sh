@@ -5,25 +5,39 @@
 # llama-server built in the same step. Results go under benchmarks/gpu/<card>/.
 #
 #   scripts/gpu_check.sh --prepare     # here, with network: make .gpu_carry/ (trimmed llama.cpp
-#                                      # sources + the wheels localspec needs, <= 64 MiB) and the
-#                                      # default pair's draft split into .gpu_models/<n>/ parts
+#                                      # sources + the wheels a device's Python lacks) and the default
+#                                      # pair's draft, xz-compressed, in .gpu_models/<n>/ parts sized
+#                                      # so that the whole check takes two calls
+#   scripts/gpu_check.sh --start       # there, call 1 (carrying .gpu_carry and .gpu_models/1): stage
+#                                      # that part, start the build in a session of its own, return
 #   scripts/gpu_check.sh --stage       # there: add the .gpu_models/<n>/ parts carried by this call
 #                                      # to the model cache (one call per part; see benchmarks/gpu/README.md)
-#   scripts/gpu_check.sh               # there: the check on CUDA (needs nvcc, CMake, Python 3.12)
+#   scripts/gpu_check.sh               # there: the check on CUDA (needs nvcc, CMake, Python 3.12);
+#                                      # it waits for a build --start began
 #   scripts/gpu_check.sh --cpu         # the same steps without CUDA, smaller (how CI keeps this working)
 #
 # Options: --results DIR (default benchmarks/gpu/<card> with CUDA, <work>/results with --cpu),
 #          --jobs N (compile jobs; default: every core), --full (with --cpu: the
 #          full benchmark sizes, not CI's small ones), --wide (with CUDA: also derive the
 #          8B-shaped oracle smollm2-135m-as-8b, 13.4 GB of which ~2 GB written, and benchmark its
-#          pairs with the Q4_1 and the Q2_K drafts; not yet run on a card).
+#          pairs with the Q4_1 and the Q2_K drafts; not yet run on a card), --wide-only (with CUDA:
+#          the tests, then only the 8B-shaped oracle's stages), --budget S (seconds
+#          the check may take, from its start, the wait for the build included: a stage that
+#          would not fit what is left is skipped, and SUMMARY.md says so; default: no limit).
+# Stages, in this order (issue 48's before issue 50's): the tests marked gpu; fresh `generate`
+#   processes against --no-draft; the single-stream bench; serving 1/4/8 clients; with --wide the
+#   8B-shaped oracle's derivation, its bench, its serving, T = 0.7, the Q2_K draft.
+# Results: written as the check goes; where $OUT is a folder (the device tool's), SUMMARY.md,
+#   tests.log and results.tar.gz (everything) are refreshed there after every stage, so a check
+#   cut off by its time limit still brings back what it finished (the tool returns <= 8 files).
 # Environment: PYTHON (default python3), LOCALSPEC_CACHE (models, builds), GPU_CHECK_CMAKE_ARGS
 #   (extra cmake arguments), GPU_CHECK_ARCH (CUDA architectures; default: the card's, from nvidia-smi).
 #
 # Layout: <cache>/gpu-check/llama.cpp-<version>-<cpu|cuda-smNN>/ holds the build tree's bin/ (the
 # shared libraries and programs), the llama-cpp-python wheel built from that same tree, a venv with
 # localspec installed from this checkout, and (with --cpu) the results. A finished build is reused.
-# Offline (no package index), everything comes from .gpu_carry/; with an index, from it.
+# Offline (no package index), everything comes from .gpu_carry/ (or the copy --start keeps in
+# <cache>/gpu-check/carry), over the packages the machine's own Python already has.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -31,23 +45,26 @@ REPO=$PWD
 PYTHON=${PYTHON:-python3}
 CARRY=$REPO/.gpu_carry
 MODELS_CARRY=$REPO/.gpu_models
-CARRY_LIMIT_MB=${GPU_CHECK_CARRY_LIMIT_MB:-60}   # the device tool carries 64 MiB with the repo (~7 MB)
-PART_MB=${GPU_CHECK_PART_MB:-56}
+CALL_MIB=${GPU_CHECK_CALL_MIB:-64}   # what the device tool carries a call, the working tree included
 
 die() { echo "gpu_check: $*" >&2; exit 1; }
 say() { echo "gpu_check: $*" >&2; }
 
-mode=cuda results="" jobs="" full=0 wide=0
+mode=check target=cuda results="" jobs="" full=0 wide=0 budget=0
 while (($#)); do
     case $1 in
         --prepare) mode=prepare ;;
+        --start) mode=start ;;
+        --build-only) mode=build ;;   # (what --start runs in the background)
         --stage) mode=stage ;;
-        --cpu) mode=cpu ;;
+        --budget) budget=$2; shift ;;
+        --cpu) target=cpu ;;
         --full) full=1 ;;
         --wide) wide=1 ;;
+        --wide-only) wide=2 ;;
         --results) results=$2; shift ;;
         --jobs) jobs=$2; shift ;;
-        -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,40p' "$0"; exit 0 ;;
         *) die "unknown argument: $1 (see --help)" ;;
     esac
     shift
@@ -57,15 +74,22 @@ cache_dir() {
     echo "${LOCALSPEC_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/localspec}"
 }
 
+# a copy of .gpu_carry kept by --start outside the checkout, for the calls after it
+KEPT_CARRY="$(cache_dir)/gpu-check/carry"
+[[ -f $CARRY/VERSION || ! -f $KEPT_CARRY/VERSION ]] || CARRY=$KEPT_CARRY
+
 llama_version() {
     if [[ -f $CARRY/VERSION ]]; then cat "$CARRY/VERSION"; return; fi
     "$PYTHON" -c 'import importlib.metadata as m; print(m.version("llama-cpp-python"))' 2>/dev/null \
         || sed -n 's/.*"llama-cpp-python>=\([0-9.]*\).*/\1/p' "$REPO/pyproject.toml"
 }
 
-# the wheels localspec and this check need, for the device's Python (3.12, manylinux x86-64)
+# the wheels localspec and this check need, for the device's Python (3.12, manylinux x86-64) ...
 WHEELS=(numpy click pydantic jinja2 fastapi uvicorn prometheus-client llguidance huggingface_hub tqdm gguf
         diskcache typing-extensions pytest httpx setuptools wheel scikit-build-core pathspec packaging)
+# ... less the big ones its Python already has (/work/.library/device/KINDS.md: numpy, huggingface-hub
+# and its hf-xet, pygments, pyyaml), which the check's venv sees (`see_base_packages`)
+DEVICE_HAS=(numpy hf_xet pygments huggingface_hub pyyaml)
 # what the trimmed llama.cpp source leaves out: other backends, models, docs, tests, conversion
 TRIM=(models docs media benches gguf-py conversion tests skills .github app
       ggml/src/ggml-sycl ggml/src/ggml-vulkan ggml/src/ggml-opencl ggml/src/ggml-cann ggml/src/ggml-hexagon
@@ -90,8 +114,13 @@ sdist() {   # the llama-cpp-python sdist of the version localspec pins, download
     echo "$f"
 }
 
+tree_bytes() {   # what the device tool sends of this checkout: tracked and untracked-not-ignored files
+    git -C "$REPO" ls-files -z -c -o --exclude-standard | (cd "$REPO" && xargs -0 stat -c %s 2>/dev/null) \
+        | awk '{s += $1} END {print s + 0}'
+}
+
 prepare() {
-    local version src tmp
+    local version src tmp w
     version=$(llama_version)
     say "preparing .gpu_carry/ for llama-cpp-python $version"
     rm -rf "$CARRY" && mkdir -p "$CARRY/wheels"
@@ -107,48 +136,72 @@ prepare() {
         --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
         --platform manylinux2014_x86_64 --platform any "${WHEELS[@]}" \
         || die "could not download the wheels for Python 3.12"
-    # the default pair's draft (its F32 oracle is derived from it there), in parts that fit a call each
-    rm -rf "$MODELS_CARRY"
-    local draft
+    for w in "${DEVICE_HAS[@]}"; do rm -f "$CARRY"/wheels/"$w"-*.whl; done
+    echo cp312 >"$CARRY/PYTHON_TAG"
+    (cd "$CARRY" && find . -type f -printf '%s %p\n' | sort -k2) >"$CARRY/MANIFEST"
+    # the default pair's draft (its F32 oracle is derived from it there), xz-compressed (~8% smaller),
+    # in parts: the first fits beside .gpu_carry and the working tree in call 1, each other one a call
+    rm -rf "$MODELS_CARRY" && mkdir -p "$MODELS_CARRY"
+    local draft name call tree carry first rest size n=1
     draft=$("$PYTHON" -c 'from localspec.models import Registry; r = Registry.load(); print(r.resolve(r.pair(None).draft))') \
         || die "could not find the default pair's draft (localspec models pull)"
-    mkdir -p "$MODELS_CARRY"
-    (cd "$MODELS_CARRY" && split -b "${PART_MB}M" -d -a 1 "$draft" part && sha256sum "$draft" | cut -d' ' -f1 >SHA256 \
-        && basename "$draft" >NAME)
-    local n=0
-    for p in "$MODELS_CARRY"/part*; do
-        n=$((n + 1)); mkdir -p "$MODELS_CARRY/$n"; mv "$p" "$MODELS_CARRY/$n/"
-        cp "$MODELS_CARRY/SHA256" "$MODELS_CARRY/NAME" "$MODELS_CARRY/$n/"
+    name=$(basename "$draft")
+    xz -T0 -6 -c "$draft" >"$MODELS_CARRY/$name.xz"
+    call=$(((CALL_MIB - 1) * 1048576))   # a MiB kept for what the tool adds
+    tree=$(tree_bytes)
+    carry=$(du -sb "$CARRY" | cut -f1)
+    first=$((call - tree - carry)) rest=$((call - tree))
+    ((first > 1048576)) || die "the working tree ($tree bytes) and .gpu_carry ($carry) leave no room in a call"
+    size=$(stat -c %s "$MODELS_CARRY/$name.xz")
+    mkdir -p "$MODELS_CARRY/1"
+    head -c "$first" "$MODELS_CARRY/$name.xz" >"$MODELS_CARRY/1/part1"
+    if ((size > first)); then
+        tail -c +$((first + 1)) "$MODELS_CARRY/$name.xz" | (cd "$MODELS_CARRY" && split -b "$rest" -d -a 1 - rest)
+        for p in "$MODELS_CARRY"/rest*; do
+            n=$((n + 1)); mkdir -p "$MODELS_CARRY/$n"; mv "$p" "$MODELS_CARRY/$n/part$n"
+        done
+    fi
+    for d in "$MODELS_CARRY"/[0-9]*; do
+        echo "$name" >"$d/NAME"
+        sha256sum "$draft" | cut -d' ' -f1 >"$d/SHA256"
+        sha256sum "$MODELS_CARRY/$name.xz" | cut -d' ' -f1 >"$d/SHA256XZ"
+        echo "$n" >"$d/PARTS"
     done
-    rm -f "$MODELS_CARRY/SHA256" "$MODELS_CARRY/NAME"
-    local mb
-    mb=$(du -sm "$CARRY" | cut -f1)
-    (cd "$CARRY" && find . -type f -printf '%s %p\n' | sort -k2) >"$CARRY/MANIFEST"
-    say ".gpu_carry: $mb MB (limit $CARRY_LIMIT_MB); .gpu_models: $n part(s) of <= $PART_MB MB"
-    ((mb <= CARRY_LIMIT_MB)) || die ".gpu_carry is $mb MB, over $CARRY_LIMIT_MB"
+    rm -f "$MODELS_CARRY/$name.xz"
+    say ".gpu_carry: $((carry / 1048576)) MiB; the draft in $n part(s): call 1 carries .gpu_carry and .gpu_models/1" \
+        "($(du -sm "$MODELS_CARRY/1" | cut -f1) MiB) beside a working tree of $((tree / 1048576)) MiB; limit $CALL_MIB MiB a call"
+    ((n <= 2)) || say "more than two calls: call k (k >= 2) carries .gpu_models/k and runs --stage, the last one the check"
 }
 
 stage() {   # add the model part(s) this call carried to the cache; the file is whole when the last arrives
-    local models part name sha
+    local models part name sha shaxz have want
     models="$(cache_dir)/models"
     mkdir -p "$models/.parts"
     for part in "$MODELS_CARRY"/*/part*; do
         [[ -f $part ]] || continue
         name=$(cat "$(dirname "$part")/NAME")
         cp "$part" "$models/.parts/$name.$(basename "$part")"
+        cp "$(dirname "$part")"/{SHA256,SHA256XZ,PARTS} "$models/.parts/" 2>/dev/null || true
         say "staged $(basename "$part") of $name"
     done
-    for name in $(ls "$models/.parts" 2>/dev/null | sed 's/\.part[0-9]*$//' | sort -u); do
-        sha=$(cat "$MODELS_CARRY"/*/SHA256 2>/dev/null | head -n 1)
-        cat "$models/.parts/$name".part* >"$models/$name.tmp"
-        if [[ -n $sha && $(sha256sum "$models/$name.tmp" | cut -d' ' -f1) == "$sha" ]]; then
-            mv "$models/$name.tmp" "$models/$name"
-            rm -f "$models/.parts/$name".part*
-            say "$name is whole: $models/$name"
-        else
-            rm -f "$models/$name.tmp"
-            say "$name: not whole yet (carry the next part)"
+    for name in $(ls "$models/.parts" 2>/dev/null | sed -n 's/\.part[0-9]*$//p' | sort -u); do
+        [[ -f $models/$name ]] && { rm -f "$models/.parts/$name".part*; continue; }
+        want=$(cat "$models/.parts/PARTS" 2>/dev/null || echo 1)
+        have=$(ls "$models/.parts/$name".part* | wc -l)
+        if ((have < want)); then
+            say "$name: $have of $want parts staged (carry the next one)"
+            continue
         fi
+        sha=$(cat "$models/.parts/SHA256") shaxz=$(cat "$models/.parts/SHA256XZ")
+        ls "$models/.parts/$name".part* | sort -V | xargs cat >"$models/$name.xz.tmp"
+        [[ $(sha256sum "$models/$name.xz.tmp" | cut -d' ' -f1) == "$shaxz" ]] \
+            || { rm -f "$models/$name.xz.tmp"; die "$name: the parts do not make the carried file (sha256)"; }
+        xz -T0 -d -c "$models/$name.xz.tmp" >"$models/$name.tmp" && rm -f "$models/$name.xz.tmp"
+        [[ $(sha256sum "$models/$name.tmp" | cut -d' ' -f1) == "$sha" ]] \
+            || { rm -f "$models/$name.tmp"; die "$name: decompressed, its sha256 is not the model's"; }
+        mv "$models/$name.tmp" "$models/$name"
+        rm -f "$models/.parts/$name".part*
+        say "$name is whole: $models/$name"
     done
 }
 
@@ -161,7 +214,7 @@ version=$(llama_version)
 cores=$(nproc 2>/dev/null || echo 2)
 [[ -n $jobs ]] || jobs=$cores
 cmake_args="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAVA_BUILD=OFF -DGGML_NATIVE=ON"
-if [[ $mode == cuda ]]; then
+if [[ $target == cuda ]]; then
     command -v nvcc >/dev/null || die "no nvcc on PATH (a CUDA toolkit is needed; --cpu checks without one)"
     arch=${GPU_CHECK_ARCH:-$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 | tr -d '. ')}
     [[ -n $arch ]] || arch=native
@@ -178,17 +231,39 @@ WORK="$(cache_dir)/gpu-check/llama.cpp-$version-$flavour"
 BUILD=$WORK/build
 BIN=$BUILD/bin
 slug=$(echo "$card" | tr -cs 'A-Za-z0-9' '-' | sed 's/^-//; s/-$//' | tr 'A-Z' 'a-z')
-[[ -n $results ]] || { if [[ $mode == cuda ]]; then results=$REPO/benchmarks/gpu/$slug; else results=$WORK/results; fi; }
-mkdir -p "$WORK" "$results"
+[[ -n $results ]] || { if [[ $target == cuda ]]; then results=$REPO/benchmarks/gpu/$slug; else results=$WORK/results; fi; }
+mkdir -p "$WORK"
+if [[ $mode == start ]]; then   # call 1: the model's first part staged, the build started, back at once
+    stage
+    if [[ -f $CARRY/VERSION && $CARRY != "$KEPT_CARRY" ]]; then   # for the calls after this one
+        rm -rf "$KEPT_CARRY" && mkdir -p "$(dirname "$KEPT_CARRY")" && cp -r "$CARRY" "$KEPT_CARRY"
+    fi
+    args=(--build-only) && [[ $target == cpu ]] && args+=(--cpu)
+    [[ -n $jobs ]] && args+=(--jobs "$jobs")
+    setsid nohup bash "$REPO/scripts/gpu_check.sh" "${args[@]}" >"$WORK/build-started.log" 2>&1 </dev/null &
+    say "building in a session of its own (pid $!; log: $WORK/build-started.log); the check waits for it"
+    exit 0
+fi
+[[ $mode == build ]] || mkdir -p "$results"
 exec 9>"$WORK/.lock"
-flock 9 2>/dev/null || true
+if ! flock -n 9 2>/dev/null; then
+    say "waiting for the build that --start began ($WORK/build-started.log) ..."
+    flock 9 2>/dev/null || true
+fi
 say "$card; llama-cpp-python $version; $jobs job(s); work: $WORK; results: $results"
 
 pip_offline=()   # the carried wheels, where they are for this Python (--prepare fetches Python 3.12's)
 tag=$("$PYTHON" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
-if ls "$CARRY"/wheels/numpy-*-"$tag"-*.whl >/dev/null 2>&1; then
+if [[ -f $CARRY/PYTHON_TAG && $(cat "$CARRY/PYTHON_TAG") == "$tag" ]] || ls "$CARRY"/wheels/numpy-*-"$tag"-*.whl >/dev/null 2>&1; then
     pip_offline=(--no-index --find-links "$CARRY/wheels")
 fi
+see_base_packages() {   # offline, a venv of $PYTHON also sees what $PYTHON has (itself a venv there, whose
+                        # packages a venv made from it does not see): the carry holds only what it lacks
+    ((${#pip_offline[@]})) || return 0
+    local base
+    base=$("$PYTHON" -c 'import site, sysconfig; p = sysconfig.get_paths(); print("\n".join(dict.fromkeys([p["purelib"], p["platlib"], *site.getsitepackages()])))')
+    "$1/bin/python" -c 'import sys, sysconfig; open(sysconfig.get_paths()["purelib"] + "/_gpu_check_base.pth", "w").write(sys.argv[1] + "\n")' "$base"
+}
 
 # --- 1. one llama.cpp build: the llama-cpp-python wheel and, from the same tree, llama.cpp's programs
 PROGRAMS=(llama-server llama-speculative-simple llama-batched-bench)
@@ -213,6 +288,7 @@ else
     # the build backend, where the wheel is built without isolation (offline: from the carried wheels)
     BUILDENV=$WORK/buildenv
     [[ -x $BUILDENV/bin/pip ]] || "$PYTHON" -m venv "$BUILDENV"
+    see_base_packages "$BUILDENV"
     "$BUILDENV/bin/pip" install --quiet "${pip_offline[@]}" scikit-build-core pathspec packaging setuptools wheel \
         || die "could not install scikit-build-core for the build"
     say "building llama.cpp ($flavour) into $BUILD ..."
@@ -237,16 +313,18 @@ else
     say "built in $(cat "$WORK/BUILD_SECONDS") s"
 fi
 build_s=$(cat "$WORK/BUILD_SECONDS" 2>/dev/null || echo 0)
+[[ $mode == build ]] && exit 0   # (--start's background build: the check does the rest)
 
 # --- 2. localspec from this checkout, against that llama-cpp-python, in a venv of its own
 VENV=$WORK/venv
 [[ -x $VENV/bin/python ]] || "$PYTHON" -m venv "$VENV"
+see_base_packages "$VENV"
 "$VENV/bin/pip" install --quiet "${pip_offline[@]}" --find-links "$WORK/wheels" --force-reinstall --no-deps \
     "$WORK"/wheels/llama_cpp_python-*.whl || die "could not install the built llama-cpp-python"
 "$VENV/bin/pip" install --quiet "${pip_offline[@]}" --find-links "$WORK/wheels" -e "$REPO" pytest \
     || die "could not install localspec"
 PY=$VENV/bin/python
-"$PY" - "$mode" <<'EOF' || die "the built llama-cpp-python cannot offload to the GPU"
+"$PY" - "$target" <<'EOF' || die "the built llama-cpp-python cannot offload to the GPU"
 import sys, llama_cpp
 from localspec.llama.context import has_local_gpu
 print(f"gpu_check: llama_supports_gpu_offload={llama_cpp.llama_supports_gpu_offload()} local GPU={has_local_gpu()}",
@@ -257,72 +335,48 @@ EOF
 "$VENV/bin/localspec" pull smollm2 \
     || die "the default pair is not in the model cache (offline: carry the .gpu_models/ parts with --stage first)"
 
-# --- 3. the tests marked gpu
-say "tests marked gpu ..."
-set +e
-LOCALSPEC_GPU_CHECK=$mode LOCALSPEC_GPU_CHECK_RESULTS="$results" "$PY" -m pytest -q -m gpu -p no:cacheprovider "$REPO/tests/test_gpu.py" \
-    --junitxml="$results/tests.xml" 2>&1 | tee "$results/tests.log"
-tests_rc=${PIPESTATUS[0]}
-set -e
-
-# --- 4. the benchmarks: localspec against llama.cpp's programs from the same build
-if [[ $mode == cpu && $full == 0 ]]; then   # CI: every step runs, small
-    bench_args=(--workload chat --max-prompts 1 --max-tokens 24 --reps 1 --mixed-warmup 0
-                --systems baseline,k4,adaptive,llama.cpp-k4)
-    clients_args=(--clients 2 --systems localspec,llama-server --max-tokens 24 --reps 1)
-else
-    bench_args=(--workload chat,code --max-prompts 3 --max-tokens 256 --reps 2
-                --systems baseline,k4,k8,adaptive,lookup,llama.cpp-k4,llama.cpp-k8,llama.cpp-k16,llama.cpp-spec)
-    clients_args=(--clients 1,4,8 --max-tokens 128 --reps 1)
-fi
-bench_rc=0
-run_bench() {   # name, then localspec bench's arguments
-    local name=$1; shift
-    say "bench $name ..."
-    "$VENV/bin/localspec" bench --anchor-bin "$BIN" --json "$results/$name.json" --markdown "$results/$name.md" "$@" \
-        2>&1 | tee "$results/$name.log" || bench_rc=1
+# --- 3. the stages, each only where it fits what is left of --budget; results published as they come
+bench_rc=0 tests_rc=-1 skipped=()
+fits() {   # stage name, the seconds it is expected to take (a 16-core H200 ran the tests, a bench and
+          # serving of the default pair in 81 s all told; the 8B-shaped stages are guesses)
+    local left=$((budget - (SECONDS - t0)))
+    if ((budget > 0 && left < $2)); then
+        say "skipped $1: about $2 s, $left s left of --budget $budget"
+        skipped+=("$1 (~$2 s; $left s left)")
+        return 1
+    fi
+    say "$1 ..."
 }
-run_bench bench-smollm2 "${bench_args[@]}"
-run_bench clients-smollm2 "${clients_args[@]}"
-if [[ $mode == cuda ]] && "$VENV/bin/python" -c 'from localspec.models import Registry; import sys
-sys.exit(0 if Registry.load().is_present("gemma-3-270m-q4_k_m") else 1)' 2>/dev/null; then   # never fetched here
-    run_bench bench-gemma --pair gemma3-270m-smollm2 "${bench_args[@]}"
-fi
-if [[ $mode == cuda && $wide == 1 ]]; then   # an 8B model's cost with SmolLM2's answers (issue 50)
-    w0=$SECONDS
-    "$VENV/bin/localspec" pull smollm2-as-8b smollm2-as-8b-q2k 2>&1 | tail -n 3 >&2 || bench_rc=1
-    say "the 8B-shaped oracle derived in $((SECONDS - w0)) s"
-    run_bench bench-as-8b --pair smollm2-as-8b --workload chat,code --max-prompts 2 --max-tokens 256 --reps 1 \
-        --mixed-warmup 0 --systems baseline,k8,adaptive,lookup,llama.cpp-k4,llama.cpp-k8,llama.cpp-k16
-    run_bench bench-as-8b-t07 --pair smollm2-as-8b --temperature 0.7 --workload chat --max-prompts 2 --max-tokens 256 \
-        --reps 1 --mixed-warmup 0 --systems baseline,adaptive,llama.cpp-k4,llama.cpp-k8,llama.cpp-k16
-    run_bench bench-as-8b-q2k --pair smollm2-as-8b-q2k --workload chat,code --max-prompts 2 --max-tokens 256 \
-        --reps 1 --mixed-warmup 0 --systems baseline,adaptive,llama.cpp-k8
-    run_bench clients-as-8b --pair smollm2-as-8b --clients 1,4,8 --max-tokens 128 --reps 1 \
-        --systems localspec,localspec-no-draft,llama-server,llama-server-draft
-fi
-
-cat >"$results/SUMMARY.md" <<EOF
-# GPU check: $card
-
-- date: $(date -u +%Y-%m-%dT%H:%MZ); llama-cpp-python $version; commit $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo "?")
-- build: $flavour, $jobs job(s), ${build_s} s (cmake: $cmake_args)
-- tests marked gpu: exit $tests_rc (tests.log, tests.xml)
-- benchmarks: exit $bench_rc (bench-*.md, clients-*.md and their .json)
-- the whole check: $((SECONDS - t0)) s
-EOF
-if [[ -f $results/idle_host_time.json ]]; then   # tests/test_gpu.py's record of an idle step's host time
-    "$PY" - "$results/idle_host_time.json" >>"$results/SUMMARY.md" <<'EOF' || true
+summary() {
+    {
+        echo "# GPU check: $card"
+        echo
+        echo "- date: $(date -u +%Y-%m-%dT%H:%MZ); llama-cpp-python $version; commit $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo "?")"
+        echo "- build: $flavour, $jobs job(s), ${build_s} s (cmake: $cmake_args)"
+        echo "- tests marked gpu: exit $tests_rc (tests.log, tests.xml)"
+        echo "- benchmarks: exit $bench_rc (generate.md, bench-*.md, clients-*.md and their .json)"
+        echo "- the whole check: $((SECONDS - t0)) s so far$( ((budget > 0)) && echo " (--budget $budget)")"
+        ((${#skipped[@]} == 0)) || echo "- skipped (not enough of --budget left): ${skipped[*]}"
+        if [[ -f $results/idle_host_time.json ]]; then   # tests/test_gpu.py's record of an idle step's host time
+            "$PY" - "$results/idle_host_time.json" <<'EOF' || true
 import json, sys
 d = json.load(open(sys.argv[1]))
 alone, default = d["oracle_alone"], d["default"]
 print(f"- host ms a step: the oracle alone {alone['host_ms_per_step']:.3f}, the default {default['host_ms_per_step']:.3f}"
       f" ({default['idle_steps']} of {default['steps']} steps idle; an idle step's target: <= 0.10 ms)")
 EOF
-fi
-for f in "$results"/bench-*.json; do   # the controller's share of each system's wall time (issue 50's target)
-    [[ -f $f ]] || continue
-    "$PY" - "$f" >>"$results/SUMMARY.md" <<'EOF' || true
+        fi
+        if [[ -f $results/generate.json ]]; then   # issue 48's first targets
+            "$PY" - "$results/generate.json" <<'EOF' || true
+import json, sys
+rows = json.load(open(sys.argv[1]))["rows"]
+print("- fresh `generate`, default / --no-draft tok/s: " + ", ".join(
+    f"{r['prompt']} {r['phase']} {r['ratio']:.2f}x" for r in rows) + " (targets: open fresh >= 0.95x, again >= 0.98x; code-rewrite >= 1.0x)")
+EOF
+        fi
+        for f in "$results"/bench-*.json; do   # the controller's share of each system's wall time (issue 50's target)
+            [[ -f $f ]] || continue
+            "$PY" - "$f" <<'EOF' || true
 import json, sys
 from pathlib import Path
 d = json.load(open(sys.argv[1]))
@@ -332,7 +386,79 @@ if shares:
     print(f"- {Path(sys.argv[1]).stem}, host time's share of the wall: " + ", ".join(shares)
           + " (a speculative step's target on the 8B-shaped oracle: <= 10%)")
 EOF
-done
-[[ -n ${OUT:-} && -d ${OUT:-} ]] && cp "$results"/*.md "$results"/*.json "$results"/tests.log "$OUT"/ 2>/dev/null
+        done
+    } >"$results/SUMMARY.md"
+}
+publish() {   # SUMMARY.md now, and (the device tool brings back <= 8 files) everything as one tarball
+    summary
+    [[ -n ${OUT:-} && -d ${OUT:-} ]] || return 0
+    cp "$results/SUMMARY.md" "$OUT/" 2>/dev/null || true
+    [[ ! -f $results/tests.log ]] || cp "$results/tests.log" "$OUT/"
+    tar -czf "$OUT/results.tar.gz.tmp" -C "$results" . 2>/dev/null && mv "$OUT/results.tar.gz.tmp" "$OUT/results.tar.gz"
+}
+run_bench() {   # name, then localspec bench's arguments
+    local name=$1; shift
+    "$VENV/bin/localspec" bench --anchor-bin "$BIN" --json "$results/$name.json" --markdown "$results/$name.md" "$@" \
+        2>&1 | tee "$results/$name.log" || bench_rc=1
+    publish
+}
+publish
+
+# the tests marked gpu
+if fits "the tests marked gpu" 60; then
+    set +e
+    LOCALSPEC_GPU_CHECK=$target LOCALSPEC_GPU_CHECK_RESULTS="$results" "$PY" -m pytest -q -m gpu -p no:cacheprovider \
+        "$REPO/tests/test_gpu.py" --junitxml="$results/tests.xml" 2>&1 | tee "$results/tests.log"
+    tests_rc=${PIPESTATUS[0]}
+    set -e
+    publish
+fi
+
+# the benchmarks: localspec against llama.cpp's programs from the same build
+if [[ $target == cpu && $full == 0 ]]; then   # CI: every step runs, small
+    generate_args=(--reps 1 --max-tokens 24)
+    bench_args=(--workload chat --max-prompts 1 --max-tokens 24 --reps 1 --mixed-warmup 0
+                --systems baseline,k4,adaptive,llama.cpp-k4)
+    clients_args=(--clients 2 --systems localspec,llama-server --max-tokens 24 --reps 1)
+else
+    generate_args=(--reps 2 --max-tokens 200)
+    bench_args=(--workload chat,code --max-prompts 2 --max-tokens 256 --reps 1 --mixed-warmup 0
+                --systems baseline,k8,adaptive,lookup,llama.cpp-k4,llama.cpp-k8,llama.cpp-k16)
+    clients_args=(--clients 1,4,8 --max-tokens 128 --reps 1
+                  --systems localspec,localspec-no-draft,llama-server,llama-server-draft)
+fi
+if ((wide < 2)) && fits "fresh generate processes" 50; then
+    PATH="$VENV/bin:$PATH" "$PY" "$REPO/scripts/fresh_generate.py" --out "$results" "${generate_args[@]}" \
+        2>&1 | tee "$results/generate.log" || bench_rc=1
+    publish
+fi
+if ((wide < 2)) && fits "bench-smollm2" 60; then run_bench bench-smollm2 "${bench_args[@]}"; fi
+if ((wide < 2)) && fits "clients-smollm2" 60; then run_bench clients-smollm2 "${clients_args[@]}"; fi
+if [[ $target == cuda ]] && ((wide < 2)) && "$VENV/bin/python" -c 'from localspec.models import Registry; import sys
+sys.exit(0 if Registry.load().is_present("gemma-3-270m-q4_k_m") else 1)' 2>/dev/null; then   # never fetched here
+    if fits "bench-gemma" 60; then run_bench bench-gemma --pair gemma3-270m-smollm2 "${bench_args[@]}"; fi
+fi
+if [[ $target == cuda ]] && ((wide > 0)) && fits "the 8B-shaped oracle's derivation" 60; then   # issue 50
+    w0=$SECONDS
+    "$VENV/bin/localspec" pull smollm2-as-8b smollm2-as-8b-q2k 2>&1 | tail -n 3 >&2 || bench_rc=1
+    say "the 8B-shaped oracle derived in $((SECONDS - w0)) s"
+    if fits "bench-as-8b" 90; then
+        run_bench bench-as-8b --pair smollm2-as-8b --workload chat,code --max-prompts 2 --max-tokens 256 --reps 1 \
+            --mixed-warmup 0 --systems baseline,k8,adaptive,lookup,llama.cpp-k4,llama.cpp-k8,llama.cpp-k16
+    fi
+    if fits "clients-as-8b" 120; then
+        run_bench clients-as-8b --pair smollm2-as-8b --clients 1,4,8 --max-tokens 128 --reps 1 \
+            --systems localspec,localspec-no-draft,llama-server,llama-server-draft
+    fi
+    if fits "bench-as-8b-t07" 60; then
+        run_bench bench-as-8b-t07 --pair smollm2-as-8b --temperature 0.7 --workload chat --max-prompts 2 \
+            --max-tokens 256 --reps 1 --mixed-warmup 0 --systems baseline,adaptive,llama.cpp-k4,llama.cpp-k8,llama.cpp-k16
+    fi
+    if fits "bench-as-8b-q2k" 60; then
+        run_bench bench-as-8b-q2k --pair smollm2-as-8b-q2k --workload chat,code --max-prompts 2 --max-tokens 256 \
+            --reps 1 --mixed-warmup 0 --systems baseline,adaptive,llama.cpp-k8
+    fi
+fi
+publish
 say "done in $((SECONDS - t0)) s: $results/SUMMARY.md"
-((tests_rc == 0 && bench_rc == 0))
+((tests_rc == 0 && bench_rc == 0 && ${#skipped[@]} == 0))

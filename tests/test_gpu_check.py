@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -21,16 +22,18 @@ pytestmark = pytest.mark.model
 
 def test_help_names_every_mode():
     out = subprocess.run(["bash", str(SCRIPT), "--help"], capture_output=True, text=True, check=True).stdout
-    for mode in ("--prepare", "--stage", "--cpu", "--results", "--jobs"):
+    for mode in ("--prepare", "--start", "--stage", "--cpu", "--results", "--jobs", "--budget", "--wide-only"):
         assert mode in out
     bad = subprocess.run(["bash", str(SCRIPT), "--nope"], capture_output=True, text=True)
     assert bad.returncode != 0 and "unknown argument" in bad.stderr
 
 
 def test_the_cpu_check_runs_every_step(tmp_path):
-    results = tmp_path / "results"
+    results, out = tmp_path / "results", tmp_path / "out"
+    out.mkdir()
     p = subprocess.run(["bash", str(SCRIPT), "--cpu", "--results", str(results)],
-                       env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=5400)
+                       env={**os.environ, "PYTHON": sys.executable, "OUT": str(out)}, capture_output=True, text=True,
+                       timeout=5400)
     assert p.returncode == 0, p.stderr[-5000:]
     summary = (results / "SUMMARY.md").read_text()
     assert "tests marked gpu: exit 0" in summary and "benchmarks: exit 0" in summary
@@ -53,3 +56,17 @@ def test_the_cpu_check_runs_every_step(tmp_path):
     assert {"baseline", "k4", "llama.cpp-k4"} <= {row["system"] for row in bench["runs"]}
     clients = json.loads((results / "clients-smollm2.json").read_text())
     assert {"localspec", "llama-server"} <= {row["system"] for row in clients["runs"]}
+
+    # issue 48's first targets: fresh `generate` processes, the default against --no-draft
+    generate = json.loads((results / "generate.json").read_text())
+    assert {(r["prompt"], r["phase"]) for r in generate["rows"]} == {
+        (prompt, phase) for prompt in ("open", "code-rewrite") for phase in ("fresh", "again")}
+    assert all(r["default_tok_s"] > 0 and r["no_draft_tok_s"] > 0 for r in generate["rows"])
+    assert "fresh `generate`, default / --no-draft tok/s: open fresh" in summary
+
+    # what the device tool brings back (<= 8 files): the summary, the tests' log, everything in one tarball
+    assert sorted(f.name for f in out.iterdir()) == ["SUMMARY.md", "results.tar.gz", "tests.log"]
+    with tarfile.open(out / "results.tar.gz") as tar:
+        names = {Path(n).name for n in tar.getnames()}
+    assert {"SUMMARY.md", "generate.json", "bench-smollm2.json", "clients-smollm2.json", "tests.xml"} <= names
+    assert (out / "SUMMARY.md").read_text() == summary
