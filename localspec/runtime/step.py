@@ -266,6 +266,8 @@ class Step:
         per token (a GPU; a memory-bound CPU pass) is evened out; one that pays for every token
         seldom is: a saving under EVEN_OUT_MARGIN of the pass is within the fit's error and not
         taken. Unchanged before a pass was measured, and for a policy that does not learn."""
+        if len(rows) < 2:  # one row: nothing to even out (a single stream's every step)
+            return rows
         sizes = [(r.seq, len(r.tokens)) for r in rows]
         lengths = sorted({n for seq, n in sizes if seq in verifying})
         if len(lengths) < 2:

@@ -60,6 +60,8 @@ def accept_greedy(draft_tokens: np.ndarray, target_argmax: np.ndarray) -> tuple[
     k = draft.size
     if target.size != k + 1:
         raise ValueError(f"target_argmax needs k+1 = {k + 1} entries, got {target.size}")
+    if not k:  # a step that drafted nothing (an idle one): the oracle's token
+        return target.astype(np.int32), 0
     mismatch = np.flatnonzero(draft != target[:k])
     n_accepted = int(mismatch[0]) if mismatch.size else k
     # the accepted draft tokens equal the oracle's argmax, so the output is a prefix of it

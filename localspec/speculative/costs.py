@@ -237,7 +237,9 @@ class PassCost:
         """The prediction for features phi [6] (of one pass, or the sum over several), held like
         `predict`'s: no part of it below zero (a token, a sequence or a context never makes a pass
         cheaper). In Python floats: numpy's scalar arithmetic costs ~10x theirs (a step asks once)."""
-        w, phi = w.tolist(), phi if isinstance(phi, list) else phi.tolist()
+        if self._listed is None or self._listed[0] is not w:  # (an idle step asks once, of the same fit)
+            self._listed = (w, w.tolist())
+        w, phi = self._listed[1], phi if isinstance(phi, list) else phi.tolist()
         per_token = max(0.0, w[2] + w[4] * phi[4] / phi[2]) if phi[2] else 0.0
         t = (w[0] * phi[0] + w[3] * phi[3] + max(0.0, w[1]) * phi[1] + per_token * phi[2]
              + max(0.0, w[5]) * phi[5])

@@ -229,6 +229,8 @@ class Outlook:
     def judge(self, trials: int, n_accepted: int, run: int) -> None:
         """Learn from `trials` draft tokens of a step whose first one extended a match `run` tokens
         long (see `AcceptanceByPlace.key`), the first `n_accepted` accepted."""
+        if trials <= 0:  # (an idle step: nothing to learn, and a re-try is judged once its trials are in)
+            return
         if self.text_weight is not None and trials:
             self._text_predicted += sum(1.0 - a for a in self.est.by_place.ahead(trials, run))
             self._text_failed += float(trials - n_accepted)

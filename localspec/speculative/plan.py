@@ -65,6 +65,7 @@ class SharedPass:
 
 
 NO_OFFER = Offer()
+MODEL_ONLY = Offer(model=True)  # a draft model's offer where no model-free source found tokens
 NO_DRAFT = DraftPlan()
 
 
@@ -81,7 +82,7 @@ def plain_plan(offer: Offer, length: int) -> DraftPlan:
 def unused_offers(offer: Offer, source: DraftSource, emitted: Sequence[int]) -> tuple[OfferScore, ...]:
     """Each model-free source's offer that the step did not draft (another source did, or none),
     its first tokens compared with the `emitted` ones (see `StepRecord.unused`)."""
-    if offer is NO_OFFER:  # most steps of a request that does not draft, every step of the oracle alone
+    if offer.lookup is NOTHING and offer.suffix is NOTHING:  # most steps: nothing was found
         return ()
     scores = []
     for offered, found in offer.found():

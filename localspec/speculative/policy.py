@@ -25,7 +25,7 @@ from localspec.speculative.estimates import (ACCEPTANCE_LAYOUT, GREEDY, LOOKUP_P
                                              TEMPERATURE_EDGES, AcceptanceByPlace, BatchPrice, Estimates, Learned,
                                              Regime)
 from localspec.speculative.lengths import AdaptiveLength, FixedLength, Outlook
-from localspec.speculative.plan import NO_DRAFT, DraftPlan, Offer, SharedPass
+from localspec.speculative.plan import NO_DRAFT, NOTHING, DraftPlan, Offer, SharedPass
 
 __all__ = ["ACCEPTANCE_LAYOUT", "GREEDY", "LOOKUP_PRIORS", "LOOKUP_RUNS", "MAX_RETRY_WAIT", "TEMPERATURE_EDGES",
            "AcceptanceByPlace", "AdaptiveLength", "BatchPrice", "Estimates", "FixedLength", "HybridLength",
@@ -180,6 +180,7 @@ class HybridLength(_FreeSources):
         self.free = _free_of(lookup, suffix)
         for policy in self.free.values():
             policy.verify_cost = model.verify_cost  # one oracle: all learn its passes
+        self._free_k_max = max((p.outlook.k_max for p in self.free.values()), default=0)
 
     def fork(self, regime: "Regime | None" = None) -> "HybridLength":
         return HybridLength(self.model.fork(regime), *(p.fork(regime) if p else None for p in (self.lookup, self.suffix)))
@@ -209,14 +210,16 @@ class HybridLength(_FreeSources):
             policy.outlook.price = price
         k_model = self.model.draft_length(limit, context) if limit > 0 else 0
         resync = limit > 0 and self.model.outlook.take_resync()
-        allowance = min(limit, max(k_model, *(p.outlook.k_max for p in self.free.values())))
+        allowance = min(limit, max(k_model, self._free_k_max))
         source, k = self._choose(offer, allowance, k_model, context)
         if k <= 0 or source == DraftSource.MODEL and not offer.model:
-            return DraftPlan(resync=resync)
+            return DraftPlan(resync=True) if resync else NO_DRAFT
         return DraftPlan(source, k, resync=resync, probe=source == DraftSource.MODEL and self.model.probing)
 
     def _choose(self, offer: Offer, allowance: int, k_model: int, context: int) -> tuple[DraftSource, int]:
         """(source, length) for a step, within `allowance`."""
+        if offer.lookup is NOTHING and offer.suffix is NOTHING:  # (most steps: only the model's)
+            return DraftSource.MODEL, k_model
         sized = self._sized(offer, allowance, context)
         if not sized:
             return DraftSource.MODEL, k_model

@@ -31,7 +31,7 @@ import numpy as np
 from localspec.batch import DecodeContext, Rows
 from localspec.outputs import DraftSource
 from localspec.speculative.ngram import find_source
-from localspec.speculative.plan import NO_OFFER, DraftPlan, Found, Offer, plain_plan
+from localspec.speculative.plan import MODEL_ONLY, NO_OFFER, DraftPlan, Found, Offer, plain_plan
 from localspec.speculative.proposal import SparseRows, proposal_probs
 from localspec.speculative.sampling import (SamplingParams, bias_logits, coupled_choice, greedy_argmax, logits_to_probs,
                                             mask_logits, sample, scratch, top_probability_at_least)
@@ -519,7 +519,8 @@ class HybridProposer(_Wrapper):
         return HybridProposer(self.lookup.fork(seq), self.model.fork(seq))
 
     def offer(self, history: Sequence[int], limit: int, constraint=None) -> Offer:
-        return Offer(lookup=self.lookup.offer(history, limit, constraint).lookup, model=True)
+        found = self.lookup.offer(history, limit, constraint)
+        return MODEL_ONLY if found is NO_OFFER else Offer(lookup=found.lookup, model=True)
 
     def propose_steps(self, history: Sequence[int], plan: DraftPlan, offer: Offer, sampling: SamplingParams,
                       rng: np.random.Generator, constraint=None) -> ProposeSteps:
