@@ -322,6 +322,21 @@ class PassCost:
         self.weight *= shrink
         self._w = None
 
+    def restart(self) -> None:
+        """Forget every observation: the next START set the prior's scale anew, as a fresh fit's
+        first passes do (it predicts at the old scale until the first of them). Softening alone
+        (`soften(0.0)`) kept the old scale in the prior, and two proposals of one size cannot tell
+        a decode's cost from a token's: after a stall had set that scale at 7x a draft token, a
+        re-try's first two drafts (7 and 10 tokens) fitted 230 ms a decode and 0 a token, and the
+        re-try judged a paying draft idle."""
+        self._fold()
+        self.gram[:] = 0.0
+        self.moment[:] = 0.0
+        self.weight = 0.0
+        self.observations = 0
+        self._start = []
+        self._w = self._last = None
+
     def load(self, state: Mapping[str, Any]) -> None:
         gram = np.asarray(state["gram"], dtype=np.float64)
         moment = np.asarray(state["moment"], dtype=np.float64)

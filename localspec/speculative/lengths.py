@@ -261,12 +261,12 @@ class Outlook:
 
     def begin_retry(self) -> None:
         """Judge drafting afresh: min_trials new draft tokens, on costs the re-try measures (not
-        the ones that made the policy idle): the draft's history is dropped (its prior's scale
-        stays), the oracle's counts as only `retry_weight` steps (its one-token passes went on
-        being measured meanwhile)."""
+        the ones that made the policy idle): the draft's history is dropped (its scale too: the
+        re-try's first proposals set it anew), the oracle's counts as only `retry_weight` steps
+        (its one-token passes went on being measured meanwhile)."""
         self.est.fresh_trials = self.est.since_retry = 0
         self.est.exploring = True
-        self.learned.draft_cost.soften(0.0)
+        self.learned.draft_cost.restart()
         self.learned.verify_cost.soften(self.retry_weight)
 
     def take_resync(self) -> bool:
@@ -354,6 +354,13 @@ class AdaptiveLength:
         out.context = context
         available = limit if offered is None else min(limit, offered)
         if available <= 0:
+            return 0
+        if self.learned.model_draft and not self.learned.verify_cost.ready:
+            # nothing measured (a fresh process on a CPU, before its first step): a plain step measures
+            # the one-token pass every draft is priced against, as every request's first step did
+            # before its prompt's last pass gave the first token (a probe then, blind, lost 3-4% on
+            # the replay's short answers)
+            self.last_k, est.drafting, self.for_evidence = 0, False, False
             return 0
         if out.retry_wanted:  # at once, while the text is easy; its cost delays the next probes
             out.retry_wanted = False
