@@ -5,6 +5,7 @@ sampled against the oracle alone's."""
 from __future__ import annotations
 
 import math
+import re
 from statistics import NormalDist
 
 import numpy as np
@@ -528,7 +529,8 @@ def test_a_stall_that_idles_a_paying_regime_is_re_tried_at_the_next_request(monk
     engine = Engine.from_parts(oracle=oracle, proposer=proposer, policy=default_policy(proposer), draft=draft)
     draft.per_token = 0.060
     stalled = engine.generate("the", max_tokens=60)
-    assert stalled.stats.idle_steps > 30 and "a draft token 6" in stalled.stats.idle_reason
+    priced = re.search(r"a draft token (\d+) ms", stalled.stats.idle_reason)
+    assert stalled.stats.idle_steps > 30 and priced and int(priced[1]) >= 40  # the stall's 60 ms, not the usual 8
     draft.per_token = 0.008
     after = engine.generate("the", max_tokens=60)
     assert after.stats.drafted >= 40 and after.stats.idle_steps == 0
@@ -642,7 +644,8 @@ def test_host_time_is_the_steps_wall_time_less_the_time_inside_the_decodes():
     assert 0 < s.host_draft_time + s.host_verify_time < 0.5 * step_wall
     assert s.host_ms_per_step < 15 and s.host_other_time >= 0
     assert s.to_dict()["host_ms_per_token"] == pytest.approx(1000 * s.host_time / s.completion_tokens)
-    assert oracle.llama_seconds >= 0.03 * (s.steps + 1) and draft.llama_seconds >= 0.03 * s.steps
+    # one oracle decode a step (the prompt's gives the first token), a draft decode a step but the first
+    assert oracle.llama_seconds >= 0.03 * s.steps and draft.llama_seconds >= 0.03 * (s.steps - 1)
 
 
 # --- ragged verify rows evened out with filler where one pass costs less than llama.cpp's split ----
@@ -701,7 +704,9 @@ def test_ragged_verify_rows_are_evened_out_where_a_pass_costs_more_than_its_toke
     assert even == ragged and not any(any(p) for p in no_pads)
     assert sum(any(p) for p in pads) >= 5 and t_even < 0.95 * t_ragged
     dear, dear_pads, _ = run(0.001, 0.050, even_out=True)  # a token costs as much as a pass: no filler pays
-    assert dear == ragged and sum(any(p) for p in dear_pads) <= 1  # one, at most, on the prior's guess
+    # the first passes are priced on the prior's guess (a prompt's last pass gives its first token, and
+    # prompt passes teach no verify cost): one or two of them may pad, none after them
+    assert dear == ragged and sum(any(p) for p in dear_pads) <= 2 and not any(any(p) for p in dear_pads[4:])
 
 
 # --- a card where the draft costs as much as the oracle: never slower than the oracle alone ----------

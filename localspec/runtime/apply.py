@@ -52,14 +52,17 @@ class Apply:
         return StepOutcome(r.seq, prompt_done=r.prompt_done)
 
     def _step(self, r: SeqResult) -> StepOutcome:
-        """Emit what `seq`'s step yielded and count the step (its policy learns from it)."""
+        """Emit what `seq`'s step yielded and count the step (its policy learns from it, unless the
+        step was its prompt's last pass: not a verify pass of one token)."""
         seq, stats, step = r.seq, r.seq.stats, r.record
         emitted, finish = self._emit(r.tokens, seq, _sources(step.source, r.accepted, len(r.tokens))
                                      if seq.request.sources else None)
         unused = unused_offers(r.offer, step.source, emitted) if not finish else ()
         if unused:  # (most steps have none: no copy of the record then)
             step = dataclasses.replace(step, unused=unused)
-        if seq.request.speculative:  # a request that does not draft teaches the policy nothing
+        if r.prompt_done:  # the first token, from its prompt's last pass: the prompt evaluated by then
+            stats.prompt_time = self.clock() - seq.t_start
+        elif seq.request.speculative:  # a request that does not draft teaches the policy nothing
             seq.policy.observe(step)
             stats.idle_steps += r.limit > 0 and not step.drafted
         stats.add_step(step)
@@ -74,7 +77,7 @@ class Apply:
         if not finish:
             if emitted:
                 seq.emit(seq.text.release(), emitted, logprobs)  # stats so far
-            return StepOutcome(seq)
+            return StepOutcome(seq, prompt_done=r.prompt_done)
         piece = seq.text.finish()
         stats.total_time = self.clock() - seq.t_start
         if seq.speculative:

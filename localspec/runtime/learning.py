@@ -29,6 +29,9 @@ log = logging.getLogger("localspec.runtime.learning")
 # 7: a decode whose outputs nobody read had its GPU time land in the next decode (a request's first
 # one-token step seemed to cost its prompt): costs kept before that was fixed are dropped
 STATE_VERSION = 7
+# the longest prompt chunk a pass may carry and still teach the verify passes' costs: a verify row's
+# length (prompt lookup drafts up to 64 tokens)
+SHORT_CHUNK = 65
 
 
 def file_fingerprint(path: str | os.PathLike) -> str:
@@ -160,7 +163,8 @@ class Learner:
         record: every draft decode (a round of one sequence or several, a catch-up on a prompt too:
         what batched drafting costs is known before batches form), and a verify pass shared by
         several sequences, once (a step alone teaches its policy through its record), unless it also
-        filled a prompt (a chunk of hundreds of tokens runs at another rate per token)."""
+        filled more than SHORT_CHUNK tokens of a prompt (a chunk of hundreds of tokens runs at
+        another rate per token; a short one, a prompt's last few tokens, is a verify row's kind)."""
         if batch.running > 1 and batch.drafted is not None:  # how many share a draft's costs, as the next prices expect
             self.drafting = 0.7 * self.drafting + 0.3 * max(1, batch.drafted)
         if not learns(self.policy):
@@ -168,7 +172,7 @@ class Learner:
         for held, t in batch.rounds:
             at = {seq: context for seq, _, context in held}
             self.policy.observe_draft_round(passes(draft, [(seq, n) for seq, n, _ in held], at), t)
-        if len(batch.rows) > 1 and not batch.prefill:
+        if len(batch.rows) > 1 and batch.prefill <= SHORT_CHUNK:
             rows = [(r.seq, len(r.tokens) + r.pad) for r in batch.rows]
             self.policy.observe_pass(passes(oracle, rows, batch.contexts), batch.seconds)
 

@@ -8,7 +8,9 @@ oracle's cache with its prompt in chunks of at most `prefill_chunk` tokens per p
 run (or `n_batch` when nobody is streaming; a prompt that shares a prefix with one an earlier
 sequence is still filling waits for it and copies it: requests with one system prompt that arrive
 together evaluate it once), then steps with the running ones until it finishes or
-is aborted. Each `step()` is ONE oracle pass (`Step.run`), which returns what happened; `apply`
+is aborted. The chunk that finishes a prompt carries its last token too where the budget has room
+for it: that pass's logits there give the first token (llama-server's way: one pass less before the
+first token than evaluating the last token in a step of its own). Each `step()` is ONE oracle pass (`Step.run`), which returns what happened; `apply`
 lands it (`runtime.apply`: history, outbox, stats, what the policies learn) and changes the
 statuses, the only place they change (vLLM's `update_from_output`).
 
@@ -143,8 +145,10 @@ class Scheduler:
             if seq.id in self._waited:
                 self._waited.discard(seq.id)
                 seq.stats.prompt_tokens_evaluated -= self.caches.share(seq, [s.slot for s in active if s is not seq])
-            todo = len(seq.history) - 1 - len(oracle.seq_tokens(seq.slot))
+            todo = len(seq.history) - 1 - len(oracle.seq_tokens(seq.slot))  # the prompt but its last token
             n = min(todo, budget)
+            if n == todo and n + 1 <= budget and seq.request.prompt_logprobs is None:
+                n += 1  # ... and the last: the pass yields the first token (`Step` sees the chunk end the history)
             if n > 0:
                 prefill[seq] = n
                 budget -= n
@@ -177,7 +181,8 @@ class Scheduler:
     @staticmethod
     def _start_running(seq: Seq) -> None:
         seq.status = Status.RUNNING
-        seq.stats.prompt_time = time.perf_counter() - seq.t_start
+        if not seq.stats.prompt_time:  # (set on landing where the prompt's pass gave the first token)
+            seq.stats.prompt_time = time.perf_counter() - seq.t_start
 
     def run(self, seq: Seq) -> Iterator[Chunk]:
         """Add `seq` and step until it is done, yielding its chunks as they come (the generator of

@@ -3,7 +3,8 @@
 One speculative step, as in llama.cpp's speculative-simple:
 
     history = prompt + emitted tokens; the oracle's cache holds history[:-1], and the last token
-              is kept out of it until the next step evaluates it
+              is kept out of it until the next step evaluates it (a prompt's last token goes in
+              with the chunk that ends the prompt, whose logits there give the first token)
     offer   = proposer.offer(history, limit)                 # what it could draft, found without decoding
     plan    = policy.plan(offer, limit, context)             # which source drafts how many (DraftPlan)
     draft   = the proposer carries the plan out              # k tokens, maybe fewer (Draft.stop says why)
@@ -94,7 +95,7 @@ class PassRecord:
     rows: list[Rows]  # the verify pass, in slot order
     contexts: dict[int, int]  # tokens each row's sequence held before it
     rounds: list  # the draft model's decodes (`proposers.Round`s)
-    prefill: bool  # it filled a prompt too (a chunk of hundreds of tokens runs at another rate)
+    prefill: int  # the most prompt tokens one of its rows carried (0: it filled no prompt)
     seconds: float  # the verify pass's decode
     running: int  # sequences that stepped
     drafted: int | None  # of those, the ones whose proposer came back with tokens, before any cut (None: none ran)
@@ -144,7 +145,10 @@ class Step:
         props = self._plan(running, n_seqs=len(running) + len(prefill), closed=closed)
         rounds, drafted = self._propose(running, props, closed=closed)
         t1, l1 = self.clock(), self._llama_seconds()
-        rows = self._rows(prefill, props)
+        # prompt chunks that end the history (its last token too): their last row gives the first token
+        first = {seq: Proposal(walk_base=seq.walk.depth if seq.walk is not None else 0) for seq, n in prefill.items()
+                 if len(self.oracle.seq_tokens(seq.slot)) + n == len(seq.history)}
+        rows = self._rows(prefill, props, first)
         contexts = {r.seq: len(self.oracle.seq_tokens(r.seq)) for r in rows}
         rows = self._even_out(rows, contexts, {seq.slot for seq in running})
         logits = self.oracle.decode_rows(rows)  # [sum of n_logits, vocab], in slot order
@@ -154,14 +158,18 @@ class Step:
         offsets = dict(zip((r.seq for r in rows), accumulate((r.n_logits for r in rows), initial=0)))
         verified = [self._verify(seq, props[seq], *self._rows_of(seq, props[seq], logits, picked, offsets[seq.slot]))
                     for seq in running]
+        firsts = {seq: self._verify(seq, prop, *self._rows_of(seq, prop, logits, picked, offsets[seq.slot]))
+                  for seq, prop in first.items()}
         t2, l2 = self.clock(), self._llama_seconds()
         times = dict(draft_time=t1 - t0, verify_time=t2 - t1, draft_host_time=(t1 - t0) - (l1 - l0),
                      verify_host_time=(t2 - t1) - (l2 - l1), batch_seqs=len(rows),
                      batch_tokens=self.last_pass[1] if len(rows) > 1 else 0)
         results = [self._result(seq, props[seq], out, logprobs, n_accepted, times)
                    for seq, (out, logprobs, n_accepted) in zip(running, verified)]
-        results += [self._chunk(seq, n, logits, offsets[seq.slot]) for seq, n in prefill.items()]
-        batch = PassRecord(rows, contexts, rounds, bool(prefill), t_decoded - t1, len(running), drafted)
+        results += [self._chunk(seq, n, logits, offsets[seq.slot]) if seq not in first else
+                    dataclasses.replace(self._result(seq, first[seq], *firsts[seq], times), prompt_done=True)
+                    for seq, n in prefill.items()]
+        batch = PassRecord(rows, contexts, rounds, max(prefill.values(), default=0), t_decoded - t1, len(running), drafted)
         return StepOutput(results, batch, t2)
 
     # -- plan
@@ -250,11 +258,13 @@ class Step:
 
     # -- execute: the verify pass
 
-    def _rows(self, prefill: Mapping[Seq, int], props: Mapping[Seq, Proposal]) -> list[Rows]:
-        """The verify pass's rows in slot order: each prompt chunk being filled, each running
-        sequence's [last, d1..dk]."""
+    def _rows(self, prefill: Mapping[Seq, int], props: Mapping[Seq, Proposal], first=()) -> list[Rows]:
+        """The verify pass's rows in slot order: each prompt chunk being filled (the logits of its
+        last token where it ends the history: the sequences in `first`), each running sequence's
+        [last, d1..dk]."""
         rows = [Rows(seq.slot, seq.history[len(self.oracle.seq_tokens(seq.slot)):][:n],
-                     n if seq.request.prompt_logprobs is not None else 0) for seq, n in prefill.items()]
+                     1 if seq in first else n if seq.request.prompt_logprobs is not None else 0)
+                for seq, n in prefill.items()]
         rows += [Rows(seq.slot, [seq.history[-1]] + p.draft.tokens.tolist(), len(p.draft) + 1) for seq, p in props.items()]
         return sorted(rows, key=lambda r: r.seq)
 
@@ -326,7 +336,8 @@ class Step:
         return SeqResult(seq, out, n_accepted, logprobs, record, prop.offer, prop.limit, tuple(prop.cuts))
 
     def _chunk(self, seq: Seq, n: int, logits: np.ndarray, offset: int) -> SeqResult:
-        """A prompt chunk's result: whether the prompt is in, and the logprobs of its tokens for a
+        """A prompt chunk's result (one that ends the history gives the first token instead, as a
+        step that drafted nothing: `run`): whether the prompt is in, and the logprobs of its tokens for a
         request that asked (row j of a chunk predicts the token after the j-th of it)."""
         prompt_logprobs = []
         if seq.request.prompt_logprobs is not None:
