@@ -53,9 +53,9 @@ def test_the_default_drafts_from_the_text_and_from_the_model_and_keeps_the_oracl
 
 
 def test_adaptive_is_the_default_and_learns_its_costs_from_the_steps_alone(pair_paths, tmp_path, monkeypatch):
-    """A fresh engine times nothing on purpose: the oracle decodes the prompt once and then once per
-    step; the first step drafts nothing (the first token as soon as the oracle alone gives it) and
-    the draft takes the oracle's cache of the prompt in its first proposal. The default drafts
+    """A fresh engine times nothing on purpose: the oracle decodes the prompt once, which gives the
+    first token (the first step: it drafts nothing), and then once per step; the draft takes the
+    oracle's cache of the prompt in its first proposal. The default drafts
     with the model and prompt lookup, each with its adaptive policy. The fitted costs are kept for
     the next engine of the same setting, and ignored by one whose setting differs."""
     monkeypatch.setenv("LOCALSPEC_COST_CACHE", str(tmp_path))
@@ -71,7 +71,7 @@ def test_adaptive_is_the_default_and_learns_its_costs_from_the_steps_alone(pair_
                             original(rows))
         r = engine.generate(messages, max_tokens=24)
         s = r.stats
-        assert len(decodes) == 1 + s.steps  # the prompt, then one verify pass per step
+        assert len(decodes) == s.steps  # the prompt's pass (the first token), then one verify pass per step
         assert s.records[0].drafted == 0 and s.records[0].k == 0
         first_model = next(x for x in s.records if x.source == "model")
         assert first_model.draft_evaluated <= 2  # the draft took the oracle's cache of the prompt
