@@ -38,9 +38,9 @@ class Slots:
 
     def admit(self, seq: Seq, free: Sequence[int] = (), busy: Sequence[int] = ()) -> int:
         """Ready the caches of `seq.slot` (the scheduler's choice) for `seq`, and return how many of
-        its prompt's tokens the oracle still evaluates (its last one in step one). What the slot
-        held beyond the shared prefix is moved to the emptiest of the `free` slots, or kept in the
-        prompt cache; `busy`: the slots other sequences run in."""
+        its prompt's tokens the oracle still evaluates (its last one too, in the pass that ends the
+        prompt). What the slot held beyond the shared prefix is moved to the emptiest of the `free`
+        slots, or kept in the prompt cache; `busy`: the slots other sequences run in."""
         slot = seq.slot
         seq.backend_greedy = self.oracle.sample_greedy(slot, self.backend_sampling and _picks_suffice(seq))
         target = seq.history[:-1]
@@ -72,7 +72,7 @@ class Slots:
         history, held = seq.history, len(self.oracle.seq_tokens(seq.slot))
         for other in active:
             if other.id < seq.id and other.status == Status.PREFILL and other.pool == seq.pool:
-                # what both prompts share, their last tokens aside (each evaluates its own in step one)
+                # what both prompts share, their last tokens aside (each evaluates its own with its last chunk)
                 shared = min(shared_prefix(history, other.history), len(history) - 1, len(other.history) - 1)
                 if shared >= held + COPY_MIN and len(self.oracle.seq_tokens(other.slot)) < shared:
                     return True
