@@ -49,6 +49,7 @@ from localspec.runtime.learning import Learner
 from localspec.runtime.sequence import Seq
 from localspec.speculative.acceptance import accept
 from localspec.speculative.plan import NO_DRAFT, NO_OFFER, DraftPlan, Offer, SharedPass, all_or_none
+from localspec.speculative.policy import learns
 from localspec.speculative.proposers import EMPTY_DRAFT, Draft, drive_all
 from localspec.speculative.sampling import log_softmax, top_ids
 
@@ -182,7 +183,9 @@ class Step:
         shared = SharedPass([len(seq.history) - 1 for seq in running], self.learner.drafting) if n_seqs > 1 else None
         props = {}
         for seq in running:
-            limit = self.draft_limit(seq) if seq.stats.steps else 0  # the first token: a plain oracle step
+            # the first token came with the prompt's pass; a step before any oracle pass was measured
+            # (a fresh process on a CPU) is plain too: it measures what every draft is priced against
+            limit = self.draft_limit(seq) if seq.stats.steps and not _measuring(seq.policy) else 0
             if limit > 0:
                 offer = seq.proposer.offer(seq.history, limit, seq.walk)
                 props[seq] = Proposal(offer, seq.policy.plan(offer, limit, len(seq.history) - 1, shared), limit=limit)
@@ -351,6 +354,13 @@ class Step:
     def _llama_seconds(self) -> float:
         """Seconds spent inside llama.cpp so far, on every context."""
         return self.oracle.llama_seconds + (self.draft_ctx.llama_seconds if self.draft_ctx is not None else 0.0)
+
+
+def _measuring(policy) -> bool:
+    """Whether `policy` learns the oracle's pass costs and has measured none yet (none kept from an
+    earlier process, none timed at load): its one-token pass is what every draft is priced against,
+    and a draft planned before it is blind (a probe then lost 3-4% on the replay's short answers)."""
+    return learns(policy) and policy.needs_costs()[0]
 
 
 def token_logprobs(model, logits: np.ndarray, tokens: np.ndarray, top_n: int) -> list[TokenLogprob]:

@@ -355,13 +355,6 @@ class AdaptiveLength:
         available = limit if offered is None else min(limit, offered)
         if available <= 0:
             return 0
-        if self.learned.model_draft and not self.learned.verify_cost.ready:
-            # nothing measured (a fresh process on a CPU, before its first step): a plain step measures
-            # the one-token pass every draft is priced against, as every request's first step did
-            # before its prompt's last pass gave the first token (a probe then, blind, lost 3-4% on
-            # the replay's short answers)
-            self.last_k, est.drafting, self.for_evidence = 0, False, False
-            return 0
         if out.retry_wanted:  # at once, while the text is easy; its cost delays the next probes
             out.retry_wanted = False
             if out.can_pay(available):
