@@ -10,9 +10,10 @@ sequence is still filling waits for it and copies it: requests with one system p
 together evaluate it once), then steps with the running ones until it finishes or
 is aborted. The chunk that finishes a prompt carries its last token too where the budget has room
 for it: that pass's logits there give the first token (llama-server's way: one pass less before the
-first token than evaluating the last token in a step of its own). Each `step()` is ONE oracle pass (`Step.run`), which returns what happened; `apply`
-lands it (`runtime.apply`: history, outbox, stats, what the policies learn) and changes the
-statuses, the only place they change (vLLM's `update_from_output`).
+first token than evaluating the last token in a step of its own). Each `step()` is ONE oracle pass
+(`Step.run`), which returns what happened; `apply` lands it (`runtime.apply`: history, outbox,
+stats, what the policies learn) and changes the statuses, the only place they change (vLLM's
+`update_from_output`).
 
 The scheduler is driven by one thread: the server's worker (its loop: take new jobs in, turn
 cancels into aborts, step, deliver), a batch file's runner, or `Engine.stream` for one sequence.

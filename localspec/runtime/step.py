@@ -170,7 +170,8 @@ class Step:
         results += [self._chunk(seq, n, logits, offsets[seq.slot]) if seq not in first else
                     dataclasses.replace(self._result(seq, first[seq], *firsts[seq], times), prompt_done=True)
                     for seq, n in prefill.items()]
-        batch = PassRecord(rows, contexts, rounds, max(prefill.values(), default=0), t_decoded - t1, len(running), drafted)
+        batch = PassRecord(rows, contexts, rounds, max(prefill.values(), default=0), t_decoded - t1, len(running),
+                           drafted)
         return StepOutput(results, batch, t2)
 
     # -- plan
