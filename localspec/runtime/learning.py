@@ -30,7 +30,7 @@ log = logging.getLogger("localspec.runtime.learning")
 # one-token step seemed to cost its prompt): costs kept before that was fixed are dropped
 STATE_VERSION = 7
 # the longest prompt chunk a pass may carry and still teach the verify passes' costs: a verify row's
-# length (prompt lookup drafts up to 64 tokens)
+# length (prompt lookup drafts up to factory.LOOKUP_DRAFT_MAX = 64 tokens; factory imports this module)
 SHORT_CHUNK = 65
 
 

@@ -340,9 +340,9 @@ class Step:
         return SeqResult(seq, out, n_accepted, logprobs, record, prop.offer, prop.limit, tuple(prop.cuts))
 
     def _chunk(self, seq: Seq, n: int, logits: np.ndarray, offset: int) -> SeqResult:
-        """A prompt chunk's result (one that ends the history gives the first token instead, as a
-        step that drafted nothing: `run`): whether the prompt is in, and the logprobs of its tokens for a
-        request that asked (row j of a chunk predicts the token after the j-th of it)."""
+        """A prompt chunk's result: whether the prompt is in, and the logprobs of its tokens for a
+        request that asked (row j of a chunk predicts the token after the j-th of it). A chunk that
+        ends the history gives the first token instead, as a step that drafted nothing (`run`)."""
         prompt_logprobs = []
         if seq.request.prompt_logprobs is not None:
             start = len(seq.prompt_logprobs)

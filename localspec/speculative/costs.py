@@ -220,7 +220,11 @@ class PassCost:
     def _weights_list(self) -> list[float]:
         """`weights()` as Python floats (the fit's last conversion kept): numpy's scalar
         arithmetic costs ~10x theirs, and a policy prices a few lengths a step."""
-        w = self.weights()
+        return self._floats(self.weights())
+
+    def _floats(self, w: np.ndarray) -> list[float]:
+        """A fit `w` [6] as Python floats, the last conversion kept (an idle step asks of one fit
+        twice: its clip, its price)."""
         if self._listed is None or self._listed[0] is not w:
             self._listed = (w, w.tolist())
         return self._listed[1]
@@ -237,9 +241,7 @@ class PassCost:
         """The prediction for features phi [6] (of one pass, or the sum over several), held like
         `predict`'s: no part of it below zero (a token, a sequence or a context never makes a pass
         cheaper). In Python floats: numpy's scalar arithmetic costs ~10x theirs (a step asks once)."""
-        if self._listed is None or self._listed[0] is not w:  # (an idle step asks once, of the same fit)
-            self._listed = (w, w.tolist())
-        w, phi = self._listed[1], phi if isinstance(phi, list) else phi.tolist()
+        w, phi = self._floats(w), phi if isinstance(phi, list) else phi.tolist()
         per_token = max(0.0, w[2] + w[4] * phi[4] / phi[2]) if phi[2] else 0.0
         t = (w[0] * phi[0] + w[3] * phi[3] + max(0.0, w[1]) * phi[1] + per_token * phi[2]
              + max(0.0, w[5]) * phi[5])

@@ -231,7 +231,7 @@ class Outlook:
         long (see `AcceptanceByPlace.key`), the first `n_accepted` accepted."""
         if trials <= 0:  # (an idle step: nothing to learn, and a re-try is judged once its trials are in)
             return
-        if self.text_weight is not None and trials:
+        if self.text_weight is not None:
             self._text_predicted += sum(1.0 - a for a in self.est.by_place.ahead(trials, run))
             self._text_failed += float(trials - n_accepted)
         self.learned.judge(self.est, trials, n_accepted, run)

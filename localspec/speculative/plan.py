@@ -36,6 +36,11 @@ class Offer:
     suffix: Found = NOTHING
     model: bool = False
 
+    @property
+    def found_nothing(self) -> bool:
+        """Whether no model-free source found tokens (most steps), known without building `found()`."""
+        return self.lookup is NOTHING and self.suffix is NOTHING
+
     def found(self) -> list[tuple[DraftSource, Found]]:
         """The model-free sources that found tokens, prompt lookup first."""
         return [(source, found) for source, found in ((DraftSource.LOOKUP, self.lookup),
@@ -82,7 +87,7 @@ def plain_plan(offer: Offer, length: int) -> DraftPlan:
 def unused_offers(offer: Offer, source: DraftSource, emitted: Sequence[int]) -> tuple[OfferScore, ...]:
     """Each model-free source's offer that the step did not draft (another source did, or none),
     its first tokens compared with the `emitted` ones (see `StepRecord.unused`)."""
-    if offer.lookup is NOTHING and offer.suffix is NOTHING:  # most steps: nothing was found
+    if offer.found_nothing:  # most steps
         return ()
     scores = []
     for offered, found in offer.found():

@@ -25,7 +25,7 @@ from localspec.speculative.estimates import (ACCEPTANCE_LAYOUT, GREEDY, LOOKUP_P
                                              TEMPERATURE_EDGES, AcceptanceByPlace, BatchPrice, Estimates, Learned,
                                              Regime)
 from localspec.speculative.lengths import AdaptiveLength, FixedLength, Outlook
-from localspec.speculative.plan import NO_DRAFT, NOTHING, DraftPlan, Offer, SharedPass
+from localspec.speculative.plan import NO_DRAFT, DraftPlan, Offer, SharedPass
 
 __all__ = ["ACCEPTANCE_LAYOUT", "GREEDY", "LOOKUP_PRIORS", "LOOKUP_RUNS", "MAX_RETRY_WAIT", "TEMPERATURE_EDGES",
            "AcceptanceByPlace", "AdaptiveLength", "BatchPrice", "Estimates", "FixedLength", "HybridLength",
@@ -218,7 +218,7 @@ class HybridLength(_FreeSources):
 
     def _choose(self, offer: Offer, allowance: int, k_model: int, context: int) -> tuple[DraftSource, int]:
         """(source, length) for a step, within `allowance`."""
-        if offer.lookup is NOTHING and offer.suffix is NOTHING:  # (most steps: only the model's)
+        if offer.found_nothing:  # (most steps: only the model's)
             return DraftSource.MODEL, k_model
         sized = self._sized(offer, allowance, context)
         if not sized:
