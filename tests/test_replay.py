@@ -20,12 +20,18 @@ from localspec.runtime.factory import hybrid_policy
 from localspec.speculative.policy import AdaptiveLength, FixedLength
 
 TRACES = Path(__file__).parent / "data" / "traces" / "smollm2.json"
+POOR_TRACES = Path(__file__).parent / "data" / "traces" / "smollm2-q2k.json"  # the same prompts, the Q2_K draft
 FIXED = (1, 2, 3, 4, 6, 8, 12, 16)
 
 
 @pytest.fixture(scope="module")
 def recording():
     return load_traces(TRACES)
+
+
+@pytest.fixture(scope="module")
+def poor_recording():
+    return load_traces(POOR_TRACES)
 
 
 def default_policy(doc: dict):
@@ -208,3 +214,27 @@ def test_on_a_gpu_the_replay_times_both_models_at_load_as_the_engine_does(record
     assert model.verify_cost(2, 64) > 2 * model.verify_cost(1, 64)
     assert model.draft_cost(9, 64) == pytest.approx(costs.proposal(8, 2, 64), rel=0.15)
     assert not measured_costs(doc).gpu
+
+
+@pytest.mark.parametrize("profile", COSTS + ["h200"])
+def test_a_real_poor_draft_is_used_where_it_pays_and_never_loses(poor_recording, profile):
+    """The other tests' poor draft is the good one's agreement thinned out at random, its confidence
+    untouched; a real poor one is unsure where it is wrong. tests/data/traces/smollm2-q2k.json is the
+    default pair's six prompts with the Q2_K draft (recorded by scripts/record_traces.py --pair
+    smollm2-q2k on a 2-core Xeon VM): ~70% first-token agreement, and of its tokens under a top
+    probability of 0.3 fewer than half agree (37%; the Q4_1 draft's: 86%). Every trace, fresh >= 0.90x and
+    warm >= 0.95x the best of K = 0 and every fixed K (0.90 / 0.958 at worst at c4efe57); on the H200
+    table, where the oracle alone is the best fixed choice, >= 0.97x fresh and >= 0.98x warm."""
+    traces, doc = poor_recording
+    costs = Costs.h200_smollm2() if profile == "h200" else costs_of(profile, doc)
+    fresh_share, warm_share = (0.97, 0.98) if profile == "h200" else (0.90, 0.95)
+    bests = [best_fixed(trace, costs) for trace in traces]
+    for trace, (best, name) in zip(traces, bests):
+        got = speed(trace, default_policy(doc), costs)
+        assert got >= fresh_share * best, f"fresh, {trace.prompt[:40]!r}: {got:.1f} tok/s against {name}'s {best:.1f}"
+    policy = default_policy(doc)
+    for trace in traces:
+        replay(trace, policy, costs)
+    for trace, (best, name) in zip(traces, bests):
+        got = speed(trace, policy, costs)
+        assert got >= warm_share * best, f"warm, {trace.prompt[:40]!r}: {got:.1f} tok/s against {name}'s {best:.1f}"
