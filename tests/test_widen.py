@@ -35,12 +35,15 @@ def test_a_widened_model_is_a_derived_source_with_a_shape():
         registry_with({"ftype": "Q4_K_M", "widen": shape})
 
 
-def test_the_shipped_registry_has_the_8b_shaped_oracle_and_its_pairs(registry):
+def test_the_shipped_registry_has_the_widened_oracles_and_their_pairs(registry):
     spec = registry.models["smollm2-135m-as-8b"]
     assert spec.source.widen == Shape(4096, 64, 16, 14336, 32) and spec.source.ftype == "F16"
     assert spec.source.from_model == "smollm2-135m-instruct-f32"
     assert {registry.pairs[p].draft for p in ("smollm2-as-8b", "smollm2-as-8b-q2k")} == {
         "smollm2-135m-instruct-q4_1", "smollm2-135m-instruct-q2_k"}
+    cpu = registry.models["smollm2-135m-as-1.5b"]  # the CPU-sized one (benchmarks/widened-cpu/)
+    assert cpu.source.widen == Shape(2048, 32, 8, 5632, 30) and cpu.source.ftype == "F16"
+    assert registry.pairs["smollm2-as-1.5b"].oracle == "smollm2-135m-as-1.5b"
 
 
 def test_query_heads_keep_their_kv_head():
