@@ -39,6 +39,7 @@ class Apply:
     def __call__(self, output: StepOutput) -> list[StepOutcome]:
         outcomes = [self._step(r) if r.record is not None else self._chunk(r) for r in output.results]
         self.learner.observe(output.batch, self.oracle, self.draft)
+        self.learner.observe_batch(output)
         # after the verify: the results built, the prompt chunks' logprobs, emitting, the policies' updates
         other = self.clock() - output.verified
         for r in output.results:

@@ -22,6 +22,7 @@ from typing import Any, Mapping, Sequence
 
 from localspec.cache import cache_dir, write_text_atomically
 from localspec.llama.bindings import VERSION, llama_cpp
+from localspec.runtime.batch_judge import BatchJudge
 from localspec.speculative.policy import LengthPolicy, learns
 
 log = logging.getLogger("localspec.runtime.learning")
@@ -142,6 +143,7 @@ class Learner:
     def __init__(self, policy: LengthPolicy, costs: CostBook | None = None) -> None:
         self.policy, self.costs = policy, costs
         self.drafting = 1.0  # sequences a batch's draft rounds are shared by, lately (for its prices)
+        self.batch = BatchJudge()  # drafting against plain batched decoding, as measured (several sequences)
         if costs is not None and learns(policy):
             costs.load(policy)
 
@@ -175,6 +177,21 @@ class Learner:
         if len(batch.rows) > 1 and batch.prefill <= SHORT_CHUNK:
             rows = [(r.seq, len(r.tokens) + r.pad) for r in batch.rows]
             self.policy.observe_pass(passes(oracle, rows, batch.contexts), batch.seconds)
+
+
+    def observe_batch(self, output) -> None:
+        """What a step of several sequences (`step.StepOutput`) measured of drafting against plain
+        batched decoding (`batch_judge`): its tokens and seconds, if it filled no prompt."""
+        batch = output.batch
+        if batch.running < 2 or batch.prefill or not learns(self.policy):
+            return
+        steps = [r for r in output.results if r.record is not None]
+        if not steps:
+            return
+        drafted = bool(batch.rounds) or any(len(r.tokens) > 1 for r in batch.rows)
+        record = steps[0].record  # the step's times, the same in every sequence's record
+        self.batch.observe(batch.running, drafted, sum(len(r.tokens) for r in steps),
+                           record.draft_time + record.verify_time)
 
 
 def passes(ctx, rows: Sequence[tuple[int, int]], contexts: Mapping[int, int]) -> list[tuple[list[int], list[int]]]:

@@ -182,11 +182,14 @@ class Step:
         `closed`: nobody waits for a slot, so the batch's plans are all drafts or none
         (`plan.all_or_none`)."""
         shared = SharedPass([len(seq.history) - 1 for seq in running], self.learner.drafting) if n_seqs > 1 else None
+        # several sequences: plain batched decoding where it measured faster than drafting (or is measured now)
+        plain = len(running) > 1 and self.learner.batch.plain(len(running), lambda: self._one_token_pass(running))
         props = {}
         for seq in running:
             # the first token came with the prompt's pass; a step before any oracle pass was measured
             # (a fresh process on a CPU) is plain too: it measures what every draft is priced against
-            limit = self.draft_limit(seq) if seq.stats.steps and not _measuring(seq.policy) else 0
+            measuring = _measuring(seq.policy) or (plain and learns(seq.policy))
+            limit = self.draft_limit(seq) if seq.stats.steps and not measuring else 0
             if limit > 0:
                 offer = seq.proposer.offer(seq.history, limit, seq.walk)
                 props[seq] = Proposal(offer, seq.policy.plan(offer, limit, len(seq.history) - 1, shared), limit=limit)
@@ -197,6 +200,11 @@ class Step:
             for prop, plan in zip(eligible, all_or_none([prop.plan for prop in eligible])):
                 prop.plan = plan
         return props
+
+    def _one_token_pass(self, running: Sequence[Seq]) -> float | None:
+        """Seconds of one sequence's one-token pass at the batch's longest context, as learned."""
+        seq = max(running, key=lambda s: len(s.history))
+        return self.learner.decode_time(self.oracle, [(seq.slot, 1)], {seq.slot: len(seq.history) - 1})
 
     def draft_limit(self, seq: Seq) -> int:
         """Most draft tokens worth proposing now: each step emits up to k+1 tokens, and the oracle
