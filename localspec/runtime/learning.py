@@ -178,7 +178,6 @@ class Learner:
             rows = [(r.seq, len(r.tokens) + r.pad) for r in batch.rows]
             self.policy.observe_pass(passes(oracle, rows, batch.contexts), batch.seconds)
 
-
     def observe_batch(self, output) -> None:
         """What a step of several sequences (`step.StepOutput`) measured of drafting against plain
         batched decoding (`batch_judge`): its tokens and seconds, if it filled no prompt."""
