@@ -725,22 +725,30 @@ def h200_draft_costs(n: int) -> float:
     return 0.0015 if n == 1 else 0.0028 + 0.00008 * n
 
 
-def h200_engine(clock, parallel: int = 1, *, draft: bool = True) -> Engine:
-    """The default pair's shape (a hybrid of a draft model and prompt lookup, adaptive) on the H200's
-    costs, timed at load as the engine does on a GPU."""
+def hybrid_engine(clock, parallel: int, *, oracle_cost, draft_cost, draft: bool = True, calibrate: bool = False,
+                  context=CostedContext) -> Engine:
+    """The default pair's shape (a hybrid of a draft model and prompt lookup, adaptive) on scripted
+    costs: the oracle a `context` whose passes cost `oracle_cost(tokens)`, the draft `draft_cost`;
+    `calibrate`: both timed at load, as the engine does on a GPU."""
     from localspec.runtime.factory import default_policy
 
     model = ScriptedModel.sized(ORACLE_VOCAB, "oracle")
     logits = favoured(hashed_logits(1, ORACLE_VOCAB, scale=1.0), ORACLE_VOCAB, seed=7, bonus=5.0)
-    oracle = CostedContext(model, logits, clock=clock, cost=h200_costs, n_seq=parallel)
+    oracle = context(model, logits, clock=clock, cost=oracle_cost, n_seq=parallel)
     if not draft:
         return Engine.from_parts(oracle=oracle)
     drafter = CostedContext(ScriptedModel.sized(ORACLE_VOCAB, "draft"),
                             favoured(hashed_logits(2, ORACLE_VOCAB, scale=1.0), ORACLE_VOCAB, seed=7, bonus=5.0),
-                            clock=clock, cost=h200_draft_costs, n_seq=parallel)
+                            clock=clock, cost=draft_cost, n_seq=parallel)
     proposer = HybridProposer(PromptLookupProposer(), DraftModelProposer(drafter, n_vocab=ORACLE_VOCAB))
     return Engine.from_parts(oracle=oracle, proposer=proposer, policy=default_policy(proposer), draft=drafter,
-                             calibrate=True)
+                             calibrate=calibrate)
+
+
+def h200_engine(clock, parallel: int = 1, *, draft: bool = True) -> Engine:
+    """The default pair's shape on the H200's costs, timed at load as the engine does on a GPU."""
+    return hybrid_engine(clock, parallel, oracle_cost=h200_costs, draft_cost=h200_draft_costs, draft=draft,
+                         calibrate=True)
 
 
 H200_PROMPTS = ("the", "a cat", "he said", "in the", "on a mat", "she ran", "at the end", "re the")
@@ -815,20 +823,10 @@ class RooflineContext(CostedContext):
 
 
 def costed_engine(clock, parallel: int, *, draft: bool = True) -> Engine:
-    """The default pair's shape (a hybrid of a draft model and prompt lookup, adaptive) on
-    `compute_bound`'s costs, learned from the steps as on a CPU (nothing timed at load)."""
-    from localspec.runtime.factory import default_policy
-
-    logits = favoured(hashed_logits(1, ORACLE_VOCAB, scale=1.0), ORACLE_VOCAB, seed=7, bonus=5.0)
-    oracle = RooflineContext(ScriptedModel.sized(ORACLE_VOCAB, "oracle"), logits, clock=clock, cost=compute_bound,
-                             n_seq=parallel)
-    if not draft:
-        return Engine.from_parts(oracle=oracle)
-    drafter = CostedContext(ScriptedModel.sized(ORACLE_VOCAB, "draft"),
-                            favoured(hashed_logits(2, ORACLE_VOCAB, scale=1.0), ORACLE_VOCAB, seed=7, bonus=5.0),
-                            clock=clock, cost=small_draft, n_seq=parallel)
-    proposer = HybridProposer(PromptLookupProposer(), DraftModelProposer(drafter, n_vocab=ORACLE_VOCAB))
-    return Engine.from_parts(oracle=oracle, proposer=proposer, policy=default_policy(proposer), draft=drafter)
+    """The default pair's shape on `compute_bound`'s costs, its batches split as llama.cpp's are,
+    learned from the steps as on a CPU (nothing timed at load)."""
+    return hybrid_engine(clock, parallel, oracle_cost=compute_bound, draft_cost=small_draft, draft=draft,
+                         context=RooflineContext)
 
 
 def test_four_sequences_on_a_compute_bound_oracle_are_no_slower_than_plain_batching(monkeypatch):
