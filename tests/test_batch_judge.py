@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from localspec.runtime.batch_judge import MIN_DRAFTING, RECHECK_EVERY, SEEN_DRAFTING, BatchJudge
+from localspec.runtime.batch_judge import MIN_DRAFTING, RECHECK_EVERY, REFRESH_EVERY, SEEN_DRAFTING, BatchJudge
 
 
 def measured(judge: BatchJudge, sequences: int, *, plain_rate: float, drafting_rate: float, drafting: int) -> None:
@@ -52,13 +52,46 @@ def test_drafting_measured_slower_than_plain_turns_off_with_rechecks():
     assert judge.plain(4)  # still slower: plain again
 
 
-def test_drafting_that_pays_or_ties_is_left_alone():
+def test_drafting_that_pays_is_left_alone_and_a_tie_goes_to_plain():
     judge = BatchJudge()
     measured(judge, 8, plain_rate=20.0, drafting_rate=30.0, drafting=3 * MIN_DRAFTING)
     assert not judge.drafting_loses(8) and not judge.plain(8)
     judge = BatchJudge()
-    measured(judge, 8, plain_rate=20.0, drafting_rate=19.0, drafting=3 * MIN_DRAFTING)  # within the margin: noise
-    assert not judge.plain(8)
+    measured(judge, 8, plain_rate=20.0, drafting_rate=20.5, drafting=3 * MIN_DRAFTING)  # level: drafting's other costs decide
+    assert judge.drafting_loses(8) and judge.plain(8)
+    judge = BatchJudge()
+    measured(judge, 8, plain_rate=20.0, drafting_rate=21.5, drafting=3 * MIN_DRAFTING)  # more than WIN faster
+    assert not judge.drafting_loses(8) and not judge.plain(8)
+
+
+def test_plain_is_measured_again_where_drafting_wins_within_its_reach():
+    """Drafting 8% faster than a plain rate measured once: one plain step every REFRESH_EVERY drafting
+    steps keeps that rate current; here plain has become faster (the first measure was a slow moment)."""
+    one_token_pass = lambda: 0.2  # noqa: E731  (plain batching's best: 40 tokens/s at 8)
+    judge = BatchJudge()
+    measured(judge, 8, plain_rate=20.0, drafting_rate=21.6, drafting=MIN_DRAFTING)
+    plains = []
+    for step in range(3 * REFRESH_EVERY):
+        if judge.plain(8, one_token_pass):
+            plains.append(step)
+            judge.observe(8, False, 8, 8 / 30.0)  # plain now measures 30 tokens/s
+        else:
+            judge.observe(8, True, 24, 24 / 21.6)
+    assert plains[0] == REFRESH_EVERY  # the refresh, after REFRESH_EVERY drafting steps
+    drafted = [step for step in range(REFRESH_EVERY, 3 * REFRESH_EVERY) if step not in plains]
+    assert judge.drafting_loses(8) and drafted == [REFRESH_EVERY + RECHECK_EVERY]  # plain from the refresh on, but for a re-check
+
+
+def test_drafting_beyond_plain_batchings_reach_is_never_interrupted():
+    """A GPU with a dear oracle: drafting at 3x plain batching's best is never stopped to measure
+    plain, and the bound is asked once every REFRESH_EVERY drafting steps, not at every step."""
+    asked = []
+    one_token_pass = lambda: asked.append(1) or 0.2  # noqa: E731  (plain: 40 tokens/s at best)
+    judge = BatchJudge()
+    for _ in range(4 * REFRESH_EVERY + SEEN_DRAFTING):
+        assert not judge.plain(8, one_token_pass)
+        judge.observe(8, True, 48, 48 / 120.0)
+    assert len(asked) == 4 and 8 not in {s for s, (p, _) in judge.describe().items() if p}
 
 
 def test_the_rates_follow_a_change():
