@@ -251,6 +251,19 @@ def test_after_a_pause_the_draft_keeps_the_start_it_holds_and_catches_up_on_rece
         assert drafter.ctx.seq_tokens()[:len(long)] == long
         assert drafter.tokens_evaluated - before == draft.evaluated >= len(long) - 1
 
+        # drafting paid when the request began, then nothing was drafted for 70+ tokens (the policy
+        # idled, or plain batching ran): the whole prompt, then the latest 16 tokens only
+        answer = short + long[1:]
+        drafter.start(catch_up=True, prompt=len(short))
+        before = drafter.tokens_evaluated
+        draft = drafter.propose(answer, 4, greedy, rng)
+        assert (drafter.keep, drafter.gap_start) == (len(short), len(answer) - 16)
+        assert drafter.ctx.seq_tokens()[:len(short) + 16] == short + answer[-16:]
+        assert drafter.tokens_evaluated - before == draft.evaluated <= len(short) + 16 + len(draft)
+        drafter.start(catch_up=True, prompt=len(short))  # a few tokens past the prompt: all of it
+        draft = drafter.propose(answer[:len(short) + 10], 4, greedy, rng)
+        assert drafter.ctx.seq_tokens()[:len(short) + 10] == answer[:len(short) + 10]
+
 
 def test_vocabulary_digests_agree_with_the_token_by_token_check(registry, pair_paths):
     """The header's vocabulary digest stands in for llama.cpp's token-by-token comparison: equal for

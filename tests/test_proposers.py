@@ -208,7 +208,7 @@ class CountingModel:
         return Draft(np.array([99] * plan.length, dtype=np.int32), None)
         yield  # a model that needs no decode
 
-    def start(self, *, catch_up):
+    def start(self, *, catch_up, pool="", prompt=None):
         self.catch_up = catch_up
 
     def resync(self):

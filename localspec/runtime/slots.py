@@ -58,8 +58,9 @@ class Slots:
                 set_draft_p_min(seq.proposer, seq.request.draft_p_min)
             # the draft is not run here: its first proposal catches up on what it has not seen (all of
             # the prompt while drafting pays, copied from the oracle's cache where their layouts match;
-            # else a probe's window of it while the policy is idle)
-            seq.proposer.start(catch_up=not seq.policy.idle, pool=seq.pool)
+            # else a probe's window of it while the policy is idle; a window of what came after the
+            # prompt without drafting)
+            seq.proposer.start(catch_up=not seq.policy.idle, pool=seq.pool, prompt=len(seq.history))
         return len(target) - common + 1
 
     def filling_for(self, seq: Seq, active: Sequence[Seq]) -> bool:

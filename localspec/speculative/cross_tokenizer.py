@@ -37,6 +37,9 @@ class CrossTokenizerProposer(_Wrapper):
     def fork(self, seq: int) -> "CrossTokenizerProposer":
         return CrossTokenizerProposer(self.inner.fork(seq), oracle=self.oracle, draft=self.draft)
 
+    def start(self, *, catch_up: bool, pool: str = "", prompt: int | None = None) -> None:
+        self.inner.start(catch_up=catch_up, pool=pool)  # the prompt's length in the draft's tokens is not known
+
     def offer(self, history: Sequence[int], limit: int, constraint=None) -> Offer:
         return MODEL_OFFER
 

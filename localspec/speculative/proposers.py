@@ -82,10 +82,13 @@ class Proposer(Protocol):
                       rng: np.random.Generator, constraint=None) -> ProposeSteps:
         """Carry out `plan` (made from `offer`, this step's): the Draft, its decodes yielded."""
 
-    def start(self, *, catch_up: bool, pool: str = "") -> None:
+    def start(self, *, catch_up: bool, pool: str = "", prompt: int | None = None) -> None:
         """A new request begins. `catch_up`: the first proposal conditions on the whole prompt
         (drafting is expected to pay); otherwise a later probe may condition on part of it.
-        `pool`: whose earlier requests it may draft from (the suffix cache's pool, e.g. an API key)."""
+        `pool`: whose earlier requests it may draft from (the suffix cache's pool, e.g. an API key).
+        `prompt`: the prompt's length in tokens. Text generated after it while nothing was drafted
+        (the policy idled, or plain batching ran) is caught up on as after any pause in drafting: the
+        latest tokens only. None: a catch-up covers all the text there is."""
 
     def describe(self) -> str:
         """What kind of proposer this is ("model", "lookup", "hybrid", "cross-tokenizer"): the key
@@ -197,7 +200,8 @@ class DraftModelProposer(_Drives):
         # the draft's cache holds history[:keep] + history[start:]: all of it (keep == start), or after
         # a long pause in drafting, the start it still held and the recent text, with a gap between
         self.keep = self.gap_start = 0
-        self.catch_up = False  # the next proposal evaluates all it has not seen, however much
+        self.catch_up = False  # the next proposal evaluates all it has not seen (up to the prompt's end and a window)
+        self.prompt: int | None = None  # the request's prompt length, which a catch-up covers whole (None: all)
         self.prompt_pending = False  # ... and that is a new request's prompt
         self.tokens_evaluated = 0  # draft-side tokens decoded, prompt included
         self._probs = SparseRows(self.n_vocab)  # a sampled draft's distributions (`Draft.probs`: a snapshot)
@@ -208,13 +212,14 @@ class DraftModelProposer(_Drives):
         twin._shared = self  # a copy that failed for this pair fails for every sequence: see _adopt
         return twin
 
-    def start(self, *, catch_up: bool, pool: str = "") -> None:
+    def start(self, *, catch_up: bool, pool: str = "", prompt: int | None = None) -> None:
         self.keep = self.gap_start = 0
         self.catch_up = self.prompt_pending = catch_up
+        self.prompt = prompt
 
     def resync(self) -> None:
         self.keep = self.gap_start = 0
-        self.catch_up, self.prompt_pending = True, False
+        self.catch_up, self.prompt_pending, self.prompt = True, False, None
 
     def describe(self) -> str:
         return "model"
@@ -230,16 +235,26 @@ class DraftModelProposer(_Drives):
         of them would cost more than a probe is worth: the draft keeps the start of the text it
         already holds (the prompt says what the text is about) and evaluates only the latest
         `max_catch_up` tokens after it, as if the text in between were not there (unless it is
-        `adopting` the oracle's cache of all of it)."""
+        `adopting` the oracle's cache of all of it). A catch-up (`start(catch_up=True)`) covers the
+        whole prompt, then the same window of what was generated after it without drafting: four
+        sequences of the 1.45B-wide oracle on a CPU had drafted nothing for 120 steps of plain
+        batching, and the first draft after it cost the batch 3.2 s of catch-up (0.2 s a plain step)."""
         if adopting:
             self.catch_up = False
             self.keep = self.gap_start = 0
             return list(history)
         view = self._readable(list(history[:self.keep]) + list(history[self.gap_start:]))
-        if self.catch_up or len(view) - self.ctx.common_prefix(view, seq=self.seq) <= self.max_catch_up:
+        held = self.ctx.common_prefix(view, seq=self.seq)
+        if self.catch_up:
             self.catch_up = False
+            whole = len(history) if self.prompt is None else self.prompt  # what it evaluates, however much
+            if len(history) - max(whole, held) <= self.max_catch_up:
+                return view
+            self.keep = max(whole, self.ctx.common_prefix(history, seq=self.seq))
+        elif len(view) - held <= self.max_catch_up:
             return view
-        self.keep = self.ctx.common_prefix(history, seq=self.seq)
+        else:
+            self.keep = self.ctx.common_prefix(history, seq=self.seq)
         self.gap_start = max(self.keep, len(history) - self.max_catch_up)
         return self._readable(list(history[:self.keep]) + list(history[self.gap_start:]))
 
@@ -431,7 +446,7 @@ class PromptLookupProposer(_Drives):
         return found_draft(offer.lookup, plan, constraint)
         yield  # a proposal that decodes nothing
 
-    def start(self, *, catch_up: bool, pool: str = "") -> None:
+    def start(self, *, catch_up: bool, pool: str = "", prompt: int | None = None) -> None:
         pass  # nothing to evaluate
 
     def describe(self) -> str:
@@ -492,8 +507,8 @@ class _Wrapper(_Drives):
     def draft_context(self) -> DecodeContext | None:
         return self.drafter.draft_context
 
-    def start(self, *, catch_up: bool, pool: str = "") -> None:
-        self.drafter.start(catch_up=catch_up, pool=pool)
+    def start(self, *, catch_up: bool, pool: str = "", prompt: int | None = None) -> None:
+        self.drafter.start(catch_up=catch_up, pool=pool, prompt=prompt)
 
     def resync(self) -> None:
         """The next draft conditions on all of the text again."""

@@ -254,10 +254,10 @@ class SuffixProposer(_Drives):
     def fork(self, seq: int) -> "SuffixProposer":
         return SuffixProposer(self.inner.fork(seq) if self.inner is not None else None, self.pools, is_end=self.is_end)
 
-    def start(self, *, catch_up: bool, pool: str = "") -> None:
+    def start(self, *, catch_up: bool, pool: str = "", prompt: int | None = None) -> None:
         self.pool = pool
         if self.inner is not None:
-            self.inner.start(catch_up=catch_up, pool=pool)
+            self.inner.start(catch_up=catch_up, pool=pool, prompt=prompt)
 
     def describe(self) -> str:
         return self.inner.describe() if self.inner is not None else "suffix"
