@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from localspec.runtime.batch_judge import MIN_DRAFTING, RECHECK_EVERY, REFRESH_EVERY, SEEN_DRAFTING, BatchJudge
+from localspec.runtime.batch_judge import (MIN_DRAFTING, RECHECK_EVERY, RECHECK_MAX, REFRESH_EVERY, SEEN_DRAFTING,
+                                           BatchJudge)
 
 
 def measured(judge: BatchJudge, sequences: int, *, plain_rate: float, drafting_rate: float, drafting: int) -> None:
@@ -37,19 +38,27 @@ def test_plain_batching_is_measured_once_where_drafting_may_be_slower_than_it():
         assert not fast.plain(8, one_token_pass) and not fast.plain(2, one_token_pass)  # sizes apart
 
 
-def test_drafting_measured_slower_than_plain_turns_off_with_rechecks():
+def test_drafting_measured_slower_than_plain_turns_off_with_rechecks_that_back_off():
     judge = BatchJudge()
     measured(judge, 4, plain_rate=20.0, drafting_rate=14.0, drafting=MIN_DRAFTING - 1)
     assert not judge.plain(4)  # too few drafting steps for a verdict
     judge.observe(4, True, 12, 12 / 14.0)
     assert judge.drafting_loses(4) and judge.plain(4)
-    for _ in range(RECHECK_EVERY - 1):
+    interval = RECHECK_EVERY
+    for _ in range(3):
+        for _ in range(interval - 1):
+            judge.observe(4, False, 4, 0.2)
+            assert judge.plain(4)
         judge.observe(4, False, 4, 0.2)
-        assert judge.plain(4)
-    judge.observe(4, False, 4, 0.2)
-    assert not judge.plain(4)  # a re-check: the policies may draft once
-    judge.observe(4, True, 12, 12 / 14.0)
-    assert judge.plain(4)  # still slower: plain again
+        assert not judge.plain(4)  # a re-check: the policies may draft once
+        judge.observe(4, True, 12, 12 / 14.0)
+        assert judge.plain(4)  # still slower: plain again, and the next re-check waits twice as long
+        interval *= 2
+    for _ in range(10):  # ... up to RECHECK_MAX
+        for _ in range(RECHECK_MAX):
+            judge.observe(4, False, 4, 0.2)
+        assert not judge.plain(4)
+        judge.observe(4, True, 12, 12 / 14.0)
 
 
 def test_drafting_that_pays_is_left_alone_and_a_tie_goes_to_plain():
@@ -99,11 +108,22 @@ def test_the_rates_follow_a_change():
     judge = BatchJudge()
     measured(judge, 4, plain_rate=20.0, drafting_rate=14.0, drafting=MIN_DRAFTING)
     assert judge.plain(4)
-    for _ in range(40):
-        for _ in range(RECHECK_EVERY):
-            judge.observe(4, False, 4, 0.2)
+    plain_steps = 0
+    while judge.plain(4):
+        judge.observe(4, False, 4, 0.2)
+        plain_steps += 1
         if not judge.plain(4):
             judge.observe(4, True, 12, 12 / 40.0)
-    assert not judge.drafting_loses(4)
+    assert not judge.drafting_loses(4) and plain_steps < 8 * RECHECK_MAX
     plain, drafting = judge.describe()[4]
     assert abs(plain - 20.0) < 1e-6 and drafting > plain
+
+
+def test_it_says_why_steps_ran_plain():
+    judge = BatchJudge()
+    measured(judge, 4, plain_rate=20.0, drafting_rate=14.0, drafting=MIN_DRAFTING)
+    assert judge.explain(4) == "plain batched decoding of 4 sequences measured 20.0 tokens/s, drafting 14.0"
+    fresh = BatchJudge()
+    for _ in range(SEEN_DRAFTING):
+        fresh.observe(2, True, 6, 6 / 7.5)
+    assert fresh.explain(2) == "plain batched decoding of 2 sequences measured against drafting (7.5 tokens/s)"

@@ -65,7 +65,10 @@ class Apply:
             stats.prompt_time = self.clock() - seq.t_start
         elif seq.request.speculative:  # a request that does not draft teaches the policy nothing
             seq.policy.observe(step)
-            stats.idle_steps += r.limit > 0 and not step.drafted
+            idle = (r.limit > 0 or r.batched > 0) and not step.drafted
+            stats.idle_steps += idle
+            if idle and r.batched:
+                seq.plain_batched, seq.plain_batched_at = seq.plain_batched + 1, r.batched
         stats.add_step(step)
         structure = None
         if seq.walk is not None:
@@ -83,12 +86,19 @@ class Apply:
         stats.total_time = self.clock() - seq.t_start
         if seq.speculative:
             if stats.idle_steps:
-                stats.idle_reason = seq.policy.explain()
+                stats.idle_reason = self._idle_reason(seq)
             self.learner.save(seq.policy)
             if self.suffix is not None:  # later requests of its pool may draft from its text
                 self.suffix.add(seq.pool, [seq.history])
         seq.emit(piece, emitted, logprobs, finish_reason=finish, structure=structure)
         return StepOutcome(seq, finish_reason=finish, structure=structure)
+
+    def _idle_reason(self, seq: Seq) -> str | None:
+        """Why `seq` had idle steps: its policy's reason for its own, the batch judge's for the steps
+        it ran as plain batched decoding."""
+        reasons = [seq.policy.explain() if seq.stats.idle_steps > seq.plain_batched else None,
+                   self.learner.batch.explain(seq.plain_batched_at) if seq.plain_batched else None]
+        return "; ".join(r for r in reasons if r) or None
 
     def _emit(self, out: list[int], seq: Seq, sources: list[str] | None = None) -> tuple[list[int], str | None]:
         """Append a step's tokens to the history until one of them ends the generation:

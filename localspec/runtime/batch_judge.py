@@ -20,7 +20,9 @@ enough drafting steps were seen, their rate is compared with plain steps'. Draft
 at that size only where it measures `WIN` faster than plain: a tie goes to plain batching, because
 drafting also costs what its rate does not hold (the draft's prompt fills, a longer first token,
 sequences that finish apart). Where drafting does not win, steps at that size run plain, but for one
-drafting step every `RECHECK_EVERY` (the text, its acceptance and the context move on); where it
+drafting step every `RECHECK_EVERY` (the text, its acceptance and the context move on), twice as long
+after each re-check that drafting lost too, up to `RECHECK_MAX` (a re-check after a stretch of plain
+steps costs a catch-up of the draft besides: 0.6-1.4 s where a plain step took 0.24 s); where it
 wins by less than the bound, one plain step every `REFRESH_EVERY` drafting steps keeps plain's rate
 current (a rate measured once, in a noisy moment, would otherwise decide for good). Only steps that
 fill no prompt count. A single stream is the policy's alone (it measures and idles itself).
@@ -40,7 +42,8 @@ MIN_DRAFTING = 8  # drafting steps measured at a size before a verdict
 MARGIN = 0.10  # drafting this far under plain batching's best (the bound) may be slower than plain: measure plain
 WIN = 0.05  # drafting must measure this much faster than plain to keep the steps of a size (a tie goes to plain)
 DECAY = 0.95  # the weight of the earlier evidence at each new step (both rates follow drift)
-RECHECK_EVERY = 16  # plain steps at a size between drafting re-checks once plain won there
+RECHECK_EVERY = 16  # plain steps at a size before the first drafting re-check once plain won there
+RECHECK_MAX = 256  # ... doubled after each re-check drafting lost, up to this
 REFRESH_EVERY = 16  # drafting steps at a size between plain re-measurements, where drafting wins under the bound
 
 
@@ -69,6 +72,7 @@ class BatchJudge:
         self._plain: dict[int, _Rate] = {}
         self._drafting: dict[int, _Rate] = {}
         self._since_check: dict[int, int] = {}  # plain steps since the last drafting one
+        self._recheck: dict[int, int] = {}  # plain steps between drafting re-checks, where plain won (backed off)
         self._since_plain: dict[int, int] = {}  # drafting steps since plain was measured, or out of reach
 
     def plain(self, sequences: int, one_token_pass: Callable[[], float | None] = lambda: None) -> bool:
@@ -87,9 +91,12 @@ class BatchJudge:
             if bound is None or drafting.rate < (1.0 - MARGIN) * bound:
                 return True
             self._since_plain[sequences] = 0  # beyond plain's reach: look again in REFRESH_EVERY drafting steps
-        if drafting.steps < MIN_DRAFTING or sequences not in self._plain or not self.drafting_loses(sequences):
+        if drafting.steps < MIN_DRAFTING or sequences not in self._plain:
             return False
-        return self._since_check.get(sequences, 0) < RECHECK_EVERY
+        if not self.drafting_loses(sequences):
+            self._recheck.pop(sequences, None)
+            return False
+        return self._since_check.get(sequences, 0) < self._recheck.get(sequences, RECHECK_EVERY)
 
     def drafting_loses(self, sequences: int) -> bool:
         """Whether drafting steps at this size measured no faster than plain ones, by WIN."""
@@ -104,7 +111,11 @@ class BatchJudge:
         if sequences < 2 or seconds <= 0:
             return
         if drafted:
+            interval = self._recheck.get(sequences, RECHECK_EVERY)
+            recheck = self._since_check.get(sequences, 0) >= interval
             self._drafting.setdefault(sequences, _Rate()).add(tokens, seconds)
+            if recheck and self.drafting_loses(sequences):  # lost again: the next re-check waits twice as long
+                self._recheck[sequences] = min(2 * interval, RECHECK_MAX)
             self._since_check[sequences] = 0
             if sequences in self._since_plain:
                 self._since_plain[sequences] += 1
@@ -112,6 +123,14 @@ class BatchJudge:
             self._plain.setdefault(sequences, _Rate()).add(tokens, seconds)
             self._since_check[sequences] = self._since_check.get(sequences, 0) + 1
             self._since_plain[sequences] = 0
+
+    def explain(self, sequences: int) -> str:
+        """Why steps of `sequences` sequences ran plain, for people."""
+        plain, drafting = self.describe().get(sequences, (0.0, 0.0))
+        if plain and drafting:
+            return (f"plain batched decoding of {sequences} sequences measured {plain:.1f} tokens/s, "
+                    f"drafting {drafting:.1f}")
+        return f"plain batched decoding of {sequences} sequences measured against drafting ({drafting:.1f} tokens/s)"
 
     def describe(self) -> dict[int, tuple[float, float]]:
         """Tokens per second measured at each size: (plain, drafting; 0 where not measured)."""

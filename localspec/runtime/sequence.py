@@ -95,6 +95,8 @@ class Seq:
     outbox: deque[Chunk] = field(default_factory=deque)
     prompt_logprobs: list | None = None  # the prompt's TokenLogprobs as its prefill computes them (when asked)
     backend_greedy: bool = False  # llama.cpp picks its oracle's greedy tokens (LlamaContext.sample_greedy)
+    plain_batched: int = 0  # idle steps the batch judge ran as plain batched decoding (`runtime.batch_judge`)
+    plain_batched_at: int = 0  # ... the sequences the last of them carried
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.history)

@@ -84,6 +84,7 @@ class SeqResult:
     record: StepRecord | None = None  # the step's (None: a prompt chunk); `unused` is filled on landing
     offer: Offer = NO_OFFER  # what the proposer offered (the offers left unused are scored on landing)
     limit: int = 0  # draft tokens the step could have drafted (0: the first token, no room, not drafting)
+    batched: int = 0  # the sequences of plain batched decoding the batch judge ran this step as (0: it did not)
     cuts: tuple[Cut, ...] = ()
     prompt_done: bool = False  # a prompt chunk: the prompt is all in the oracle's cache now
     prompt_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # a chunk's, when asked
@@ -119,6 +120,7 @@ class Proposal:
     plan: DraftPlan = NO_DRAFT
     draft: Draft = EMPTY_DRAFT
     limit: int = 0
+    batched: int = 0  # plain batched decoding of this many sequences ran instead of the policy's plan
     walk_base: int = 0
     cuts: list[Cut] = dataclasses.field(default_factory=list)
 
@@ -188,9 +190,10 @@ class Step:
         for seq in running:
             # the first token came with the prompt's pass; a step before any oracle pass was measured
             # (a fresh process on a CPU) is plain too: it measures what every draft is priced against
-            measuring = _measuring(seq.policy) or (plain and learns(seq.policy))
-            limit = self.draft_limit(seq) if seq.stats.steps and not measuring else 0
-            if limit > 0:
+            limit = self.draft_limit(seq) if seq.stats.steps and not _measuring(seq.policy) else 0
+            if limit > 0 and plain and learns(seq.policy):
+                props[seq] = Proposal(batched=len(running))  # an idle step, the judge's (its reason is kept apart)
+            elif limit > 0:
                 offer = seq.proposer.offer(seq.history, limit, seq.walk)
                 props[seq] = Proposal(offer, seq.policy.plan(offer, limit, len(seq.history) - 1, shared), limit=limit)
             else:
@@ -345,7 +348,7 @@ class Step:
         record = StepRecord(k=prop.plan.length, drafted=len(draft), accepted=n_accepted, context=len(seq.history) - 1,
                             draft_evaluated=draft.evaluated, draft_prompt_time=draft.prompt_time, source=draft.source,
                             **times)
-        return SeqResult(seq, out, n_accepted, logprobs, record, prop.offer, prop.limit, tuple(prop.cuts))
+        return SeqResult(seq, out, n_accepted, logprobs, record, prop.offer, prop.limit, prop.batched, tuple(prop.cuts))
 
     def _chunk(self, seq: Seq, n: int, logits: np.ndarray, offset: int) -> SeqResult:
         """A prompt chunk's result: whether the prompt is in, and the logprobs of its tokens for a
