@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
@@ -206,22 +208,25 @@ def test_localspec_systems():
 
 def test_localspec_base_is_served_from_the_checkout_it_names(tmp_path):
     """`bench --clients --base-tree DIR`: the system localspec-base runs DIR's localspec (its
-    package first on the path, DIR the working directory), with the same command line."""
+    package first on the path, DIR the working directory), with the same command line, learning in
+    the cost cache it is handed."""
     tree = tmp_path / "tree"
     (tree / "localspec" / "cli").mkdir(parents=True)
     (tree / "localspec" / "__init__.py").write_text("")
     (tree / "localspec" / "cli" / "__init__.py").write_text("")
     (tree / "localspec" / "cli" / "__main__.py").write_text(
         "import json, os, sys, localspec\n"
-        f"open({str(tmp_path / 'ran.json')!r}, 'w').write(json.dumps([os.getcwd(), localspec.__file__, sys.argv[1:]]))\n")
+        f"open({str(tmp_path / 'ran.json')!r}, 'w').write(json.dumps([os.getcwd(), localspec.__file__, sys.argv[1:],"
+        " os.environ.get('LOCALSPEC_COST_CACHE')]))\n")
     kw = dict(n_slots=2, oracle="o", draft="d", threads=2, anchor_bin=None, model_name="m")
-    server = clients.start_server("localspec-base", base_tree=str(tree), **kw)
+    server = clients.start_server("localspec-base", base_tree=str(tree), costs=str(tmp_path / "costs"), **kw)
     try:
         assert server.proc.wait(timeout=60) == 0
     finally:
         server.stop()
-    cwd, package, args = json.loads((tmp_path / "ran.json").read_text())
+    cwd, package, args, costs = json.loads((tmp_path / "ran.json").read_text())
     assert cwd == str(tree.resolve()) and package == str(tree.resolve() / "localspec" / "__init__.py")
+    assert costs == str(tmp_path / "costs")
     assert args[0] == "serve" and args[args.index("--parallel") + 1] == "2" and args[-2:] == ["--draft", "d"]
     for missing in (None, str(tmp_path)):  # no tree, or a folder that is not a checkout
         with pytest.raises(clients.ServingError, match="--base-tree"):
@@ -330,8 +335,12 @@ def test_records_twice_on_localspec_with_and_without_the_suffix_cache(pair_paths
     config = clients.ClientsConfig(oracle=str(oracle), draft=str(draft), clients=[2],
                                    systems=["localspec", "localspec-no-suffix"], workloads=["records"], reps=1,
                                    threads=2, max_tokens=24, max_prompts=4)
+    costs = Path(os.environ["LOCALSPEC_COST_CACHE"])  # the suite's cost cache: the user's, here
+    before = {p.name: p.read_bytes() for p in costs.glob("*.json")} if costs.is_dir() else {}
     report = clients.run_clients_bench(config, reference=False)
     assert not report["notes"], report["notes"]
+    # each server learned in a copy of the cache as the run found it: the user's is as it was
+    assert ({p.name: p.read_bytes() for p in costs.glob("*.json")} if costs.is_dir() else {}) == before
     rows = {(r["system"], r["pass"]): r for r in report["runs"]}
     assert set(rows) == {(s, p) for s in config.systems for p in (1, 2)}
     assert all(not r["errors"] and len(r["requests"]) == 4 and r["tokens"] > 0 for r in rows.values())

@@ -14,12 +14,18 @@ over the wall time from the first request to the last token), each request's tim
 by source, from /metrics), and every answer's text. llama.cpp's plain batched decoding of the oracle
 alone (`llama-batched-bench`, N sequences) is the reference line. The programs come from
 scripts/build_llama_anchor.sh (the llama.cpp of the installed llama-cpp-python) or --anchor-bin.
+
+Every localspec server starts from the costs and acceptance learned before the run (a copy of the
+cost cache as the run found it, one copy per server): what one server learns reaches neither the
+next system's start (an A/B of `localspec-base` against this checkout compares the code, not the
+order they ran in) nor the user's cache.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -270,18 +276,33 @@ def server_argv(system: str, *, port: int, n_slots: int, oracle: str, draft: str
     return argv + _llama_spec_flags(LLAMA_SERVER_SYSTEMS[system], draft, threads)
 
 
-def start_server(system: str, *, base_tree: str | None = None, **kw) -> Server:
+def start_server(system: str, *, base_tree: str | None = None, costs: str | None = None, **kw) -> Server:
     """`system` serving on a free port of loopback (`kw`: server_argv's). "localspec-base" runs
     the localspec of the checkout at `base_tree` (its package first on the path), with this one's
-    Python and models."""
+    Python and models. `costs`: the cost cache a localspec server learns in (its
+    $LOCALSPEC_COST_CACHE; None: the user's)."""
     port = _free_port()
+    env = {**os.environ, "LOCALSPEC_COST_CACHE": costs} if costs is not None and system in LOCALSPEC_SYSTEMS else None
     if system != "localspec-base":
-        return Server(system, server_argv(system, port=port, **kw), port)
+        return Server(system, server_argv(system, port=port, **kw), port, env=env)
     if not base_tree or not (Path(base_tree) / "localspec" / "cli").is_dir():
         raise ServingError(f"localspec-base needs --base-tree: a localspec checkout (got {base_tree!r})")
     tree = str(Path(base_tree).resolve())
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (tree, os.environ.get("PYTHONPATH"))))}
+    env = {**(env or os.environ), "PYTHONPATH": os.pathsep.join(filter(None, (tree, os.environ.get("PYTHONPATH"))))}
     return Server(system, server_argv(system, port=port, **kw), port, env=env, cwd=tree)
+
+
+def cost_snapshot(into: Path) -> Path:
+    """A copy of the cost cache as it is now (`runtime.learning.CostStore`'s folder; an empty
+    folder where there is none yet), at `into`."""
+    from localspec.runtime.learning import CostStore
+
+    source = CostStore().directory
+    if source.is_dir():
+        shutil.copytree(source, into)
+    else:
+        into.mkdir(parents=True)
+    return into
 
 
 def _llama_spec_flags(spec_types: tuple[str, ...], draft: str | None, threads: int) -> list[str]:
@@ -408,15 +429,19 @@ def _measure(server: Server, config: ClientsConfig, system: str, workload: Workl
 
 
 def _run_system(config: ClientsConfig, system: str, workload: Workload, n: int, rep: int,
-                notes: list[str], progress: Callable[[str], None]) -> list[dict]:
-    """One system's repetition on a server of its own (nothing learned before it)."""
+                notes: list[str], progress: Callable[[str], None], costs: Path | None = None) -> list[dict]:
+    """One system's repetition on a server of its own (nothing learned in the run before it: a
+    localspec server learns in a copy of `costs`, the cost cache as the run found it)."""
     progress(f"{workload.name}, {n} client{'s' if n > 1 else ''}: starting {system} ...")
+    scratch = tempfile.TemporaryDirectory(prefix="localspec-bench-costs-")
+    own = str(shutil.copytree(costs, Path(scratch.name) / "costs")) if costs is not None else None
     try:
         server = start_server(system, n_slots=n, oracle=config.oracle, draft=config.draft, threads=config.threads,
                               anchor_bin=config.anchor_bin, model_name=config.model_name,
-                              ctx_per_slot=workload.ctx_per_slot, base_tree=config.base_tree)
+                              ctx_per_slot=workload.ctx_per_slot, base_tree=config.base_tree, costs=own)
     except (anchor.AnchorUnavailable, ServingError) as e:
         notes.append(f"{system}: skipped ({e})")
+        scratch.cleanup()
         return []
     try:
         server.wait_ready()
@@ -426,6 +451,7 @@ def _run_system(config: ClientsConfig, system: str, workload: Workload, n: int, 
         return []
     finally:
         server.stop()
+        scratch.cleanup()
 
 
 def _reference(config: ClientsConfig, notes: list[str], progress: Callable[[str], None]) -> dict[int, float]:
@@ -447,14 +473,17 @@ def run_clients_bench(config: ClientsConfig, progress: Callable[[str], None] = l
 
     rows: list[dict] = []
     notes: list[str] = []
-    for name in config.workloads:
-        for n in config.clients:
-            for rep in range(config.reps):
-                workload = config.workload(name, n, rep)
-                if workload.repeats:
-                    notes.append(f"{name}, {n} clients: some conversations repeat within a pass (more clients than tasks)")
-                for system in config.systems:
-                    rows += _run_system(config, system, workload, n, rep, notes, progress)
+    with tempfile.TemporaryDirectory(prefix="localspec-bench-") as scratch:
+        costs = cost_snapshot(Path(scratch) / "costs")  # every localspec server starts from it
+        for name in config.workloads:
+            for n in config.clients:
+                for rep in range(config.reps):
+                    workload = config.workload(name, n, rep)
+                    if workload.repeats:
+                        notes.append(f"{name}, {n} clients: some conversations repeat within a pass "
+                                     "(more clients than tasks)")
+                    for system in config.systems:
+                        rows += _run_system(config, system, workload, n, rep, notes, progress, costs)
     batched = _reference(config, notes, progress) if reference else {}
     workloads = {name: config.workload(name, max(config.clients), 0).to_dict() for name in config.workloads}
     return {"schema": SCHEMA, "machine": machine_info(config.threads),
