@@ -96,7 +96,8 @@ class Stats:
     total_time: float = 0.0
     flash_attn: str = ""  # the oracle's attention kernel: "on" or "off"
     regime: str = ""  # how the request samples, as the length policy keeps its estimates apart ("greedy", ...)
-    idle_steps: int = 0  # steps that could have drafted and did not (the policy judged drafting not worth it)
+    idle_steps: int = 0  # steps that could have drafted and did not (the policy judged drafting not worth it,
+    # or plain batched decoding measured faster: runtime.batch_judge)
     idle_reason: str | None = None  # why, when there were some: the policy's estimate against its threshold
     draft_flash_attn: str | None = None  # the draft model's, if there is one
     # the host's own time (wall time minus time inside llama.cpp) in the steps: proposing, verifying

@@ -120,18 +120,22 @@ def test_greedy_and_seeded_output_is_the_oracle_alones(n_draft):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_a_larger_draft_that_is_the_oracle_on_its_ids_is_always_accepted(mode):
+def test_a_larger_draft_that_is_the_oracle_on_its_ids_is_always_accepted(mode, fixed_entropy):
     """The draft's extra ids are masked before it picks, not rejected after: a draft whose logits are
     the oracle's on the 40 shared ids (its 4 extra ids likelier than any) proposes exactly what the
-    oracle would, in every mode (seeded mode's noise over the oracle's 40 ids on both sides)."""
+    oracle would, in every mode (seeded mode's noise over the oracle's 40 ids on both sides).
+    Sampled, the draft leaves out its distribution's far tail (`proposal.proposal_probs`), so a
+    token is accepted with probability 1 - that tail's weight, at most e^-3 of the top's: on these
+    40-token rows up to ~1% a token (the unfixed test failed 8 times in 300 entropies)."""
     _, logits = oracle_parts()
     engine = draft_engine(44, draft_logits=related_logits(logits, ORACLE_VOCAB, 2, 44, weight=1.0, extra_bias=10.0))
-    drafted = 0
+    drafted = accepted = 0
     for seed in range(5):
         r = engine.generate("the", max_tokens=40, **{**MODES[mode], "seed": seed} if mode == "seeded" else MODES[mode])
-        assert r.stats.accepted == r.stats.drafted
-        drafted += r.stats.drafted
-    assert drafted > 20
+        if mode != "sampled":
+            assert r.stats.accepted == r.stats.drafted
+        drafted, accepted = drafted + r.stats.drafted, accepted + r.stats.accepted
+    assert drafted > 20 and accepted >= 0.9 * drafted  # an extra id drafted would be rejected every time
 
 
 # --- the distribution of what is sampled, against the oracle alone's ----------------------------

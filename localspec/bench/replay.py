@@ -155,8 +155,8 @@ class TraceDrafter:
         self.held = 0  # tokens of the text the draft holds
         self.catch_up = True
 
-    def start(self, *, catch_up: bool, pool: str = "") -> None:
-        self.held, self.catch_up = 0, catch_up
+    def start(self, *, catch_up: bool, pool: str = "", prompt: int | None = None) -> None:
+        self.held, self.catch_up = 0, catch_up  # (the prompt: copied from the oracle's cache, as the default pair's)
 
     def resync(self) -> None:
         self.catch_up = True
@@ -274,8 +274,8 @@ class HostCharged:
     def propose_steps(self, *args, **kwargs):
         return self.inner.propose_steps(*args, **kwargs)
 
-    def start(self, *, catch_up: bool, pool: str = "") -> None:
-        self.inner.start(catch_up=catch_up, pool=pool)
+    def start(self, *, catch_up: bool, pool: str = "", prompt: int | None = None) -> None:
+        self.inner.start(catch_up=catch_up, pool=pool, prompt=prompt)
 
     def fork(self, seq: int) -> "HostCharged":
         return self

@@ -46,9 +46,9 @@ class Usage(BaseModel):
     regime: str | None = Field(None, description="How the request samples, as the length policy keeps its "
                                                  "acceptance estimates apart (\"greedy\", \"temperature 0.85-1.15\", ...).")
     idle_steps: int = Field(0, description="Steps that could have drafted and did not: the policy judged drafting "
-                                           "not worth it.")
+                                           "not worth it, or plain batched decoding measured faster.")
     idle_reason: str | None = Field(None, description="Why, when there were idle steps: the policy's estimate "
-                                                      "against its threshold.")
+                                                      "against its threshold, and/or the batch's measured rates.")
     sources: dict[str, SourceCounts] | None = Field(
         None, description="Draft tokens proposed and accepted by where they came from: \"model\" (the draft "
                           "model), \"lookup\" (prompt lookup: the request's own text), \"suffix\" (the suffix "
