@@ -127,3 +127,28 @@ def test_it_says_why_steps_ran_plain():
     for _ in range(SEEN_DRAFTING):
         fresh.observe(2, True, 6, 6 / 7.5)
     assert fresh.explain(2) == "plain batched decoding of 2 sequences measured against drafting (7.5 tokens/s)"
+
+
+def test_what_it_measured_is_kept_between_processes():
+    """A restarted server starts from the kept rates: where drafting lost at four sequences, its
+    first step of four measures plain again and the next ones run plain; a malformed state raises
+    and changes nothing."""
+    import json
+
+    import pytest
+
+    judge = BatchJudge()
+    measured(judge, 4, plain_rate=20.0, drafting_rate=14.0, drafting=MIN_DRAFTING)
+    state = json.loads(json.dumps(judge.state()))  # as the cost cache keeps it
+    again = BatchJudge()
+    again.load_state(state)
+    assert again.describe() == judge.describe() and again.drafting_loses(4)
+    assert again.plain(4, lambda: 0.2)  # plain measured at once (due), then plain as the kept verdict says
+    again.observe(4, False, 4, 0.2)
+    assert again.plain(4, lambda: 0.2)
+    assert BatchJudge().state() == {}  # nothing measured: nothing kept
+    broken = BatchJudge()
+    for bad in ({"sizes": {"4": {"plain": [4.0, 0.0, 1]}}}, {"sizes": {"x": {}}}, {}):
+        with pytest.raises((ValueError, TypeError, KeyError)):
+            broken.load_state(bad)
+    assert broken.describe() == {}

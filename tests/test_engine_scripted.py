@@ -446,6 +446,42 @@ def test_an_adaptive_policys_learned_state_is_kept_between_engines(tmp_path):
     assert fresh.verify_cost(3, 10) == pytest.approx(learner.verify_cost(3, 10), rel=1e-6)
 
 
+def test_the_batch_judges_rates_are_kept_between_engines(tmp_path, monkeypatch):
+    """What the batch judge measured at four sequences goes to the cost book with the policy's
+    state; an engine built later over the same book starts from it (its steps of four run plain from
+    the first), and one that ran no batch writes no batch state."""
+    from localspec.runtime.batch_judge import MIN_DRAFTING
+    from localspec.runtime.learning import CostBook, CostStore
+    from localspec.runtime.factory import default_policy
+
+    clock = VirtualClock()
+    monkeypatch.setattr("time.perf_counter", clock)
+    keys = {"verify": {"oracle": "o"}, "draft": {"draft": "d"}, "acceptance": {"pair": "o+d"},
+            "batch": {"verify": {"oracle": "o"}, "draft": {"draft": "d"}}}
+    book = CostBook(CostStore(tmp_path), keys)
+    parts = costed_engine(clock, 4)
+
+    def engine():
+        return Engine.from_parts(oracle=parts.oracle, proposer=parts.proposer, draft=parts.draft_ctx, costs=book,
+                                 policy=default_policy(parts.proposer))
+
+    first = engine()
+    first.generate(H200_PROMPTS[7], max_tokens=8)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("batch")]  # a single stream: no batch state
+    for _ in range(MIN_DRAFTING):  # drafting at 4 tokens/s, plain at 40
+        first.learner.batch.observe(4, True, 4, 1.0)
+    first.learner.batch.observe(4, False, 4, 0.1)
+    first.generate(H200_PROMPTS[6], max_tokens=8)  # saved after each request
+    assert [p for p in tmp_path.iterdir() if p.name.startswith("batch")]
+
+    later = engine()
+    assert later.learner.batch.describe() == first.learner.batch.describe()
+    seqs = [later.scheduler.add(later.prepare(p, max_tokens=16)) for p in H200_PROMPTS[:4]]
+    while later.scheduler.has_work:
+        later.scheduler.step()
+    assert all(s.plain_batched >= 10 and s.stats.drafted == 0 for s in seqs), [s.stats for s in seqs]
+
+
 def test_a_malformed_saved_state_is_ignored(tmp_path):
     from localspec.runtime.learning import CostBook, CostStore
     from localspec.speculative.policy import AdaptiveLength

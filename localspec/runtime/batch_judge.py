@@ -27,6 +27,12 @@ wins by less than the bound, one plain step every `REFRESH_EVERY` drafting steps
 current (a rate measured once, in a noisy moment, would otherwise decide for good). Only steps that
 fill no prompt count. A single stream is the policy's alone (it measures and idles itself).
 
+Its rates are kept between processes with the learned costs (`state`, `load_state`: the cost
+cache's "batch" kind, keyed by both models' costs' keys): a restarted server or a new `batch
+--parallel` run starts knowing what plain batching and drafting made at each size here, where it had
+spent eight drafting steps (12 s on that oracle) relearning it. A kept verdict is checked as any is:
+plain is measured at its first step of a size, and drafting again after RECHECK_EVERY plain steps.
+
 Served, four clients of that oracle, 128 tokens each: drafting steps made 15.5 tokens/s at four
 sequences against 16.9 plain, within the old 10% margin of noise, and the run took 0.89x the time of
 `--no-draft`'s throughput (13.7 against 15.4 tokens/s, one run each).
@@ -123,6 +129,31 @@ class BatchJudge:
             self._plain.setdefault(sequences, _Rate()).add(tokens, seconds)
             self._since_check[sequences] = self._since_check.get(sequences, 0) + 1
             self._since_plain[sequences] = 0
+
+    def state(self) -> dict:
+        """What was measured, to keep between processes: per size, each kind's weighted tokens,
+        seconds and steps ({} where nothing was)."""
+        sizes: dict[str, dict] = {}
+        for kind, rates in (("plain", self._plain), ("drafting", self._drafting)):
+            for s, r in rates.items():
+                sizes.setdefault(str(s), {})[kind] = [r.tokens, r.seconds, r.steps]
+        return {"sizes": sizes} if sizes else {}
+
+    def load_state(self, state: dict) -> None:
+        """Take what an earlier process measured (`state`); malformed entries raise ValueError,
+        TypeError or KeyError and leave the judge as it was. The counts since the last plain or
+        drafting step start afresh: plain is measured at the first step of a size, as its rate is due."""
+        plain, drafting = {}, {}
+        for s, kinds in state["sizes"].items():
+            size = int(s)
+            for kind, into in (("plain", plain), ("drafting", drafting)):
+                if kind in kinds:
+                    tokens, seconds, steps = (float(x) for x in kinds[kind])
+                    if not (tokens >= 0 and seconds > 0 and steps >= 1):
+                        raise ValueError(f"a {kind} rate of {tokens} tokens in {seconds} s")
+                    into[size] = _Rate(tokens, seconds, int(steps))
+        self._plain.update(plain)
+        self._drafting.update(drafting)
 
     def explain(self, sequences: int) -> str:
         """Why steps of `sequences` sequences ran plain, for people."""

@@ -334,6 +334,9 @@ class _Loader:
             "draft": draft_identity,
             "draft_round": draft_identity,
             "acceptance": {"proposer": kind, "oracle": oracle, "draft": draft, "p_min": p_min},
+            # drafting against plain batched decoding (`batch_judge`): both models' costs, and the drafts'
+            "batch": {"verify": {"model": oracle, "threads": self.n_threads, "gpu_layers": gpu_layers,
+                                 "flash_attn": parts.oracle.flash_attn, **machine}, "draft": draft_identity},
             **({"lookup_acceptance": {"proposer": "hybrid-lookup", "oracle": oracle}} if hybrid else {}),
             **({"suffix_acceptance": {"proposer": "suffix", "oracle": oracle}} if suffix else {}),
         }

@@ -133,6 +133,14 @@ class CostBook:
             if kind in self.keys:
                 self.store.save(kind, self.keys[kind], state)
 
+    def load_state(self, kind: str) -> dict[str, Any] | None:
+        """What was kept of a kind the engine learns beside its policy (e.g. "batch")."""
+        return self.store.load(kind, self.keys[kind]) if kind in self.keys else None
+
+    def save_state(self, kind: str, state: Mapping[str, Any]) -> None:
+        if kind in self.keys and state:
+            self.store.save(kind, self.keys[kind], state)
+
 
 class Learner:
     """The engine's learning: the length policy its requests fork (`policy`, which a caller may
@@ -146,12 +154,19 @@ class Learner:
         self.batch = BatchJudge()  # drafting against plain batched decoding, as measured (several sequences)
         if costs is not None and learns(policy):
             costs.load(policy)
+            try:
+                state = costs.load_state("batch")
+                if state:
+                    self.batch.load_state(state)
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
+                log.debug("ignoring the saved batch state: %s", e)
 
     def save(self, policy: LengthPolicy | None = None) -> None:
         """Write what `policy` (default: the engine's) learned to the cache (after each request)."""
         policy = self.policy if policy is None else policy
         if self.costs is not None and learns(policy):
             self.costs.save(policy)
+            self.costs.save_state("batch", self.batch.state())  # nothing where no batch ran
 
     def decode_time(self, ctx, rows: Sequence[tuple[int, int]], contexts: Mapping[int, int]) -> float | None:
         """Seconds a decode of `rows` (sequence, tokens) on `ctx` would take as the policy learned
