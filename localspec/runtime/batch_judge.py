@@ -144,6 +144,8 @@ class BatchJudge:
         TypeError or KeyError and leave the judge as it was. The counts since the last plain or
         drafting step start afresh: plain is measured at the first step of a size, as its rate is due."""
         plain, drafting = {}, {}
+        if not isinstance(state["sizes"], dict):
+            raise TypeError(f"sizes: {state['sizes']!r}")
         for s, kinds in state["sizes"].items():
             size = int(s)
             for kind, into in (("plain", plain), ("drafting", drafting)):

@@ -18,7 +18,7 @@ import os
 import platform
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from localspec.cache import cache_dir, write_text_atomically
 from localspec.llama.bindings import VERSION, llama_cpp
@@ -26,6 +26,7 @@ from localspec.runtime.batch_judge import BatchJudge
 from localspec.speculative.policy import LengthPolicy, learns
 
 log = logging.getLogger("localspec.runtime.learning")
+ENGINE_KINDS = ("batch",)  # kinds of learned state the engine keeps beside its policy's (`batch_judge`)
 
 # 7: a decode whose outputs nobody read had its GPU time land in the next decode (a request's first
 # one-token step seemed to cost its prompt): costs kept before that was fixed are dropped
@@ -118,14 +119,20 @@ class CostBook:
         self.keys = {kind: dict(identity) for kind, identity in keys.items()}
 
     def load(self, policy) -> None:
-        """Hand `policy` what earlier processes kept for it; a malformed state is ignored."""
-        for kind, identity in self.keys.items():
-            state = self.store.load(kind, identity)
-            try:
-                if state:
-                    policy.load_cost_state(kind, state)
-            except (KeyError, TypeError, ValueError) as e:
-                log.debug("ignoring the saved %s state: %s", kind, e)
+        """Hand `policy` what earlier processes kept for it (every kind but the engine's own)."""
+        for kind in self.keys:
+            if kind not in ENGINE_KINDS:
+                self.load_into(kind, lambda state, kind=kind: policy.load_cost_state(kind, state))
+
+    def load_into(self, kind: str, take: Callable[[dict[str, Any]], None]) -> None:
+        """Hand `take` what earlier processes kept of `kind`, if any; a malformed state (`take`
+        raises KeyError, TypeError or ValueError) is ignored."""
+        state = self.store.load(kind, self.keys[kind]) if kind in self.keys else None
+        try:
+            if state:
+                take(state)
+        except (KeyError, TypeError, ValueError) as e:
+            log.debug("ignoring the saved %s state: %s", kind, e)
 
     def save(self, policy) -> None:
         """Keep what `policy` learned (after each request)."""
@@ -133,11 +140,8 @@ class CostBook:
             if kind in self.keys:
                 self.store.save(kind, self.keys[kind], state)
 
-    def load_state(self, kind: str) -> dict[str, Any] | None:
-        """What was kept of a kind the engine learns beside its policy (e.g. "batch")."""
-        return self.store.load(kind, self.keys[kind]) if kind in self.keys else None
-
     def save_state(self, kind: str, state: Mapping[str, Any]) -> None:
+        """Keep a kind the engine learns beside its policy (ENGINE_KINDS), unless there is nothing."""
         if kind in self.keys and state:
             self.store.save(kind, self.keys[kind], state)
 
@@ -154,12 +158,7 @@ class Learner:
         self.batch = BatchJudge()  # drafting against plain batched decoding, as measured (several sequences)
         if costs is not None and learns(policy):
             costs.load(policy)
-            try:
-                state = costs.load_state("batch")
-                if state:
-                    self.batch.load_state(state)
-            except (KeyError, TypeError, ValueError, AttributeError) as e:
-                log.debug("ignoring the saved batch state: %s", e)
+            costs.load_into("batch", self.batch.load_state)
 
     def save(self, policy: LengthPolicy | None = None) -> None:
         """Write what `policy` (default: the engine's) learned to the cache (after each request)."""
