@@ -433,25 +433,24 @@ def _run_system(config: ClientsConfig, system: str, workload: Workload, n: int, 
     """One system's repetition on a server of its own (nothing learned in the run before it: a
     localspec server learns in a copy of `costs`, the cost cache as the run found it)."""
     progress(f"{workload.name}, {n} client{'s' if n > 1 else ''}: starting {system} ...")
-    scratch = tempfile.TemporaryDirectory(prefix="localspec-bench-costs-")
-    own = str(shutil.copytree(costs, Path(scratch.name) / "costs")) if costs is not None else None
-    try:
-        server = start_server(system, n_slots=n, oracle=config.oracle, draft=config.draft, threads=config.threads,
-                              anchor_bin=config.anchor_bin, model_name=config.model_name,
-                              ctx_per_slot=workload.ctx_per_slot, base_tree=config.base_tree, costs=own)
-    except (anchor.AnchorUnavailable, ServingError) as e:
-        notes.append(f"{system}: skipped ({e})")
-        scratch.cleanup()
-        return []
-    try:
-        server.wait_ready()
-        return _measure(server, config, system, workload, n, rep, progress)
-    except ServingError as e:
-        notes.append(f"{system}, {workload.name}, {n} clients: {e}")
-        return []
-    finally:
-        server.stop()
-        scratch.cleanup()
+    with tempfile.TemporaryDirectory(prefix="localspec-bench-costs-") as scratch:
+        own = (str(shutil.copytree(costs, Path(scratch) / "costs"))
+               if costs is not None and system in LOCALSPEC_SYSTEMS else None)
+        try:
+            server = start_server(system, n_slots=n, oracle=config.oracle, draft=config.draft, threads=config.threads,
+                                  anchor_bin=config.anchor_bin, model_name=config.model_name,
+                                  ctx_per_slot=workload.ctx_per_slot, base_tree=config.base_tree, costs=own)
+        except (anchor.AnchorUnavailable, ServingError) as e:
+            notes.append(f"{system}: skipped ({e})")
+            return []
+        try:
+            server.wait_ready()
+            return _measure(server, config, system, workload, n, rep, progress)
+        except ServingError as e:
+            notes.append(f"{system}, {workload.name}, {n} clients: {e}")
+            return []
+        finally:
+            server.stop()
 
 
 def _reference(config: ClientsConfig, notes: list[str], progress: Callable[[str], None]) -> dict[int, float]:
