@@ -24,6 +24,18 @@ class Rows:
     pad: int = 0  # filler tokens after `tokens`: evaluated, no logits, dropped again (rows of one length: fewer passes)
 
 
+@dataclass(frozen=True)
+class TopRow:
+    """One output row as llama.cpp's backend top-k left it (`LlamaContext.sample_top`): the row's
+    `k` largest logits and their token ids, in no order. What a draft model's proposer reads in
+    place of the whole row where the device picks its tokens: a greedy draft's token is the id of
+    the largest logit, and its confidence and a sampled draft's distribution are taken over these
+    `k` (`sampling.top_row_pick`, `proposal.top_row_proposal`)."""
+
+    ids: np.ndarray  # [k] int32
+    logits: np.ndarray  # [k] float32
+
+
 class DecodeContext(Protocol):
     """A context of `n_seq` sequences of up to `n_ctx` tokens each, over a model of `n_vocab` tokens,
     as a draft model's proposer uses it (see `localspec.llama.context.LlamaContext`)."""
@@ -44,5 +56,6 @@ class DecodeContext(Protocol):
     def copy_cache_from(self, other: "DecodeContext", *, seq: int = 0, other_seq: int = 0) -> bool:
         """Take `other`'s cache of its sequence `other_seq` (where their layouts match)."""
 
-    def decode_rows(self, rows: Sequence[Rows]) -> np.ndarray:
-        """Evaluate the rows in one batch; their logits [sum of n_logits, vocab], in order."""
+    def decode_rows(self, rows: Sequence[Rows]) -> np.ndarray | list:
+        """Evaluate the rows in one batch; their logits [sum of n_logits, vocab], in order (a list
+        of each output row, a `TopRow` where the device picked the row's top, when some did)."""

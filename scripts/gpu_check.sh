@@ -366,6 +366,21 @@ print(f"- host ms a step: the oracle alone {alone['host_ms_per_step']:.3f}, the 
       f" ({default['idle_steps']} of {default['steps']} steps idle; an idle step's target: <= 0.10 ms)")
 EOF
         fi
+        if [[ -f $results/host_time.json ]]; then   # ... and of a speculative step, the draft's picks made two ways
+            "$PY" - "$results/host_time.json" <<'EOF' || true
+import json, sys
+d = json.load(open(sys.argv[1]))
+def fig(r):
+    per = r["host_ms_per_step"] * r["steps"] / r["drafted"] if r["drafted"] else 0.0
+    return f"{r['host_ms_per_step']:.3f} ms a step ({per:.3f} a drafted token, {r['tokens_per_second']:.0f} tok/s)"
+if "speculative_whole_draft_rows" in d:
+    picks = d.get("draft_picks", {})
+    timed = ", ".join(f"{n} {1000 * t:.2f} ms" for n, t in picks.get("proposal_seconds", {}).items())
+    print(f"- host time, speculative (k 6): the draft picking from its rows' top k on the device {fig(d['speculative'])};"
+          f" from whole rows on the host {fig(d['speculative_whole_draft_rows'])}; chosen at load: top"
+          f" {picks.get('chosen_top_k')} (0: whole rows; a 4-token proposal {timed or 'not timed'})")
+EOF
+        fi
         if [[ -f $results/generate.json ]]; then   # issue 48's first targets
             "$PY" - "$results/generate.json" <<'EOF' || true
 import json, sys

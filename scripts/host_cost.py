@@ -34,11 +34,12 @@ from typing import Sequence
 
 import numpy as np
 
+from localspec.batch import TopRow
 from localspec.runtime.engine import Engine
 from localspec.runtime.factory import DEFAULT_P_MIN, default_policy
 from localspec.llama.context import shared_prefix
 from localspec.speculative.policy import FixedLength
-from localspec.speculative.proposers import DraftModelProposer, HybridProposer, PromptLookupProposer
+from localspec.speculative.proposers import DEVICE_TOP_K, DraftModelProposer, HybridProposer, PromptLookupProposer
 
 EOS = 1
 PLAUSIBLE, NEXT_LOGIT = 100, 16.0  # a stand-in row's plausible tokens, and its next token's logit (see StandInContext)
@@ -112,11 +113,34 @@ class StandInContext:
         self._out = np.empty((0, model.n_vocab), dtype=np.float32)
         self.llama_seconds = 0.0
         self._greedy: set[int] = set()  # sequences "sampled on the backend": their rows' picks, no logits
+        self._top: dict[int, int] = {}  # sequences whose rows' top k the "backend" keeps (TopRow)
+        self._row_tops: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # each random row's top k: ids, logits
         self.last_sampled: np.ndarray | None = None
 
     def sample_greedy(self, seq: int, on: bool = True) -> bool:
         (self._greedy.add if on else self._greedy.discard)(seq)
         return on
+
+    def sample_top(self, seq: int, k: int = 0) -> bool:
+        if k > 0:
+            self._top[seq] = k
+        else:
+            self._top.pop(seq, None)
+        return k > 0
+
+    def _top_row(self, position: int, k: int) -> TopRow:
+        """What a device's top-k keeps of the row at `position` (the next token's logit on top)."""
+        base = position % len(self._rows)
+        if base not in self._row_tops:
+            ids = np.argpartition(self._rows[base], -k)[-k:].astype(np.int32)
+            self._row_tops[base] = ids, self._rows[base][ids]
+        ids, logits = self._row_tops[base]
+        ids, logits = ids.copy(), logits.copy()
+        token = next_token(position, self.n_vocab)
+        at = np.flatnonzero(ids == token)
+        i = int(at[0]) if at.size else int(np.argmin(logits))
+        ids[i], logits[i] = token, NEXT_LOGIT
+        return TopRow(ids, logits)
 
     def seq_tokens(self, seq: int = 0) -> list[int]:
         return self._seqs[seq]
@@ -144,7 +168,7 @@ class StandInContext:
 
     def decode_rows(self, rows) -> np.ndarray:
         t0 = time.perf_counter()
-        positions, backend = [], []
+        positions, backend, tops = [], [], []
         for r in rows:
             held = self._seqs[r.seq]
             start = len(held)
@@ -152,10 +176,15 @@ class StandInContext:
             n = min(r.n_logits, len(r.tokens))
             positions += range(start + len(r.tokens) - n + 1, start + len(r.tokens) + 1)
             backend += [r.seq in self._greedy] * n
+            tops += [self._top.get(r.seq, 0)] * n
         if self.cost is not None:
             spin(self.cost(sum(len(r.tokens) for r in rows)))
         self.last_sampled = np.array([next_token(p, self.n_vocab) if b else -1 for p, b in zip(positions, backend)],
                                      dtype=np.int32) if any(backend) else None
+        if any(tops):  # (a draft's rows: each one's top k, as LlamaContext.decode_rows hands them)
+            out = [self._top_row(p, k) for p, k in zip(positions, tops)]
+            self.llama_seconds += time.perf_counter() - t0
+            return out
         if positions and all(backend):  # no logits cross to the host
             self.llama_seconds += time.perf_counter() - t0
             return np.zeros((len(positions), 0), dtype=np.float32)
@@ -179,12 +208,15 @@ def gpu_like_costs() -> tuple:
 
 
 def run(n_vocab: int, k: int | None, n_seqs: int, temperature: float, max_tokens: int, *, seeded: bool = False,
-        host_picks: bool = False, p_min: float = DEFAULT_P_MIN, gpu_like: bool = False, rounds: int = 1) -> dict:
+        host_picks: bool = False, draft_host_picks: bool = False, p_min: float = DEFAULT_P_MIN,
+        gpu_like: bool = False, rounds: int = 1) -> dict:
     """One grid point: `n_seqs` requests of `max_tokens` at a fixed draft length k (the draft
     stopping under p_min, as by default), or the engine's default where k is None (prompt lookup
     and the draft model, the adaptive policy); sampled requests unseeded (speculative sampling)
     unless `seeded` (the seed's coupled noise). Greedy picks are made "in the graph" as on a GPU
-    (the stand-in knows them), unless `host_picks`: then every verified row's logits are read.
+    (the stand-in knows them), unless `host_picks`: then every verified row's logits are read; and
+    the draft's rows are each row's top DEVICE_TOP_K as a GPU keeps them, unless `host_picks` or
+    `draft_host_picks` (whole rows).
     `gpu_like`: decodes cost what the H200's did (`GPU_LIKE`). `rounds`: the requests run this many
     times (the policy learning as it goes); the last round is measured."""
     model = StandInModel(n_vocab, f"stand-in-{n_vocab}")
@@ -197,6 +229,7 @@ def run(n_vocab: int, k: int | None, n_seqs: int, temperature: float, max_tokens
     engine = Engine.from_parts(oracle=oracle, proposer=proposer,
                                policy=default_policy(proposer) if k is None else FixedLength(k), draft=draft)
     engine.slots.backend_sampling = not host_picks  # as on a GPU: greedy picks made "in the graph" (no logits read)
+    engine.slots.draft_top = 0 if host_picks or draft_host_picks else DEVICE_TOP_K  # ... the draft's rows' top k there
     for round_ in range(rounds):
         prompts = [[0] + [next_token(p, n_vocab) for p in range(1 + i + 40 * round_, 33 + i + 40 * round_)]
                    for i in range(n_seqs)]
@@ -248,6 +281,8 @@ def main() -> None:
     ap.add_argument("--p-min", type=float, default=DEFAULT_P_MIN)
     ap.add_argument("--host-picks", action="store_true",
                     help="greedy verification reads every row's logits (the CPU's default), not picks made in the graph")
+    ap.add_argument("--draft-host-picks", action="store_true",
+                    help="the draft model picks from its whole rows (as on a CPU), not from their top k kept on the device")
     ap.add_argument("--adaptive", action="store_true",
                     help="the engine's default (prompt lookup and the draft model, the adaptive policy), not --k")
     ap.add_argument("--gpu-like", action="store_true", help="decodes cost what the default pair's did on an H200")
@@ -265,7 +300,8 @@ def main() -> None:
             for n_seqs in args.seqs:
                 for temperature in args.temperature:
                     r = run(n_vocab, k, n_seqs, temperature, args.max_tokens, seeded=args.seeded, p_min=args.p_min,
-                            host_picks=args.host_picks, gpu_like=args.gpu_like, rounds=args.rounds)
+                            host_picks=args.host_picks, draft_host_picks=args.draft_host_picks,
+                            gpu_like=args.gpu_like, rounds=args.rounds)
                     results.append(r)
                     print(f"| {n_vocab} | {r['k']} | {n_seqs} | {temperature:g} | {r['host_ms_per_step']:.3f} | "
                           f"{r['host_ms_per_token']:.3f} | {r['llama_ms_per_step']:.2f} | {r['idle_steps']} | "

@@ -287,6 +287,9 @@ class ScriptedContext:
     def sample_greedy(self, seq: int, on: bool = True) -> bool:
         return False
 
+    def sample_top(self, seq: int, k: int = 0) -> bool:
+        return False
+
     def decode(self, tokens: Sequence[int], *, n_logits: int = 1, seq: int = 0) -> np.ndarray:
         from localspec.llama.context import Rows
 

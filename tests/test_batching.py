@@ -14,7 +14,7 @@ import pytest
 from localspec.bench.clients import CLIENT_PROMPTS
 from localspec.runtime.engine import Engine
 from localspec.runtime.step import Step
-from localspec.llama.context import ContextFullError, LlamaContext, LlamaModel, Rows
+from localspec.llama.context import ContextFullError, LlamaContext, LlamaModel, Rows, TopRow
 from localspec.speculative.sampling import greedy_argmax
 
 pytestmark = pytest.mark.model
@@ -142,6 +142,36 @@ def test_the_engine_picks_on_the_backend_only_where_picks_are_all_it_needs(engin
     engine.slots.backend_sampling = False
     host = engine.generate(prompt, max_tokens=48)
     assert seqs["plain"].completion_tokens == host.tokens
+
+
+def test_backend_top_rows_are_the_top_of_the_same_rows(pair_paths):
+    """A draft's rows kept as their top k on the backend (LlamaContext.sample_top) against the
+    same text's rows read whole in the sequence beside it, in one decode of three chunks: each
+    TopRow holds k ids and logits, its ids the k largest of the whole row (but for ties at the k-th
+    value) and its logits theirs; a decode of only such rows reads no logits; off again, whole rows."""
+    model = LlamaModel(pair_paths[1])
+    k = 64
+    try:
+        text = model.tokenize("Explain, step by step and in plain words, how a refrigerator keeps food cold, "
+                              "and why its back is warm to the touch.")
+        n = len(text)
+        with LlamaContext(model, n_ctx=256, n_seq=3, n_batch=32, n_threads=2) as ctx:
+            assert ctx.sample_top(0, k) and ctx.sample_top(2, k)
+            out = ctx.decode_rows([Rows(0, text, n), Rows(1, text, n), Rows(2, text[:5], 1)])
+            assert isinstance(out, list) and len(out) == 2 * n + 1
+            tops, whole = out[:n] + out[2 * n:], np.array(out[n:2 * n])  # [n + 1] TopRows, [n, vocab]
+            assert all(isinstance(t, TopRow) and t.ids.shape == t.logits.shape == (k,) for t in tops)
+            assert whole.shape == (n, model.n_vocab)
+            for top, row in zip(tops[:n], whole):
+                np.testing.assert_allclose(np.sort(top.logits), np.sort(row)[-k:], atol=NEAR_TIE)
+                assert abs(float(row[top.ids].max()) - float(row.max())) <= NEAR_TIE
+            alone = ctx.decode([text[5]], seq=2)  # one sequence's decode (text[:6]): its TopRow, no logits read
+            assert len(alone) == 1 and isinstance(alone[0], TopRow)
+            np.testing.assert_allclose(np.sort(alone[0].logits), np.sort(whole[5])[-k:], atol=NEAR_TIE)
+            assert not ctx.sample_top(2)
+            assert ctx.decode([text[6]], seq=2).shape == (1, model.n_vocab)
+    finally:
+        model.close()
 
 
 def test_a_context_holds_sequences_apart(pair_paths):

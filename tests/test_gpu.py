@@ -120,11 +120,22 @@ def test_speculative_text_equals_the_oracle_alone(gpu_engine):
 
 def test_host_time_per_step_is_measured(gpu_engine):
     """The controller's own time (wall minus time inside llama.cpp), recorded for the check's report;
-    its targets are the benchmark's (benchmarks/host/), not this test's."""
-    out = {}
-    for speculative in (False, True):
-        stats = gpu_engine.generate(chat(PROMPTS[1]), max_tokens=128, speculative=speculative).stats
-        out["speculative" if speculative else "oracle_alone"] = host_figures(stats)
+    its targets are the benchmark's (benchmarks/host/), not this test's. Speculative twice: the
+    draft picking from its rows' top k as the GPU keeps them, and from whole rows read on the host
+    (the CPU's way); beside them, which of the two the engine chose at load, and its timings."""
+    from localspec.speculative.proposers import DEVICE_TOP_K
+
+    chosen = gpu_engine.slots.draft_top
+    assert set(gpu_engine.draft_picks_seconds) == ({"whole", "top"} if GPU else set())
+    out = {"draft_picks": {"chosen_top_k": chosen, "proposal_seconds": gpu_engine.draft_picks_seconds}}
+    for name, speculative, draft_top in (("oracle_alone", False, 0), ("speculative", True, DEVICE_TOP_K),
+                                         ("speculative_whole_draft_rows", True, 0)):
+        gpu_engine.slots.draft_top = draft_top
+        try:
+            stats = gpu_engine.generate(chat(PROMPTS[1]), max_tokens=128, speculative=speculative).stats
+        finally:
+            gpu_engine.slots.draft_top = chosen
+        out[name] = host_figures(stats)
         assert 0 < stats.host_time < stats.total_time
     record("host_time", {"gpu": GPU, **out})
 

@@ -20,12 +20,13 @@ from typing import Sequence
 
 import numpy as np
 
-from localspec.batch import Rows  # noqa: F401 (a decode's rows: callers import it from here too)
+from localspec.batch import Rows, TopRow  # noqa: F401 (a decode's rows: callers import them from here too)
 from localspec.llama.backend import captured_log, default_threads, flush_log
 from localspec.llama.bindings import llama_cpp
 from localspec.llama.devices import on_local_gpu
 from localspec.llama.errors import ContextFullError, LlamaError
 from localspec.llama.model import LlamaModel, _Owner
+from localspec.llama.picks import GREEDY, Picks
 
 # what callers import from here, though it lives in llama/devices.py, errors.py and model.py
 from localspec.llama.devices import Device, ggml, has_local_gpu, local_devices, local_gpus  # noqa: F401
@@ -93,12 +94,13 @@ class _FlatRows:
     outs: np.ndarray  # [total] int8: 1 on an output row
     padded: list[tuple[int, int]]  # (sequence, where its filler starts): dropped again once decoded
     n_out: int  # output rows
-    backend: list[tuple[int, int]]  # (batch row, output index) of the rows sampled on the backend
+    backend: list[tuple[int, int]]  # (batch row, output index) of the rows picked greedily on the backend
+    top: list[tuple[int, int]]  # ... and of the rows whose top k the backend keeps (`TopRow`)
 
     @property
     def host_rows(self) -> bool:
-        """Whether some output row needs its logits (is not sampled on the backend)."""
-        return len(self.backend) < self.n_out
+        """Whether some output row needs its logits (is not picked for on the backend)."""
+        return len(self.backend) + len(self.top) < self.n_out
 
 
 class LlamaContext(_Owner):
@@ -166,9 +168,9 @@ class LlamaContext(_Owner):
             b.seq_id[i][0] = 0
         self._b_seq = np.zeros(self.n_batch, dtype=np.int32)  # what each row's seq_id holds (written on change)
         self._positions = np.arange(self.n_ctx, dtype=np.int32)  # positions 0..n_ctx-1, sliced for a batch
-        # sequences whose outputs llama.cpp samples greedily inside the graph (sample_greedy): their
-        # chains (kept alive while set), and the last decode's ids of those rows
-        self._greedy_chains: dict[int, object] = {}
+        # sequences whose outputs llama.cpp picks for inside the graph (sample_greedy, sample_top),
+        # and the last decode's greedy ids of those rows
+        self._picks = Picks(self._ctx)
         self.last_sampled: np.ndarray | None = None  # [n outputs] int32: the backend's id, -1 on host rows
 
     # -- lifetime
@@ -179,9 +181,8 @@ class LlamaContext(_Owner):
         if getattr(self, "_ctx", None):
             llama_cpp.llama_free(self._ctx)
             self._ctx = None
-        for chain in getattr(self, "_greedy_chains", {}).values():  # after the context that used them
-            llama_cpp.llama_sampler_free(chain)
-        self._greedy_chains = {}
+        if getattr(self, "_picks", None) is not None:  # after the context that used its chains
+            self._picks.close()
 
     # -- backend sampling
     def sample_greedy(self, seq: int, on: bool = True) -> bool:
@@ -191,21 +192,15 @@ class LlamaContext(_Owner):
         decode needs them. `on=False`: its rows' logits again. Returns whether `seq` is now sampled
         on the backend (False where llama.cpp cannot, e.g. a tensor-split model: logits as before).
         Takes effect at the next decode (llama.cpp re-plans its graph once)."""
-        if not on:
-            if seq in self._greedy_chains:
-                llama_cpp.llama_set_sampler(self._ctx, seq, None)
-                llama_cpp.llama_sampler_free(self._greedy_chains.pop(seq))
-            return False
-        if seq in self._greedy_chains:
-            return True
-        chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
-        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
-        if not llama_cpp.llama_set_sampler(self._ctx, seq, chain):
-            llama_cpp.llama_set_sampler(self._ctx, seq, None)
-            llama_cpp.llama_sampler_free(chain)
-            return False
-        self._greedy_chains[seq] = chain
-        return True
+        return self._picks.set(seq, GREEDY if on else None)
+
+    def sample_top(self, seq: int, k: int = 0) -> bool:
+        """Let llama.cpp keep the `k` largest logits of each of sequence `seq`'s output rows inside
+        its graph (a draft model's rows, on the GPU where it runs there): a decode then hands back
+        a `TopRow` for each of them (its k logits and their ids) in place of the row, and none of
+        those rows' logits cross to the host. k=0: whole rows again. Returns whether `seq` is now
+        so picked for (False where llama.cpp cannot). Takes effect at the next decode."""
+        return self._picks.set(seq, int(k) if k > 0 else None)
 
     # -- position
     def seq_tokens(self, seq: int = 0) -> list[int]:
@@ -302,7 +297,7 @@ class LlamaContext(_Owner):
         """
         return self.decode_rows([Rows(seq, tokens, n_logits)])
 
-    def decode_rows(self, rows: Sequence[Rows]) -> np.ndarray:
+    def decode_rows(self, rows: Sequence[Rows]) -> np.ndarray | list:
         """Evaluate several sequences' tokens in one batch (one `llama_decode`, or one per `n_batch`
         tokens), each appended to its own sequence. Returns the logits [sum of n_logits, vocab], in
         the order of `rows` (each its last n_logits tokens): a read-only view into llama.cpp's output
@@ -311,6 +306,8 @@ class LlamaContext(_Owner):
         Rows of a sequence sampled on the backend (`sample_greedy`) have their greedy ids in
         `last_sampled` ([sum of n_logits] int32, -1 on the other rows; None when no row is so
         sampled). When every output row is, no logits are read: the result is [sum of n_logits, 0].
+        Where a row's sequence has its top k kept on the backend (`sample_top`), the result is a
+        list of the output rows instead, each such row a `TopRow`, the others their logits.
 
         On failure every sequence is left as it was before the call, and ContextFullError (no room
         in a sequence's cache) or LlamaError is raised."""
@@ -320,14 +317,17 @@ class LlamaContext(_Owner):
         if flat is None:
             return np.zeros((0, self.n_vocab), dtype=np.float32)
         starts = {r.seq: len(self._seqs[r.seq]) for r in rows if len(r.tokens)}  # to undo a failure
-        sampled, pieces = self._decode_flat(flat, starts)
+        sampled, tops, pieces = self._decode_flat(flat, starts)
         for seq, start in flat.padded:
             llama_cpp.llama_memory_seq_rm(self._mem, seq, start, -1)
         for r in rows:
             if len(r.tokens):
                 self._seqs[r.seq].extend(int(t) for t in r.tokens)
         self.last_sampled = sampled
-        return self._flat_logits(flat, pieces)
+        logits = self._flat_logits(flat, pieces)
+        if not tops:
+            return logits
+        return [tops[j] if j in tops else logits[j] for j in range(flat.n_out)]  # each output row
 
     def _flatten(self, rows: Sequence[Rows]) -> _FlatRows | None:
         """`rows` laid end to end as batch rows, each after what its sequence holds (None: no
@@ -358,21 +358,29 @@ class LlamaContext(_Owner):
             return None
         seqs, outs = np.concatenate(flat_seq), np.concatenate(flat_out)
         backend: list[tuple[int, int]] = []
-        if self._greedy_chains:
+        top: list[tuple[int, int]] = []
+        if self._picks.any_greedy or self._picks.any_top:
             out_index = np.cumsum(outs, dtype=np.int64) - 1  # [total]
-            backend = [(i, int(out_index[i])) for i in np.flatnonzero(outs).tolist()
-                       if int(seqs[i]) in self._greedy_chains]
-        return _FlatRows(np.concatenate(flat_tokens), np.concatenate(flat_pos), seqs, outs, padded, n_out, backend)
+            for i in np.flatnonzero(outs).tolist():
+                seq = int(seqs[i])
+                if self._picks.greedy(seq):
+                    backend.append((i, int(out_index[i])))
+                elif self._picks.top(seq):
+                    top.append((i, int(out_index[i])))
+        return _FlatRows(np.concatenate(flat_tokens), np.concatenate(flat_pos), seqs, outs, padded, n_out, backend, top)
 
-    def _decode_flat(self, flat: _FlatRows, starts: dict[int, int]) -> tuple[np.ndarray | None, list[np.ndarray]]:
+    def _decode_flat(self, flat: _FlatRows, starts: dict[int, int]
+                     ) -> tuple[np.ndarray | None, dict[int, TopRow], list[np.ndarray]]:
         """Run `flat` through llama_decode, `n_batch` rows a pass. Returns the ids sampled on the
-        backend ([n_out], None where no row is) and, where it took more than one pass and some output
-        needs its logits, a copy of each pass's logits (the next pass overwrites llama.cpp's buffer).
-        On failure each sequence is trimmed back to `starts` (where it started) before raising."""
+        backend ([n_out], None where no row is), the top rows the backend kept (by output index)
+        and, where it took more than one pass and some output needs its logits, a copy of each
+        pass's logits (the next pass overwrites llama.cpp's buffer). On failure each sequence is
+        trimmed back to `starts` (where it started) before raising."""
         total = len(flat.tokens)
         chunks = range(0, total, self.n_batch)
         pieces: list[np.ndarray] = []
         sampled = np.full(flat.n_out, -1, dtype=np.int32) if flat.backend else None  # [n_out]
+        tops: dict[int, TopRow] = {}
         t0 = time.perf_counter()
         try:
             for lo in chunks:
@@ -387,7 +395,10 @@ class LlamaContext(_Owner):
                 if sampled is not None:
                     for i, j in flat.backend:  # llama.cpp indexes a decode's rows from 0
                         if lo <= i < hi:
-                            sampled[j] = llama_cpp.llama_get_sampled_token_ith(self._ctx, i - lo)
+                            sampled[j] = self._picks.sampled_id(i - lo)
+                for i, j in flat.top:
+                    if lo <= i < hi:
+                        tops[j] = self._picks.top_row(i - lo)
                 if n_chunk_out and len(chunks) > 1 and flat.host_rows:  # the next chunk overwrites the buffer
                     pieces.append(self._logits(n_chunk_out).copy())
             if flat.n_out == 0:
@@ -398,7 +409,7 @@ class LlamaContext(_Owner):
             raise
         finally:
             self.llama_seconds += time.perf_counter() - t0
-        return sampled, pieces
+        return sampled, tops, pieces
 
     def _flat_logits(self, flat: _FlatRows, pieces: list[np.ndarray]) -> np.ndarray:
         """`decode_rows`' result once `flat` is decoded: its outputs' logits ([n_out, vocab]), or
@@ -416,7 +427,7 @@ class LlamaContext(_Owner):
         self.llama_seconds += time.perf_counter() - t0
         return logits
 
-    def _decode_one(self, r: Rows) -> np.ndarray:
+    def _decode_one(self, r: Rows) -> np.ndarray | list[TopRow]:
         """`decode_rows` of one sequence's row that fits one llama_decode (a token of the oracle
         alone, a draft token, a verify pass): the batch filled in place, nothing built per call."""
         held = self._seqs[r.seq]
@@ -432,10 +443,14 @@ class LlamaContext(_Owner):
         t0 = time.perf_counter()
         try:
             self._run_batch(n)
-            if r.seq in self._greedy_chains:
-                sampled = np.array([llama_cpp.llama_get_sampled_token_ith(self._ctx, i) for i in range(n - k, n)],
-                                   dtype=np.int32)  # [k]
+            if self._picks.greedy(r.seq):
+                sampled = np.array([self._picks.sampled_id(i) for i in range(n - k, n)], dtype=np.int32)  # [k]
                 logits = np.zeros((k, 0), dtype=np.float32)
+            elif self._picks.top(r.seq):
+                sampled = None
+                logits = [self._picks.top_row(i) for i in range(n - k, n)]  # k TopRows
+                if not k:
+                    self._wait()
             else:
                 sampled = None
                 if k:

@@ -23,7 +23,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from localspec.speculative.policy import LengthPolicy, learns
-from localspec.speculative.sampling import greedy_argmax, top_probability_at_least
+from localspec.batch import TopRow
+from localspec.speculative.sampling import greedy_argmax, top_probability_at_least, top_row_greedy
 
 VERIFY_SIZES = (1, 2, 5, 9, 17)  # oracle passes timed: a plain step, then verify passes of 1-16 drafted tokens
 DRAFT_LENGTHS = (1, 4, 8)  # draft proposals timed (a catch-up of two tokens, then a decode a token)
@@ -55,12 +56,13 @@ def calibrate(policy: LengthPolicy, *, verify: Timer | None, draft: Timer | None
             policy.observe_draft_round([([n] * sequences, [context] * sequences)], draft_round(n))
 
 
-def measure(policy: LengthPolicy, oracle, draft=None, *, backend_sampling: bool = False,
+def measure(policy: LengthPolicy, oracle, draft=None, *, backend_sampling: bool = False, draft_top: int = 0,
             context: int = CONTEXT) -> None:
     """Time an engine's `oracle` and `draft` contexts on filler text at sequence 0 (and all their
     sequences, for a batch) and `calibrate` its `policy` from that: the costs it has not learned yet
     (none kept from an earlier process). `backend_sampling`: a verify pass's picks are llama.cpp's
-    (`LlamaContext.sample_greedy`), as a greedy request's are. Leaves every sequence empty."""
+    (`LlamaContext.sample_greedy`), as a greedy request's are; `draft_top`: the draft's rows are
+    their top k (`LlamaContext.sample_top`), as a request's are. Leaves every sequence empty."""
     if not learns(policy):
         return
     needs_verify, needs_draft = policy.needs_costs()
@@ -72,6 +74,7 @@ def measure(policy: LengthPolicy, oracle, draft=None, *, backend_sampling: bool 
     filler = np.random.default_rng(0).integers(2, n_vocab, size=context + max(VERIFY_SIZES) + 1).tolist()
     sequences = min(ctx.n_seq for ctx in contexts)
     greedy = backend_sampling and oracle.sample_greedy(0, True)  # a verify pass's reads, as a request's
+    tops = [seq for seq in range(draft.n_seq) if draft.sample_top(seq, draft_top)] if draft_top and needs_draft else []
     try:  # each timer set up right before its rounds (they share sequence 0 of a context)
         verify = _measured(_timer(oracle, filler, context), VERIFY_SIZES) if needs_verify else None
         proposal = _measured(_draft_timer(draft, filler, context), DRAFT_LENGTHS) if needs_draft else None
@@ -82,9 +85,36 @@ def measure(policy: LengthPolicy, oracle, draft=None, *, backend_sampling: bool 
     finally:
         if greedy:
             oracle.sample_greedy(0, False)
+        for seq in tops:
+            draft.sample_top(seq)
         for ctx in contexts:
             ctx.reset()
     calibrate(policy, verify=verify, draft=proposal, batch=batch, context=context)
+
+
+PICKS_LENGTH, PICKS_ROUNDS = 4, 3  # draft proposals timed each way for `draft_picks_faster`
+
+
+def draft_picks_faster(draft, k: int, *, context: int = CONTEXT) -> tuple[bool, dict[str, float]]:
+    """Whether the `draft` context's proposals run faster with each row's top `k` kept on the
+    device (`LlamaContext.sample_top`) than with its whole rows read on the host, each way timed
+    over proposals of PICKS_LENGTH tokens, picks included (the first round of each a warm-up: the
+    graph is re-planned, a CUDA graph captured again). Where the draft runs on a GPU the top-k
+    saves reading the vocabulary's logits per drafted token; a backend whose graph ran it slowly,
+    or stopped running the draft's decodes as one CUDA graph, keeps whole rows. A few dozen
+    decodes. Returns the answer and the seconds a proposal took each way ("whole", "top")."""
+    filler = np.random.default_rng(0).integers(2, draft.n_vocab, size=context + PICKS_LENGTH + 1).tolist()
+    seconds = {}
+    try:
+        timer = _draft_timer(draft, filler, context)
+        for name, top in (("whole", 0), ("top", k)):
+            if top and not draft.sample_top(0, top):
+                return False, seconds
+            seconds[name] = min([timer(PICKS_LENGTH) for _ in range(PICKS_ROUNDS)][1:])
+    finally:
+        draft.sample_top(0)
+        draft.reset()
+    return seconds["top"] < seconds["whole"], seconds
 
 
 def _measured(timer: Timer, sizes: Sequence[int]) -> Timer:
@@ -118,7 +148,8 @@ def _timer(ctx, filler: list[int], context: int) -> Timer:
 
 def _draft_timer(ctx, filler: list[int], context: int) -> Timer:
     """A draft proposal of k tokens as the draft model proposes: a catch-up of two tokens, then one
-    decode a drafted token but the last, each row picked from on the host."""
+    decode a drafted token but the last, each row picked from on the host (its top k, where the
+    device kept that: `TopRow`)."""
     ctx.rollback(0)
     ctx.decode(filler[:context - 2], n_logits=0)
 
@@ -127,8 +158,11 @@ def _draft_timer(ctx, filler: list[int], context: int) -> Timer:
         logits = ctx.decode(filler[context - 2:context], n_logits=1)
         for i in range(k):
             row = logits[0]
-            token = int(greedy_argmax(row))
-            top_probability_at_least(row, token, 0.3)
+            if isinstance(row, TopRow):
+                top_row_greedy(row.ids, row.logits, 0.3)
+            else:
+                token = int(greedy_argmax(row))
+                top_probability_at_least(row, token, 0.3)
             if i < k - 1:
                 logits = ctx.decode([filler[context + i]], n_logits=1)
         seconds = time.perf_counter() - t0

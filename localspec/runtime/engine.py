@@ -28,9 +28,9 @@ from localspec.llama.context import Detokenizer, LlamaContext, LlamaModel, on_lo
 from localspec.options import GenerationOptions, OptionError
 from localspec.outputs import Chunk, Result, Stats, TokenLogprob
 from localspec.speculative.policy import LengthPolicy, Regime
-from localspec.speculative.proposers import Proposer
+from localspec.speculative.proposers import DEVICE_TOP_K, Proposer, draft_model_of
 from localspec.runtime.apply import Apply
-from localspec.runtime.calibrate import measure
+from localspec.runtime.calibrate import PICKS_LENGTH, draft_picks_faster, measure
 from localspec.runtime.prompt_cache import PromptCache
 from localspec.runtime.slots import Slots
 from localspec.runtime.step import Step, text_and_bytes
@@ -102,17 +102,30 @@ class Engine:
         # (LlamaContext.sample_greedy). Exact: the same argmax, taken on the device. Not on the
         # CPU, where the graph's argmax of every row made a verify pass 3-14% slower than the
         # host's (SmolLM2 and Gemma 3 270M, 5 and 17 rows).
-        layers = self.gpu_layers or 0
-        backend_sampling = on_local_gpu(layers) and (layers < 0 or layers > self.oracle_model.n_layer)
+        backend_sampling = _offloaded(self.gpu_layers, self.oracle_model)
+        # likewise a draft model's rows, where its output layer runs on a GPU: the device keeps each
+        # row's top DEVICE_TOP_K logits, and the host picks from those (LlamaContext.sample_top), not
+        # from the vocabulary's (on an H200 a drafted token had cost the host ~0.4 ms): where the
+        # draft's proposals, timed both ways at load (tens of ms), run faster so
+        draft_top = 0
+        self.draft_picks_seconds: dict[str, float] = {}  # a draft proposal's seconds each way, if timed
+        if (self.draft_ctx is not None and draft_model_of(self.proposer) is not None
+                and _offloaded(parts.draft_gpu_layers, self.draft_model)):
+            faster, self.draft_picks_seconds = draft_picks_faster(self.draft_ctx, DEVICE_TOP_K)
+            draft_top = DEVICE_TOP_K if faster else 0
+            log.info("the draft picks from %s (a %d-token proposal: %s)",
+                     f"its rows' top {DEVICE_TOP_K}, kept on the device" if faster else "whole rows", PICKS_LENGTH,
+                     ", ".join(f"{name} {1000 * t:.2f} ms" for name, t in self.draft_picks_seconds.items()))
         self.n_slots = min(ctx.n_seq for ctx in self.contexts)  # sequences generated at once (`parallel`)
         self.slots = Slots(self.oracle, n_slots=self.n_slots, proposer=self.proposer,
-                           prompt_cache=parts.prompt_cache, backend_sampling=backend_sampling)
+                           prompt_cache=parts.prompt_cache, backend_sampling=backend_sampling,
+                           draft=self.draft_ctx, draft_top=draft_top)
         self.stepper = Step(oracle=self.oracle, draft=self.draft_ctx, learner=self.learner, clock=clock)
         self.apply = Apply(model=self.oracle_model, oracle=self.oracle, draft=self.draft_ctx, learner=self.learner,
                            suffix=self.suffix, clock=clock)
         self.scheduler = Scheduler(self.slots, self.stepper, self.apply)
         if parts.calibrate:  # (where a model runs on a GPU: see runtime.calibrate)
-            measure(self.policy, self.oracle, self.draft_ctx, backend_sampling=backend_sampling)
+            measure(self.policy, self.oracle, self.draft_ctx, backend_sampling=backend_sampling, draft_top=draft_top)
 
     @property
     def policy(self) -> LengthPolicy:
@@ -274,3 +287,8 @@ class Engine:
                    pool=pool, prompt_logprobs=None if request.prompt_logprobs is None else
                    [TokenLogprob(first, *text_and_bytes(self.oracle_model, first), None)])
 
+
+def _offloaded(gpu_layers: int | None, model: LlamaModel | None) -> bool:
+    """Whether `model` runs every layer, its output layer included, on a GPU of this machine."""
+    layers = gpu_layers or 0
+    return model is not None and on_local_gpu(layers) and (layers < 0 or layers > model.n_layer)

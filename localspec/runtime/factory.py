@@ -53,6 +53,7 @@ class Parts:
     closers: list[Callable[[], None]] = field(default_factory=list)
     n_threads: int = 0
     gpu_layers: int = 0
+    draft_gpu_layers: int = 0
     rpc: tuple[str, ...] = ()
     draft_rpc: tuple[str, ...] = ()
 
@@ -242,7 +243,8 @@ class _Loader:
                 if loading is not None:
                     wait([loading])  # its own failure is raised below, after the oracle's
         parts = Parts(oracle=oracle_ctx, cost_store=self.cost_store, closers=self.closers, n_threads=self.n_threads,
-                      gpu_layers=gpu_layers, rpc=self.rpc, draft_rpc=self.draft_rpc)
+                      gpu_layers=gpu_layers, draft_gpu_layers=draft_gpu_layers, rpc=self.rpc,
+                      draft_rpc=self.draft_rpc)
         if draft == NGRAM:
             parts.proposer = PromptLookupProposer(is_end=parts.oracle.model.is_eog)
         elif loading is not None:

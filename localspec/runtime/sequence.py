@@ -95,6 +95,7 @@ class Seq:
     outbox: deque[Chunk] = field(default_factory=deque)
     prompt_logprobs: list | None = None  # the prompt's TokenLogprobs as its prefill computes them (when asked)
     backend_greedy: bool = False  # llama.cpp picks its oracle's greedy tokens (LlamaContext.sample_greedy)
+    draft_picks: bool = False  # ... and keeps the top k of its draft's rows, which its draft picks from (sample_top)
     plain_batched: int = 0  # idle steps the batch judge ran as plain batched decoding (`runtime.batch_judge`)
     plain_batched_at: int = 0  # ... the sequences the last of them carried
 

@@ -17,7 +17,7 @@ from typing import Sequence
 from localspec.llama.context import shared_prefix
 from localspec.runtime.prompt_cache import PromptCache
 from localspec.runtime.sequence import Seq, Status
-from localspec.speculative.proposers import Proposer, set_draft_p_min
+from localspec.speculative.proposers import Proposer, picks_suffice, set_draft_p_min
 
 # a prefix another slot holds is copied (not evaluated) when it is this many tokens longer than
 # the slot's own: a copy of a sequence's cache costs 0.01-0.03 ms a token here, an evaluation ~2 ms
@@ -28,12 +28,15 @@ class Slots:
     """The oracle's `n_slots` sequences: whose text each holds, and readying one for a request.
     `proposer`: the engine's, forked onto each request's slot; `prompt_cache`: finished sequences'
     caches in host memory (None: off); `backend_sampling`: llama.cpp may pick a greedy request's
-    tokens on the device (`Engine`)."""
+    tokens on the device (`Engine`); `draft_top`: ... and keep the top k of each of a request's
+    `draft` rows, for the draft model to pick from (0: never)."""
 
     def __init__(self, oracle, *, n_slots: int, proposer: Proposer | None = None,
-                 prompt_cache: PromptCache | None = None, backend_sampling: bool = False) -> None:
+                 prompt_cache: PromptCache | None = None, backend_sampling: bool = False,
+                 draft=None, draft_top: int = 0) -> None:
         self.oracle, self.n_slots, self.proposer, self.prompt_cache = oracle, n_slots, proposer, prompt_cache
         self.backend_sampling = backend_sampling
+        self.draft, self.draft_top = draft, draft_top
         self.pools = [""] * n_slots  # whose text each slot of the oracle's cache holds (`Seq.pool`)
 
     def admit(self, seq: Seq, free: Sequence[int] = (), busy: Sequence[int] = ()) -> int:
@@ -43,6 +46,9 @@ class Slots:
         slots, or kept in the prompt cache; `busy`: the slots other sequences run in."""
         slot = seq.slot
         seq.backend_greedy = self.oracle.sample_greedy(slot, self.backend_sampling and _picks_suffice(seq))
+        if self.draft is not None:  # (a chain set or cleared takes effect at the slot's next draft decode)
+            seq.draft_picks = self.draft.sample_top(slot, self.draft_top if seq.speculative and picks_suffice(
+                seq.request.sampling, seq.walk is not None) else 0)
         target = seq.history[:-1]
         common = self.oracle.common_prefix(target, seq=slot) if self.pools[slot] == seq.pool else 0
         self._keep_aside(slot, common, free)

@@ -44,6 +44,18 @@ def proposal_probs(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarr
     return ids, logits_to_probs(x[ids], params)
 
 
+def top_row_proposal(ids: np.ndarray, logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """A sampled draft's distribution where the device kept only its row's k largest logits
+    (`batch.TopRow`: `logits` [k] and their `ids` [k], in no order): `logits_to_probs` over those k
+    (the request's temperature, top-k, top-p and min-p among them), none elsewhere. Exact as
+    `proposal_probs` is: acceptance is handed the distribution the token is drawn from. What it
+    leaves out is the row outside the top k (more of it at a high temperature, where a draft token
+    is then accepted a little less often). Returns the support, ids [m] ascending, and its
+    probabilities [m]."""
+    order = np.argsort(ids, kind="stable")  # [k]
+    return ids[order], logits_to_probs(logits[order], params)
+
+
 class SparseRows:
     """Probability rows [n, vocab] held as each row's support (ids ascending) and its weights: a
     sampled draft's distributions (`proposal_probs`; a grammar's forced tokens, one-hot). A dense

@@ -28,13 +28,13 @@ from typing import Callable, Generator, Protocol, Sequence
 
 import numpy as np
 
-from localspec.batch import DecodeContext, Rows
+from localspec.batch import DecodeContext, Rows, TopRow
 from localspec.outputs import DraftSource
 from localspec.speculative.ngram import find_source
 from localspec.speculative.plan import MODEL_ONLY, NO_OFFER, DraftPlan, Found, Offer, plain_plan
-from localspec.speculative.proposal import SparseRows, proposal_probs
+from localspec.speculative.proposal import SparseRows, proposal_probs, top_row_proposal
 from localspec.speculative.sampling import (SamplingParams, bias_logits, coupled_choice, greedy_argmax, logits_to_probs,
-                                            mask_logits, sample, scratch, top_probability_at_least)
+                                            mask_logits, sample, scratch, top_probability_at_least, top_row_greedy)
 
 
 @dataclass(frozen=True)
@@ -315,10 +315,13 @@ class DraftModelProposer(_Drives):
         stop = ""
         while True:
             position = len(history) + len(tokens)
-            row = bias_logits(self._in_oracle_vocab(logits[0]), sampling.logit_bias)  # [oracle vocab], as the target
-            if constraint is not None:
-                row = mask_logits(row, constraint.allowed())
-            token, confident = self._pick(row, sampling, rng, probs, position)
+            if isinstance(logits[0], TopRow):  # the device kept the row's top k (`picks_suffice`)
+                token, confident = self._pick_top(logits[0], sampling, rng, probs, constraint)
+            else:
+                row = bias_logits(self._in_oracle_vocab(logits[0]), sampling.logit_bias)  # [oracle vocab], as the target
+                if constraint is not None:
+                    row = mask_logits(row, constraint.allowed())
+                token, confident = self._pick(row, sampling, rng, probs, position)
             if constraint is not None:
                 constraint.push(token)
             tokens.append(token)
@@ -381,6 +384,51 @@ class DraftModelProposer(_Drives):
         ids, kept = proposal_probs(row, sampling)  # [m], [m]
         probs.add(ids, kept)
         return int(ids[sample(kept, rng)]), self.p_min <= 0 or kept.max() >= self.p_min
+
+
+    def _pick_top(self, row: TopRow, sampling: SamplingParams, rng: np.random.Generator, probs: SparseRows,
+                  constraint) -> tuple[int, bool]:
+        """`_pick` from the row's top k as the device kept them: a request whose draft needs no
+        more of its rows (`picks_suffice`)."""
+        if constraint is not None or sampling.logit_bias or sampling.coupled:
+            raise RuntimeError("a draft row's top k came back for a request that needs the whole row")
+        ids, values = row.ids, row.logits
+        if self.ctx.n_vocab > self.n_vocab:  # ids the oracle does not have are left out, as `_in_oracle_vocab` does
+            keep = ids < self.n_vocab
+            ids, values = ids[keep], values[keep]
+        if sampling.greedy:
+            return top_row_greedy(ids, values, self.p_min)
+        ids, kept = top_row_proposal(ids, values, sampling)  # [m], [m]
+        probs.add(ids, kept)
+        return int(ids[sample(kept, rng)]), self.p_min <= 0 or kept.max() >= self.p_min
+
+
+# the top of a draft row a device keeps where it picks the draft's tokens (`LlamaContext.sample_top`):
+# enough for a greedy draft's confidence floor to decide as the whole row does on 99.4% of the
+# default draft's rows (`top_row_greedy`), and for a sampled draft's distribution at T <= 1 to keep
+# nearly all of its weight, while the host reads 2 KB a row, not the vocabulary's logits
+DEVICE_TOP_K = 256
+
+
+def draft_model_of(proposer) -> "DraftModelProposer | None":
+    """The draft model proposer inside `proposer` (itself, or a hybrid's or a suffix cache's part),
+    if there is one: the proposer whose rows a device may pick from (a cross-tokenizer draft reads
+    whole rows in its own vocabulary, and is none)."""
+    if isinstance(proposer, DraftModelProposer):
+        return proposer
+    for part in (getattr(proposer, "model", None), getattr(proposer, "inner", None)):
+        if part is not None and part is not proposer:
+            found = draft_model_of(part)
+            if found is not None:
+                return found
+    return None
+
+
+def picks_suffice(sampling: SamplingParams, constrained: bool) -> bool:
+    """Whether a draft model's picks for a request need no more of each of its rows than the top
+    k a device keeps (`LlamaContext.sample_top`): no logit bias, no grammar, and no seeded noise
+    (a seeded draft draws by the whole row's noise, `coupled_choice`)."""
+    return not sampling.logit_bias and not constrained and not sampling.coupled
 
 
 def set_draft_p_min(proposer, p_min: float) -> None:
