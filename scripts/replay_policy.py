@@ -33,7 +33,8 @@ def main() -> None:
     def adaptive():
         return hybrid_policy(AdaptiveLength(k_max=16, draft_cost_ratio=doc["draft_cost_ratio"]))
 
-    for costs in (measured_costs(doc), Costs.gpu_like(), Costs.h200_smollm2()):
+    for costs in (measured_costs(doc), Costs.gpu_like(), Costs.h200_smollm2(), Costs.h200_as_8b(),
+                  Costs.h200_as_8b(host_draft_token=0.0001)):
         warm = adaptive()
         for trace in traces:
             replay(trace, warm, costs)
@@ -47,7 +48,8 @@ def main() -> None:
             runs["hindsight"] = hindsight(trace, costs)
             for name, run in runs.items():
                 table.setdefault(name, []).append(run.tokens_per_second / base)
-        print(f"\n{costs.name} costs: speedup over the oracle alone, mean and per trace")
+        host = f" ({1000 * costs.host_draft_token:.1f} ms of host time a drafted token)" if costs.host_draft_token else ""
+        print(f"\n{costs.name} costs{host}: speedup over the oracle alone, mean and per trace")
         for name, speedups in table.items():
             print(f"  {name:18} {statistics.mean(speedups):.3f}  " + " ".join(f"{s:.2f}" for s in speedups))
         fixed = {n: statistics.mean(v) for n, v in table.items() if n.startswith("k")}
