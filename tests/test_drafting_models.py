@@ -150,6 +150,10 @@ def test_a_decode_nobody_reads_is_waited_for_in_its_own_time(pair_paths, monkeyp
         from localspec.llama.context import Rows
         ctx.decode_rows([Rows(0, [6, 7], 0), Rows(1, [8, 9, 10], 0)])
         assert len(waits) == 2 and ctx.llama_seconds > 0
+        assert ctx.sample_greedy(0) and ctx.sample_top(1, 8)  # sequences picked for on the backend: alike
+        ctx.decode([11, 12], n_logits=0, seq=0)
+        ctx.decode([13], n_logits=0, seq=1)
+        assert len(waits) == 4
 
 
 def test_a_draft_takes_the_oracles_cache_of_the_prompt_where_their_layouts_match(pair_paths):

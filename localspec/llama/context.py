@@ -443,14 +443,12 @@ class LlamaContext(_Owner):
         t0 = time.perf_counter()
         try:
             self._run_batch(n)
-            if self._picks.greedy(r.seq):
+            if self._picks.greedy(r.seq) and k:
                 sampled = np.array([self._picks.sampled_id(i) for i in range(n - k, n)], dtype=np.int32)  # [k]
                 logits = np.zeros((k, 0), dtype=np.float32)
-            elif self._picks.top(r.seq):
+            elif self._picks.top(r.seq) and k:
                 sampled = None
                 logits = [self._picks.top_row(i) for i in range(n - k, n)]  # k TopRows
-                if not k:
-                    self._wait()
             else:
                 sampled = None
                 if k:
