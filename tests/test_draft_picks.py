@@ -12,7 +12,7 @@ from localspec.batch import TopRow
 from localspec.runtime.calibrate import draft_picks_faster, measure
 from localspec.runtime.engine import Engine
 from localspec.runtime.factory import default_policy
-from localspec.speculative.proposers import DEVICE_TOP_K, DraftModelProposer, picks_suffice
+from localspec.speculative.proposers import DEVICE_TOP_K, DraftModelProposer, draft_picks_suffice
 from localspec.speculative.proposal import top_row_proposal
 from localspec.speculative.sampling import SamplingParams, logits_to_probs, top_probability, top_row_greedy
 from scripted import ScriptedContext, ScriptedModel, hashed_logits, related_logits
@@ -94,10 +94,10 @@ def test_a_draft_model_picks_from_its_rows_top_k_over_the_oracles_vocabulary(n_d
 
 def test_a_request_that_needs_whole_draft_rows_gets_them():
     """A logit bias, a grammar or a seed (whose noise covers the vocabulary) need the whole row."""
-    assert picks_suffice(SamplingParams(), False) and picks_suffice(SamplingParams(temperature=0.7), False)
-    assert not picks_suffice(SamplingParams(logit_bias=((3, 1.0),)), False)
-    assert not picks_suffice(SamplingParams(), True)
-    assert not picks_suffice(SamplingParams(temperature=0.7, seed=1), False)
+    assert draft_picks_suffice(SamplingParams(), False) and draft_picks_suffice(SamplingParams(temperature=0.7), False)
+    assert not draft_picks_suffice(SamplingParams(logit_bias=((3, 1.0),)), False)
+    assert not draft_picks_suffice(SamplingParams(), True)
+    assert not draft_picks_suffice(SamplingParams(temperature=0.7, seed=1), False)
     model = ScriptedModel.sized(40)
     proposer = DraftModelProposer(TopContext(model, hashed_logits(1, 40)))
     with pytest.raises(RuntimeError):

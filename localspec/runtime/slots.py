@@ -17,7 +17,7 @@ from typing import Sequence
 from localspec.llama.context import shared_prefix
 from localspec.runtime.prompt_cache import PromptCache
 from localspec.runtime.sequence import Seq, Status
-from localspec.speculative.proposers import Proposer, picks_suffice, set_draft_p_min
+from localspec.speculative.proposers import Proposer, draft_picks_suffice, set_draft_p_min
 
 # a prefix another slot holds is copied (not evaluated) when it is this many tokens longer than
 # the slot's own: a copy of a sequence's cache costs 0.01-0.03 ms a token here, an evaluation ~2 ms
@@ -47,7 +47,7 @@ class Slots:
         slot = seq.slot
         seq.backend_greedy = self.oracle.sample_greedy(slot, self.backend_sampling and _picks_suffice(seq))
         if self.draft is not None:  # (a chain set or cleared takes effect at the slot's next draft decode)
-            seq.draft_picks = self.draft.sample_top(slot, self.draft_top if seq.speculative and picks_suffice(
+            seq.draft_picks = self.draft.sample_top(slot, self.draft_top if seq.speculative and draft_picks_suffice(
                 seq.request.sampling, seq.walk is not None) else 0)
         target = seq.history[:-1]
         common = self.oracle.common_prefix(target, seq=slot) if self.pools[slot] == seq.pool else 0

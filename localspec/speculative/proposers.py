@@ -315,7 +315,7 @@ class DraftModelProposer(_Drives):
         stop = ""
         while True:
             position = len(history) + len(tokens)
-            if isinstance(logits[0], TopRow):  # the device kept the row's top k (`picks_suffice`)
+            if isinstance(logits[0], TopRow):  # the device kept the row's top k (`draft_picks_suffice`)
                 token, confident = self._pick_top(logits[0], sampling, rng, probs, constraint)
             else:
                 row = bias_logits(self._in_oracle_vocab(logits[0]), sampling.logit_bias)  # [oracle vocab], as the target
@@ -389,7 +389,7 @@ class DraftModelProposer(_Drives):
     def _pick_top(self, row: TopRow, sampling: SamplingParams, rng: np.random.Generator, probs: SparseRows,
                   constraint) -> tuple[int, bool]:
         """`_pick` from the row's top k as the device kept them: a request whose draft needs no
-        more of its rows (`picks_suffice`)."""
+        more of its rows (`draft_picks_suffice`)."""
         if constraint is not None or sampling.logit_bias or sampling.coupled:
             raise RuntimeError("a draft row's top k came back for a request that needs the whole row")
         ids, values = row.ids, row.logits
@@ -424,7 +424,7 @@ def draft_model_of(proposer) -> "DraftModelProposer | None":
     return None
 
 
-def picks_suffice(sampling: SamplingParams, constrained: bool) -> bool:
+def draft_picks_suffice(sampling: SamplingParams, constrained: bool) -> bool:
     """Whether a draft model's picks for a request need no more of each of its rows than the top
     k a device keeps (`LlamaContext.sample_top`): no logit bias, no grammar, and no seeded noise
     (a seeded draft draws by the whole row's noise, `coupled_choice`)."""
