@@ -127,8 +127,8 @@ def main() -> None:
     if args.child:
         serve(args.child, args.max_tokens, args.ready)
         return
-    print(f"| clients | in-process tok/s (one sequence) | served tok/s (streamed, all clients) | server CPU ms a token |"
-          f"\n|---:|---:|---:|---:|")
+    print("| clients | in-process tok/s (one sequence) | served tok/s (streamed, all clients) | server CPU ms a token |"
+          "\n|---:|---:|---:|---:|")
     results = []
     for clients in args.clients:
         r = measure(clients, args.max_tokens, args.reps)
