@@ -1304,3 +1304,47 @@ def test_logit_bias_takes_at_most_1024_entries(scripted_server):
     assert "at most 1024 entries" in r.json()["error"]["message"]
     r = httpx.post(url + "/v1/completions", timeout=30, json={**body, "logit_bias": {f"w{i}": 1 for i in range(1024)}})
     assert r.status_code == 200, r.text
+
+
+def test_a_steps_events_for_every_client_of_one_loop_wake_it_once():
+    """Four streams of one event loop running together: each step's chunks for all of them are
+    handed over in one wake-up of the loop (a wake-up costs the engine's thread the loop's turn for
+    the GIL), each stream's events in order and whole."""
+    import asyncio
+
+    from localspec.server.worker import STARTED
+
+    engine = paced_engine(step=0.005, parallel=4)
+    worker = EngineWorker(engine, max_queue=8)
+    try:
+        async def main():
+            loop = asyncio.get_running_loop()
+            wakeups = []
+            real = loop.call_soon_threadsafe
+
+            def counted(callback, *args, **kw):
+                wakeups.append(callback)
+                return real(callback, *args, **kw)
+
+            loop.call_soon_threadsafe = counted
+            jobs = [worker.submit_async("Count:", GenerationOptions(max_tokens=12, temperature=0)) for _ in range(4)]
+
+            async def read(events):
+                seen = []
+                while True:
+                    event = await events.get()
+                    seen.append(event)
+                    if getattr(event, "finish_reason", None) is not None:
+                        return seen
+
+            streams = await asyncio.gather(*(read(events) for _, events in jobs))
+            return streams, wakeups
+
+        streams, wakeups = asyncio.run(main())
+    finally:
+        worker.close()
+    for seen in streams:
+        assert seen[0] is STARTED and seen[-1].finish_reason == "length"
+        assert sum(len(e.tokens) for e in seen[1:]) == 12 and "".join(e.text for e in seen[1:]).startswith(" 1, 2, 3,")
+    events = sum(len(seen) for seen in streams)  # 4 x (STARTED + 12 chunks), the last one finishing
+    assert len(wakeups) <= events / 3, (len(wakeups), events)

@@ -128,6 +128,22 @@ class Job:
             self.cancel()
 
 
+class _ToLoop:
+    """A job's events put on an asyncio.Queue of an event loop's (`submit_async`). The worker hands
+    a turn's events for every job of one loop over in one wake-up of it (`EngineWorker._send`)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, events: asyncio.Queue) -> None:
+        self.loop, self.events = loop, events
+
+    def __call__(self, event: object) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:
+    for events, event in batch:
+        events.put_nowait(event)
+
+
 class EngineWorker:
     """Runs jobs on `engine` in one thread, up to `engine.n_slots` at once. At most `max_queue`
     more wait for a slot; `submit` raises QueueFull beyond that and WorkerClosed after `close()`."""
@@ -145,6 +161,7 @@ class EngineWorker:
         self._lock = threading.Lock()
         self._submitted = 0  # submitted, not yet taken in by the thread
         self._active: list[Job] = []  # taken in: waiting for a slot or generating (the thread's own)
+        self._outbox: list[tuple[Job, object]] = []  # events of this turn of the loop, not handed over yet
         self._in_flight = 0  # submitted and not done
         self._closed = False
         self._mean_duration = 1.0  # seconds per job, a moving average for Retry-After
@@ -195,8 +212,7 @@ class EngineWorker:
         """Submit from the event loop; the job's events arrive on the returned asyncio.Queue."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        job = self.submit(prompt, options, lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
-                          time_limit=time_limit, tools=tools, pool=pool)
+        job = self.submit(prompt, options, _ToLoop(loop, events), time_limit=time_limit, tools=tools, pool=pool)
         return job, events
 
     # -- lifecycle
@@ -230,6 +246,7 @@ class EngineWorker:
                     self.scheduler.step()
                     self._pass_metrics()
                 self._deliver_all()
+                self._send()
             except BaseException:  # never let the thread die with requests in flight
                 log.exception("engine worker: unexpected error")
                 for job in list(self._active):
@@ -325,7 +342,7 @@ class EngineWorker:
         seq, m = job.seq, self.metrics
         if not job.announced and seq.status != Status.WAITING:
             job.announced = True
-            job.deliver(STARTED)
+            self._post(job, STARTED)
         for record in seq.stats.records[job.steps_seen:]:
             m.record_step(record)
         job.steps_seen = len(seq.stats.records)
@@ -338,7 +355,32 @@ class EngineWorker:
                 m.tokens_generated.inc(len(chunk.tokens))
             if chunk.finish_reason is not None:
                 job.stats = chunk.stats  # before the receiver sees the last chunk
-            job.deliver(chunk)
+            self._post(job, chunk)
+
+    def _post(self, job: Job, event: object) -> None:
+        """`job`'s next event, handed over with the rest of this turn's (`_send`)."""
+        self._outbox.append((job, event))
+
+    def _send(self) -> None:
+        """Hand this turn's events over, each job's in order: those of the jobs of one event loop
+        in ONE wake-up of it (a step's chunks for every streaming client at once), the others one
+        by one."""
+        if not self._outbox:
+            return
+        outbox, self._outbox = self._outbox, []
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[Job, asyncio.Queue, object]]] = {}
+        for job, event in outbox:
+            to = job._deliver
+            if isinstance(to, _ToLoop):
+                batches.setdefault(to.loop, []).append((job, to.events, event))
+            else:
+                job.deliver(event)
+        for loop, batch in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, [(events, event) for _, events, event in batch])
+            except Exception:  # its event loop is closed: nobody is listening
+                for job, _, _ in batch:
+                    job.cancel()
 
     def _pass_metrics(self) -> None:
         m = self.metrics
@@ -354,7 +396,8 @@ class EngineWorker:
         """The job is over: its last event (if any) delivered, counted, its slot's place freed."""
         job.outcome = outcome
         if event is not None:
-            job.deliver(event)
+            self._post(job, event)
+        self._send()  # (before `done`: every event of the job is handed over by then)
         with self._lock:
             self._in_flight -= 1
         if job in self._active:
