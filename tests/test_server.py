@@ -1308,8 +1308,8 @@ def test_logit_bias_takes_at_most_1024_entries(scripted_server):
 
 def test_a_steps_events_for_every_client_of_one_loop_wake_it_once():
     """Four streams of one event loop running together: each step's chunks for all of them are
-    handed over in one wake-up of the loop (a wake-up costs the engine's thread the loop's turn for
-    the GIL), each stream's events in order and whole."""
+    handed over in one wake-up of the loop (made by the worker's hand-over thread), each stream's
+    events in order and whole."""
     import asyncio
 
     from localspec.server.worker import STARTED

@@ -21,6 +21,7 @@ beyond those is refused (QueueFull: a 429 with Retry-After).
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import enum
 import logging
@@ -166,6 +167,11 @@ class EngineWorker:
         self._closed = False
         self._mean_duration = 1.0  # seconds per job, a moving average for Retry-After
         self.completed = self.cancelled = 0  # counters (also in metrics) for tests and /health
+        # event loops' batches of events (`_send`), woken by a thread of their own (`_hand_over`)
+        self._handoff: collections.deque = collections.deque()
+        self._wake = threading.Event()
+        self._handing = threading.Thread(target=self._hand_over, name="localspec-handover", daemon=True)
+        self._handing.start()
         self._thread = threading.Thread(target=self._loop, name="localspec-engine", daemon=True)
         self._thread.start()
 
@@ -274,6 +280,8 @@ class EngineWorker:
         self.metrics.queue_depth.set(0)
         self.metrics.running.set(0)
         self.metrics.slots_busy.set(0)
+        self._handoff.append(None)  # the hand-over thread ends once it has handed over the rest
+        self._wake.set()
 
     def _take_new(self, *, block: bool) -> bool:
         """Take submitted jobs into the scheduler (waiting for one when nothing runs). Returns
@@ -376,11 +384,30 @@ class EngineWorker:
             else:
                 job.deliver(event)
         for loop, batch in batches.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, [(events, event) for _, events, event in batch])
-            except Exception:  # its event loop is closed: nobody is listening
-                for job, _, _ in batch:
-                    job.cancel()
+            self._handoff.append((loop, [(events, event) for _, events, event in batch], [job for job, _, _ in batch]))
+        if batches:
+            self._wake.set()
+
+    def _hand_over(self) -> None:
+        """Wake each event loop for its batches of events (`_send`), in order. A thread of its own:
+        the engine's thread only sets a flag, and this one takes its turn for the GIL when the
+        engine's releases it (a decode, where a GPU computes), so the loop's work on the events
+        runs while the engine waits for its device instead of in the middle of its step. (Woken
+        from the engine's thread, the loop took the GIL at the wake-up's write and the engine
+        waited for the loop's turn: each stream's every chunk.)"""
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            while self._handoff:
+                item = self._handoff.popleft()
+                if item is None:
+                    return
+                loop, batch, jobs = item
+                try:
+                    loop.call_soon_threadsafe(_put_all, batch)
+                except Exception:  # its event loop is closed: nobody is listening
+                    for job in jobs:
+                        job.cancel()
 
     def _pass_metrics(self) -> None:
         m = self.metrics
