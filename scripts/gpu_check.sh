@@ -381,6 +381,15 @@ if "speculative_whole_draft_rows" in d:
           f" {picks.get('chosen_top_k')} (0: whole rows; a 4-token proposal {timed or 'not timed'})")
 EOF
         fi
+        if [[ -f $results/serve_cost.json ]]; then   # what serving costs a token, with stand-in decodes
+            "$PY" - "$results/serve_cost.json" <<'EOF' || true
+import json, sys
+rows = json.load(open(sys.argv[1]))
+print("- serving's own cost (scripts/serve_cost.py, stand-in decodes of the H200's default pair): " + ", ".join(
+    f"{r['clients']} client(s) {r['served_tok_s_median']:.0f} tok/s served (in-process {r['in_process_tok_s']:.0f}),"
+    f" server CPU {r['server_cpu_ms_per_token']:.3f} ms a token" for r in rows))
+EOF
+        fi
         if [[ -f $results/generate.json ]]; then   # issue 48's first targets
             "$PY" - "$results/generate.json" <<'EOF' || true
 import json, sys
@@ -449,6 +458,11 @@ if ((wide < 2)) && fits "fresh generate processes" 50; then
 fi
 if ((wide < 2)) && fits "bench-smollm2" 60; then run_bench bench-smollm2 "${bench_args[@]}"; fi
 if ((wide < 2)) && fits "clients-smollm2" 60; then run_bench clients-smollm2 "${clients_args[@]}"; fi
+if [[ $target == cuda ]] && ((wide < 2)) && fits "serve-cost" 40; then   # the server's own cost a token, this host's cores
+    "$VENV/bin/python" "$REPO/scripts/serve_cost.py" --reps 3 --json "$results/serve_cost.json" \
+        2>&1 | tee "$results/serve_cost.log" || bench_rc=1
+    publish
+fi
 if [[ $target == cuda ]] && ((wide < 2)) && "$VENV/bin/python" -c 'from localspec.models import Registry; import sys
 sys.exit(0 if Registry.load().is_present("gemma-3-270m-q4_k_m") else 1)' 2>/dev/null; then   # never fetched here
     if fits "bench-gemma" 60; then run_bench bench-gemma --pair gemma3-270m-smollm2 "${bench_args[@]}"; fi
