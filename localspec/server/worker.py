@@ -4,8 +4,9 @@ every sequence in a slot), deliver what each sequence emitted.
 
 A job's events go back to whoever submitted it through a `deliver` callback, called on the worker
 thread: `submit_async` turns that into an asyncio.Queue fed with `loop.call_soon_threadsafe`, so
-the event loop never blocks on the engine. A cancelled job (a client that went away) leaves its
-slot at the next step boundary, within one pass.
+the event loop never blocks on the engine. Each turn's events for the jobs of one event loop go in
+one such call, made by a hand-over thread while the engine's waits for its decode (`_send`). A
+cancelled job (a client that went away) leaves its slot at the next step boundary, within one pass.
 
 Events, in order: STARTED (the engine accepted the request: it waits for a slot or runs) then
 `outputs.Chunk`s, the last with a finish_reason; or a `Failed` (instead of STARTED when the engine
@@ -384,7 +385,8 @@ class EngineWorker:
             else:
                 job.deliver(event)
         for loop, batch in batches.items():
-            self._handoff.append((loop, [(events, event) for _, events, event in batch], [job for job, _, _ in batch]))
+            jobs = [job for job, _, _ in batch]
+            self._handoff.append((loop, [(events, event) for _, events, event in batch], jobs))
         if batches:
             self._wake.set()
 
@@ -424,7 +426,7 @@ class EngineWorker:
         job.outcome = outcome
         if event is not None:
             self._post(job, event)
-        self._send()  # (before `done`: every event of the job is handed over by then)
+        self._send()  # (before `done`: the job's every event is handed over, or queued for its loop's, by then)
         with self._lock:
             self._in_flight -= 1
         if job in self._active:

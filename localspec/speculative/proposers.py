@@ -318,7 +318,8 @@ class DraftModelProposer(_Drives):
             if isinstance(logits[0], TopRow):  # the device kept the row's top k (`draft_picks_suffice`)
                 token, confident = self._pick_top(logits[0], sampling, rng, probs, constraint)
             else:
-                row = bias_logits(self._in_oracle_vocab(logits[0]), sampling.logit_bias)  # [oracle vocab], as the target
+                # [oracle vocab], as the target
+                row = bias_logits(self._in_oracle_vocab(logits[0]), sampling.logit_bias)
                 if constraint is not None:
                     row = mask_logits(row, constraint.allowed())
                 token, confident = self._pick(row, sampling, rng, probs, position)
