@@ -173,11 +173,11 @@ def test_sequences_drafting_together_pick_from_their_top_rows_and_calibration_le
             engine.draft_ctx.sample_top(seq)
         faster, seconds = draft_picks_faster(engine.draft_ctx, DEVICE_TOP_K)  # what a GPU's engine asks at load
         assert isinstance(faster, bool) and set(seconds) == {"whole", "top"} and all(t > 0 for t in seconds.values())
-        assert not engine.draft_ctx._picks.any_top and not engine.draft_ctx.seq_tokens(0)
+        assert not engine.draft_ctx._picks and not engine.draft_ctx.seq_tokens(0)
         fresh = default_policy(engine.proposer)  # the adaptive policy, which learns costs
         measure(fresh, engine.oracle, engine.draft_ctx, draft_top=DEVICE_TOP_K)
         assert fresh.needs_costs() == (False, False)
-        assert not engine.draft_ctx._picks.any_top
+        assert not engine.draft_ctx._picks
         assert all(not ctx.seq_tokens(s) for ctx in engine.contexts for s in range(2))
 
 

@@ -103,7 +103,6 @@ class Costs:
         draft = Table((0, 2048), ns, np.array([[1.4, 3.0, 3.3, 3.6, 4.2], [1.5, 3.1, 3.4, 3.7, 4.4]]))
         return cls("h200-smollm2", oracle, draft, host_step=0.0001, host_draft_token=0.0004, gpu=True)
 
-
     @classmethod
     def h200_as_8b(cls, *, host_draft_token: float = 0.0004) -> "Costs":
         """ESTIMATED, not measured: the 8B-shaped widened oracle (`smollm2-135m-as-8b`, F16, 7.2B

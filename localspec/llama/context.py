@@ -359,7 +359,7 @@ class LlamaContext(_Owner):
         seqs, outs = np.concatenate(flat_seq), np.concatenate(flat_out)
         backend: list[tuple[int, int]] = []
         top: list[tuple[int, int]] = []
-        if self._picks.any_greedy or self._picks.any_top:
+        if self._picks:
             out_index = np.cumsum(outs, dtype=np.int64) - 1  # [total]
             for i in np.flatnonzero(outs).tolist():
                 seq = int(seqs[i])

@@ -63,13 +63,9 @@ class Picks:
         held = self._chains.get(seq)
         return held is not None and held[0] != GREEDY
 
-    @property
-    def any_greedy(self) -> bool:
-        return any(k == GREEDY for k, _ in self._chains.values())
-
-    @property
-    def any_top(self) -> bool:
-        return any(k != GREEDY for k, _ in self._chains.values())
+    def __bool__(self) -> bool:
+        """Whether any sequence is picked for."""
+        return bool(self._chains)
 
     def sampled_id(self, i: int) -> int:
         """The greedy id of the last decode's batch row `i`."""

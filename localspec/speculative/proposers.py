@@ -24,7 +24,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Generator, Protocol, Sequence
+from typing import Callable, Generator, Iterator, Protocol, Sequence
 
 import numpy as np
 
@@ -382,10 +382,7 @@ class DraftModelProposer(_Drives):
             dist = logits_to_probs(row, sampling, out=scratch(self.n_vocab, slot="draft"))  # [vocab]
             return coupled_choice(dist, sampling.seed, position), self.p_min <= 0 or dist.max() >= self.p_min
         # speculative sampling: a distribution without the far tail (`proposal_probs`), kept for acceptance
-        ids, kept = proposal_probs(row, sampling)  # [m], [m]
-        probs.add(ids, kept)
-        return int(ids[sample(kept, rng)]), self.p_min <= 0 or kept.max() >= self.p_min
-
+        return self._draw(*proposal_probs(row, sampling), probs, rng)
 
     def _pick_top(self, row: TopRow, sampling: SamplingParams, rng: np.random.Generator, probs: SparseRows,
                   constraint) -> tuple[int, bool]:
@@ -399,7 +396,11 @@ class DraftModelProposer(_Drives):
             ids, values = ids[keep], values[keep]
         if sampling.greedy:
             return top_row_greedy(ids, values, self.p_min)
-        ids, kept = top_row_proposal(ids, values, sampling)  # [m], [m]
+        return self._draw(*top_row_proposal(ids, values, sampling), probs, rng)
+
+    def _draw(self, ids: np.ndarray, kept: np.ndarray, probs: SparseRows, rng: np.random.Generator) -> tuple[int, bool]:
+        """A sampled draft's token from its distribution over `ids` [m] (`kept` [m]), which goes on to
+        acceptance (`probs`); and whether the draft goes on (its top probability clears p_min)."""
         probs.add(ids, kept)
         return int(ids[sample(kept, rng)]), self.p_min <= 0 or kept.max() >= self.p_min
 
@@ -411,18 +412,20 @@ class DraftModelProposer(_Drives):
 DEVICE_TOP_K = 256
 
 
-def draft_model_of(proposer) -> "DraftModelProposer | None":
-    """The draft model proposer inside `proposer` (itself, or a hybrid's or a suffix cache's part),
-    if there is one: the proposer whose rows a device may pick from (a cross-tokenizer draft reads
-    whole rows in its own vocabulary, and is none)."""
+def _draft_models(proposer) -> Iterator["DraftModelProposer"]:
+    """Every draft model proposer in `proposer`: itself, or a hybrid's, a suffix cache's or a
+    cross-tokenizer draft's part."""
     if isinstance(proposer, DraftModelProposer):
-        return proposer
+        yield proposer
     for part in (getattr(proposer, "model", None), getattr(proposer, "inner", None)):
         if part is not None and part is not proposer:
-            found = draft_model_of(part)
-            if found is not None:
-                return found
-    return None
+            yield from _draft_models(part)
+
+
+def draft_model_of(proposer) -> "DraftModelProposer | None":
+    """The (first) draft model proposer inside `proposer`, if there is one: the proposer whose rows a
+    device may pick from."""
+    return next(_draft_models(proposer), None)
 
 
 def draft_picks_suffice(sampling: SamplingParams, constrained: bool) -> bool:
@@ -434,11 +437,8 @@ def draft_picks_suffice(sampling: SamplingParams, constrained: bool) -> bool:
 
 def set_draft_p_min(proposer, p_min: float) -> None:
     """Set the confidence floor of every draft model in `proposer` (a request's own, on its fork)."""
-    if isinstance(proposer, DraftModelProposer):
-        proposer.p_min = p_min
-    for part in (getattr(proposer, "model", None), getattr(proposer, "inner", None)):
-        if part is not None and part is not proposer:
-            set_draft_p_min(part, p_min)
+    for draft in _draft_models(proposer):
+        draft.p_min = p_min
 
 
 class PromptLookupProposer(_Drives):
