@@ -1,6 +1,7 @@
 """Pass-cost models fitted from steps, and their store between processes."""
 
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -133,6 +134,41 @@ def test_a_damaged_or_foreign_file_reads_as_nothing(tmp_path):
     cost = PassCost()
     with pytest.raises(ValueError):
         cost.load({"gram": [[1.0]], "moment": [1.0], "scale": 0.01})
+
+
+def test_what_an_engine_keeps_after_a_request_is_written_on_another_thread(tmp_path, monkeypatch):
+    """`save_later` (a CostBook's, after each request) hands the state to the writer's thread and
+    returns while the file is still being written; a newer state of the same file replaces one not
+    written yet; `load` and `flush` wait for what was handed over; a failed write is logged and
+    later ones still go out."""
+    from localspec.runtime import learning
+
+    gate, writing = threading.Event(), threading.Event()
+    real = learning.write_text_atomically
+
+    def slow(path, text):
+        writing.set()
+        gate.wait(30)
+        real(path, text)
+
+    monkeypatch.setattr(learning, "write_text_atomically", slow)
+    store = CostStore(tmp_path)
+    key = {"model": "abc"}
+    path = store.path("verify", key)
+    store.save_later(path, key, {"scale": 1})
+    assert writing.wait(30)  # the writer's thread is in the middle of the write ...
+    assert not path.exists()  # ... and the caller went on
+    store.save_later(path, key, {"scale": 2})
+    store.save_later(path, key, {"scale": 3})  # replaces 2, not yet written
+    gate.set()
+    assert store.load("verify", key) == {"scale": 3}
+
+    blocked = CostStore(tmp_path / "file" / "costs")
+    (tmp_path / "file").write_text("")
+    blocked.save_later(blocked.path("verify", key), key, {"scale": 4})  # cannot be written: logged
+    store.save_later(path, key, {"scale": 5})
+    store.flush()
+    assert json.loads(path.read_text())["state"] == {"scale": 5}
 
 
 def test_an_unwritable_store_does_not_fail_the_caller(tmp_path):

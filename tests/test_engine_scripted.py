@@ -434,8 +434,10 @@ def test_an_adaptive_policys_learned_state_is_kept_between_engines(tmp_path):
                                draft=engine.draft_ctx, costs=book)
     with taught.using_policy(FixedLength(2)):
         taught.generate("the", max_tokens=20)
+    book.flush()
     assert not list(tmp_path.iterdir())  # a fixed length saved nothing
     taught.generate("the", max_tokens=20)
+    book.flush()  # (written on the writer's thread, not the engine's)
     assert sorted(p.name.split("-")[0] for p in tmp_path.iterdir()) == ["acceptance", "draft", "verify"]
 
     fresh = AdaptiveLength(k_max=4)
@@ -467,11 +469,13 @@ def test_the_batch_judges_rates_are_kept_between_engines(tmp_path, monkeypatch):
 
     first = engine()
     first.generate(H200_PROMPTS[7], max_tokens=8)
+    book.flush()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("batch")]  # a single stream: no batch state
     for _ in range(MIN_DRAFTING):  # drafting at 4 tokens/s, plain at 40
         first.learner.batch.observe(4, True, 4, 1.0)
     first.learner.batch.observe(4, False, 4, 0.1)
     first.generate(H200_PROMPTS[6], max_tokens=8)  # saved after each request
+    book.flush()
     assert [p for p in tmp_path.iterdir() if p.name.startswith("batch")]
 
     later = engine()

@@ -161,6 +161,8 @@ class Engine:
         return cls(pair.oracle, pair.draft, **kwargs)
 
     def close(self) -> None:
+        if self.learner.costs is not None:
+            self.learner.costs.flush()  # what the last request learned is on disk once this returns
         while self._closers:  # last built first; one interrupted (Ctrl-C) leaves the rest to a later close
             self._closers.pop()()
 

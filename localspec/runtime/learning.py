@@ -3,7 +3,8 @@ acceptance estimates in the cache, one file per key in `<cache>/costs` (`$LOCALS
 moves it); the key holds everything that changes the costs (model file, threads, llama.cpp build
 and backends, CPU model, attention kernel, GPU offload), so a changed setting starts afresh.
 `CostBook` is an engine's: the store and the key of each kind of state (see
-`speculative.policy.Learning.cost_state`). `Learner` is the engine's learning: the policy requests
+`speculative.policy.Learning.cost_state`), written after each request by a thread of its own
+(`_Writer`: the engine's thread does not wait for the files). `Learner` is the engine's learning: the policy requests
 fork, where its state is kept, and what the costs every request shares learn from each pass (on
 landing, `runtime.apply`). The policy's state itself is `speculative.costs`' fit and
 `speculative.policy`'s estimates.
@@ -11,11 +12,13 @@ landing, `runtime.apply`). The policy's state itself is `speculative.costs`' fit
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import logging
 import os
 import platform
+import threading
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -84,6 +87,8 @@ class CostStore:
         return self.directory / f"{kind}-{key}.json"
 
     def load(self, kind: str, identity: Mapping[str, Any]) -> dict[str, Any] | None:
+        """What was saved for `kind` under `identity` (in this process too: it waits for the writer)."""
+        _WRITER.flush()
         path = self.path(kind, identity)
         try:
             data = json.loads(path.read_text("utf-8"))
@@ -100,13 +105,75 @@ class CostStore:
     def save(self, kind: str, identity: Mapping[str, Any], state: Mapping[str, Any]) -> None:
         """Write atomically (a reader never sees half a file); a failure is logged, never raised:
         a cost model is worth keeping, not worth failing a generation for."""
-        path = self.path(kind, identity)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_text_atomically(path, json.dumps({"version": STATE_VERSION, "identity": dict(identity),
-                                                    "state": dict(state)}))
-        except OSError as e:
-            log.debug("could not save %s: %s", path, e)
+        _write(self.path(kind, identity), _document(identity, state))
+
+    def save_later(self, path: Path, identity: Mapping[str, Any], state: Mapping[str, Any]) -> None:
+        """`save` to `path` (this store's, for a kind and identity) on the writer's thread; `state`
+        must be a snapshot nobody changes after (`Learning.cost_state`'s are)."""
+        identity = dict(identity)
+        _WRITER.put(path, lambda: _document(identity, state))
+
+    @staticmethod
+    def flush(timeout: float | None = None) -> None:
+        """Wait until what `save_later` was handed is written."""
+        _WRITER.flush(timeout)
+
+
+def _document(identity: Mapping[str, Any], state: Mapping[str, Any]) -> str:
+    return json.dumps({"version": STATE_VERSION, "identity": dict(identity), "state": dict(state)})
+
+
+def _write(path: Path, text: str) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomically(path, text)
+    except OSError as e:
+        log.debug("could not save %s: %s", path, e)
+
+
+class _Writer:
+    """Writes cost files on a thread of its own, the newest text of each file once. An engine saves
+    what its policy learned after every request: five files, each written and renamed into place,
+    ~2 ms on a quiet local disk (far more on a busy or networked one), which on its own thread would
+    hold up every sequence it generates (on a GPU, one or two tokens' time each request)."""
+
+    def __init__(self) -> None:
+        self._pending: dict[Path, Callable[[], str]] = {}
+        self._busy = False
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def put(self, path: Path, text: Callable[[], str]) -> None:
+        with self._cv:
+            self._pending[path] = text  # a newer state of the same file replaces one not written yet
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="localspec-costs", daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+
+    def flush(self, timeout: float | None = None) -> None:
+        with self._cv:
+            self._cv.wait_for(lambda: not self._pending and not self._busy, timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._pending)
+                batch, self._pending, self._busy = self._pending, {}, True
+            try:
+                for path, text in batch.items():
+                    try:
+                        _write(path, text())
+                    except Exception:  # never let the thread die: later saves still go out
+                        log.exception("could not save %s", path)
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+
+
+_WRITER = _Writer()
+atexit.register(_WRITER.flush, 30.0)  # what the last request learned, before the process ends
 
 
 class CostBook:
@@ -117,6 +184,7 @@ class CostBook:
     def __init__(self, store: CostStore, keys: Mapping[str, Mapping[str, Any]]) -> None:
         self.store = store
         self.keys = {kind: dict(identity) for kind, identity in keys.items()}
+        self._paths = {kind: store.path(kind, identity) for kind, identity in self.keys.items()}
 
     def load(self, policy) -> None:
         """Hand `policy` what earlier processes kept for it (every kind but the engine's own)."""
@@ -135,15 +203,19 @@ class CostBook:
             log.debug("ignoring the saved %s state: %s", kind, e)
 
     def save(self, policy) -> None:
-        """Keep what `policy` learned (after each request)."""
+        """Keep what `policy` learned (after each request; written on the writer's thread)."""
         for kind, state in policy.cost_state().items():
             if kind in self.keys:
-                self.store.save(kind, self.keys[kind], state)
+                self.store.save_later(self._paths[kind], self.keys[kind], state)
 
     def save_state(self, kind: str, state: Mapping[str, Any]) -> None:
         """Keep a kind the engine learns beside its policy (ENGINE_KINDS), unless there is nothing."""
         if kind in self.keys and state:
-            self.store.save(kind, self.keys[kind], state)
+            self.store.save_later(self._paths[kind], self.keys[kind], state)
+
+    def flush(self) -> None:
+        """Wait until what was kept is written (an engine's close)."""
+        self.store.flush()
 
 
 class Learner:

@@ -88,7 +88,8 @@ class Learning(Protocol):
 
     def cost_state(self) -> dict[str, dict[str, Any]]:
         """What the policy learned that is worth keeping between processes, by kind ("verify",
-        "draft", "acceptance"; the engine keys each by what it depends on); empty: nothing."""
+        "draft", "acceptance"; the engine keys each by what it depends on); empty: nothing. A
+        snapshot: new containers the policy never changes after (another thread writes them)."""
 
     def load_cost_state(self, kind: str, state: Mapping[str, Any]) -> None:
         """Go on from an earlier process's `cost_state()[kind]` (a malformed one raises KeyError,
