@@ -5,11 +5,16 @@ twice on one cost cache: "fresh" (an empty one: what a first run on a machine do
 (what the first run stored). Two prompts: an open-ended answer, and a code rewrite whose answer
 copies much of its prompt (prompt lookup's case).
 
+`--threads-probe N`: then the open prompt again, with llama.cpp's CPU threads at N and at the default
+(every core), each system fresh, interleaved. Where every layer runs on a GPU, those threads only look
+up the prompt's embedding rows; with OpenMP they spin after each decode, which may take cores from the
+Python threads (the controller's, the server's): this measures whether it does.
+
 Per process: its wall clock (load included) and the generation's tokens/s from `--json`'s stats,
 its steps, drafted and idle steps, host ms a step. Greedy, so the text of the default and of the
 oracle alone is compared too.
 
-    python scripts/fresh_generate.py --out DIR [--reps 2] [--max-tokens 200] [--localspec BIN]
+    python scripts/fresh_generate.py --out DIR [--reps 2] [--max-tokens 200] [--localspec BIN] [--threads-probe 1]
 """
 
 from __future__ import annotations
@@ -38,8 +43,10 @@ PROMPTS = {
 KEPT = ("tokens_per_second", "steps", "drafted", "accepted", "idle_steps", "host_ms_per_step", "completion_tokens")
 
 
-def run_one(binary: str, prompt: str, *, no_draft: bool, max_tokens: int, cost_cache: str) -> dict:
-    cmd = [binary, "generate", "--json", "--max-tokens", str(max_tokens)] + (["--no-draft"] if no_draft else []) + [prompt]
+def run_one(binary: str, prompt: str, *, no_draft: bool, max_tokens: int, cost_cache: str,
+            threads: int | None = None) -> dict:
+    cmd = [binary, "generate", "--json", "--max-tokens", str(max_tokens)] + (["--no-draft"] if no_draft else [])
+    cmd += (["--threads", str(threads)] if threads else []) + [prompt]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "LOCALSPEC_COST_CACHE": cost_cache})
     wall = time.perf_counter() - t0
@@ -55,6 +62,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--localspec", default="localspec")
+    ap.add_argument("--threads-probe", type=int, default=0, metavar="N",
+                    help="then the open prompt with --threads N against the default, each system fresh")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     runs = []
@@ -86,7 +95,8 @@ def main() -> None:
                          "default_host_ms_per_step": statistics.median(r["host_ms_per_step"] for r in d),
                          "no_draft_host_ms_per_step": statistics.median(r["host_ms_per_step"] for r in of["no-draft"]),
                          "same_text": f"{same}/{len(d)}"})
-    (args.out / "generate.json").write_text(json.dumps({"rows": rows, "runs": runs}, indent=1) + "\n")
+    threads = probe_threads(args) if args.threads_probe else []
+    (args.out / "generate.json").write_text(json.dumps({"rows": rows, "runs": runs, "threads": threads}, indent=1) + "\n")
     lines = ["# A fresh `localspec generate` process: the default against --no-draft",
              "",
              f"{args.reps} interleaved repetitions, {args.max_tokens} tokens, greedy; medians. fresh: an empty cost "
@@ -101,8 +111,27 @@ def main() -> None:
                      f"{r['ratio']:.2f}x | {r['wall_ratio']:.2f}x | {r['default_steps']:.0f} | {r['default_drafted']:.0f} | "
                      f"{r['default_idle_steps']:.0f} | {r['default_host_ms_per_step']:.3f} / "
                      f"{r['no_draft_host_ms_per_step']:.3f} | {r['same_text']} |")
+    if threads:
+        lines += ["", f"CPU threads (the open prompt, fresh, {args.max_tokens} tokens): "
+                  + "; ".join(f"{t['system']} --threads {t['threads']}: {t['tokens_per_second']:.1f} tok/s, "
+                              f"host {t['host_ms_per_step']:.3f} ms a step" for t in threads)]
     (args.out / "generate.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def probe_threads(args) -> list[dict]:
+    """The open prompt at --threads N and at the default, --no-draft and the default, each fresh."""
+    out = []
+    for no_draft in (True, False):
+        for threads in (args.threads_probe, None):
+            with tempfile.TemporaryDirectory() as cache:
+                r = run_one(args.localspec, PROMPTS["open"], no_draft=no_draft, max_tokens=args.max_tokens,
+                            cost_cache=cache, threads=threads)
+            out.append({"system": "no-draft" if no_draft else "default", "threads": threads or "default",
+                        **{k: v for k, v in r.items() if k != "text"}})
+            print(f"fresh_generate: threads {out[-1]['threads']} {out[-1]['system']}: "
+                  f"{r['tokens_per_second']:.1f} tok/s, host {r['host_ms_per_step']:.3f} ms a step", file=sys.stderr)
+    return out
 
 
 if __name__ == "__main__":

@@ -396,6 +396,11 @@ import json, sys
 rows = json.load(open(sys.argv[1]))["rows"]
 print("- fresh `generate`, default / --no-draft tok/s: " + ", ".join(
     f"{r['prompt']} {r['phase']} {r['ratio']:.2f}x" for r in rows) + " (targets: open fresh >= 0.95x, again >= 0.98x; code-rewrite >= 1.0x)")
+threads = json.load(open(sys.argv[1])).get("threads") or []
+if threads:
+    print("- llama.cpp's CPU threads, fresh `generate` of the open prompt: " + ", ".join(
+        f"{t['system']} --threads {t['threads']} {t['tokens_per_second']:.0f} tok/s (host {t['host_ms_per_step']:.3f} ms a step)"
+        for t in threads))
 EOF
         fi
         for f in "$results"/bench-*.json; do   # the controller's share of each system's wall time (issue 50's target)
@@ -440,18 +445,18 @@ fi
 
 # the benchmarks: localspec against llama.cpp's programs from the same build
 if [[ $target == cpu && $full == 0 ]]; then   # CI: every step runs, small
-    generate_args=(--reps 1 --max-tokens 24)
+    generate_args=(--reps 1 --max-tokens 24 --threads-probe 1)
     bench_args=(--workload chat --max-prompts 1 --max-tokens 24 --reps 1 --mixed-warmup 0
                 --systems baseline,k4,adaptive,llama.cpp-k4)
     clients_args=(--clients 2 --systems localspec,llama-server --max-tokens 24 --reps 1)
 else
-    generate_args=(--reps 2 --max-tokens 200)
+    generate_args=(--reps 2 --max-tokens 200 --threads-probe 1)
     bench_args=(--workload chat,code --max-prompts 2 --max-tokens 256 --reps 1 --mixed-warmup 0
                 --systems baseline,k8,adaptive,lookup,llama.cpp-k4,llama.cpp-k8,llama.cpp-k16)
     clients_args=(--clients 1,4,8 --max-tokens 128 --reps 1
                   --systems localspec,localspec-no-draft,llama-server,llama-server-draft)
 fi
-if ((wide < 2)) && fits "fresh generate processes" 50; then
+if ((wide < 2)) && fits "fresh generate processes" 60; then
     PATH="$VENV/bin:$PATH" "$PY" "$REPO/scripts/fresh_generate.py" --out "$results" "${generate_args[@]}" \
         2>&1 | tee "$results/generate.log" || bench_rc=1
     publish

@@ -65,6 +65,10 @@ def test_the_cpu_check_runs_every_step(tmp_path):
         (prompt, phase) for prompt in ("open", "code-rewrite") for phase in ("fresh", "again")}
     assert all(r["default_tok_s"] > 0 and r["no_draft_tok_s"] > 0 for r in generate["rows"])
     assert "fresh `generate`, default / --no-draft tok/s: open fresh" in summary
+    # ... and whether llama.cpp's CPU threads (idle where every layer is on a GPU) cost the host
+    assert {(t["system"], t["threads"]) for t in generate["threads"]} == {
+        (system, threads) for system in ("default", "no-draft") for threads in (1, "default")}
+    assert "llama.cpp's CPU threads, fresh `generate` of the open prompt: no-draft --threads 1" in summary
 
     # what the device tool brings back (<= 8 files): the summary, the tests' log, everything in one tarball
     assert sorted(f.name for f in out.iterdir()) == ["SUMMARY.md", "results.tar.gz", "tests.log"]
