@@ -39,7 +39,8 @@ from localspec.runtime.engine import Engine
 from localspec.runtime.factory import DEFAULT_P_MIN, default_policy
 from localspec.llama.context import shared_prefix
 from localspec.speculative.policy import FixedLength
-from localspec.speculative.proposers import DEVICE_TOP_K, DraftModelProposer, HybridProposer, PromptLookupProposer
+from localspec.speculative.lookup import PromptLookupProposer
+from localspec.speculative.proposers import DEVICE_TOP_K, DraftModelProposer, HybridProposer
 
 EOS = 1
 PLAUSIBLE, NEXT_LOGIT = 100, 16.0  # a stand-in row's plausible tokens, and its next token's logit (see StandInContext)

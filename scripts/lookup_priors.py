@@ -26,7 +26,7 @@ from localspec.runtime.engine import Engine
 from localspec.models import Registry
 from localspec.options import GenerationOptions
 from localspec.speculative.policy import LOOKUP_RUNS, AcceptanceByPlace
-from localspec.speculative.proposers import PromptLookupProposer
+from localspec.speculative.lookup import PromptLookupProposer
 
 WORKLOADS = ("chat", "code", "copy", "grounded", "long")
 

@@ -10,7 +10,8 @@ from localspec.runtime.engine import Engine
 from localspec.speculative.policy import AdaptiveLength, HybridLength
 from localspec.llama.context import LlamaContext, LlamaModel
 from localspec.speculative.cross_tokenizer import CrossTokenizerProposer
-from localspec.speculative.proposers import DraftModelProposer, PromptLookupProposer
+from localspec.speculative.lookup import PromptLookupProposer
+from localspec.speculative.proposers import DraftModelProposer
 from localspec.speculative.sampling import SamplingParams
 
 pytestmark = pytest.mark.model

@@ -17,7 +17,8 @@ from localspec.outputs import DraftSource, StepRecord
 from localspec.speculative.plan import NO_DRAFT, DraftPlan, Offer
 from localspec.speculative.policy import FixedLength
 from localspec.speculative.cross_tokenizer import CrossTokenizerProposer
-from localspec.speculative.proposers import DraftModelProposer, HybridProposer, PromptLookupProposer
+from localspec.speculative.lookup import PromptLookupProposer
+from localspec.speculative.proposers import DraftModelProposer, HybridProposer
 from localspec.speculative.sampling import SamplingParams, bias_logits, logits_to_probs
 from scripted import (EOS, PAIR_PIECES, CostedContext, ScriptedContext, ScriptedModel, TimedContext, VirtualClock,
                       copying, favoured, hashed_logits, related_logits)

@@ -7,8 +7,8 @@ from localspec.runtime.factory import lookup_policy
 from localspec.outputs import DraftSource
 from localspec.speculative.plan import DraftPlan, Found, Offer, unused_offers
 from localspec.speculative.ngram import MATCH_CAP
-from localspec.speculative.proposers import (EMPTY_DRAFT, MODEL_OFFER, Draft, DraftModelProposer, HybridProposer,
-                                  PromptLookupProposer, drive)
+from localspec.speculative.lookup import PromptLookupProposer
+from localspec.speculative.proposers import EMPTY_DRAFT, MODEL_OFFER, Draft, DraftModelProposer, HybridProposer, drive
 from localspec.speculative.proposal import PROPOSAL_TAIL_NATS
 from localspec.speculative.sampling import SamplingParams, logits_to_probs
 from scripted import ScriptedContext, ScriptedModel, hashed_logits, related_logits

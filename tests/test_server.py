@@ -1124,7 +1124,7 @@ def scripted_server():
     step (one streamed chunk) holds several tokens."""
     from localspec.runtime.engine import Engine
     from localspec.speculative.policy import FixedLength
-    from localspec.speculative.proposers import PromptLookupProposer
+    from localspec.speculative.lookup import PromptLookupProposer
     from scripted import ScriptedContext, ScriptedModel, copying, hashed_logits
 
     model = ScriptedModel.sized(40)

@@ -14,7 +14,8 @@ from localspec.outputs import DraftSource, StepRecord
 from localspec.runtime.engine import Engine
 from localspec.speculative.plan import DraftPlan, Found, Offer, plain_plan
 from localspec.speculative.policy import FixedLength
-from localspec.speculative.proposers import DraftModelProposer, PromptLookupProposer, drive
+from localspec.speculative.lookup import PromptLookupProposer
+from localspec.speculative.proposers import DraftModelProposer, drive
 from localspec.speculative.sampling import SamplingParams
 from localspec.speculative.suffix import CANDIDATES, LONG, NGRAM, SuffixPools, SuffixProposer, SuffixStore
 from scripted import EOS, ScriptedContext, ScriptedModel, hashed_logits, related_logits

@@ -32,7 +32,8 @@ from localspec.runtime.engine import Engine
 from localspec.runtime.sequence import Request
 from localspec.speculative.plan import DraftPlan, Offer
 from localspec.speculative.policy import LengthPolicy, learns
-from localspec.speculative.proposers import EMPTY_DRAFT, MODEL_OFFER, Draft, HybridProposer, PromptLookupProposer
+from localspec.speculative.lookup import PromptLookupProposer
+from localspec.speculative.proposers import EMPTY_DRAFT, MODEL_OFFER, Draft, HybridProposer
 
 MAX_CATCH_UP = 16  # as DraftModelProposer's: after a pause the draft catches up on a window this long
 

@@ -21,7 +21,8 @@ from localspec.llama.context import LlamaContext, LlamaModel, on_local_gpu, reso
 from localspec.speculative.policy import (LOOKUP_PRIORS, LOOKUP_RUNS, AdaptiveLength, FixedLength, HybridLength,
                                          LengthPolicy, LookupLength, learns)
 from localspec.speculative.cross_tokenizer import CrossTokenizerProposer
-from localspec.speculative.proposers import DraftModelProposer, HybridProposer, PromptLookupProposer, Proposer
+from localspec.speculative.lookup import PromptLookupProposer
+from localspec.speculative.proposers import DraftModelProposer, HybridProposer, Proposer
 from localspec.runtime.prompt_cache import PromptCache
 from localspec.speculative.suffix import SuffixPools, SuffixProposer
 

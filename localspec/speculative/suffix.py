@@ -31,7 +31,8 @@ import numpy as np
 from localspec.outputs import DraftSource
 from localspec.speculative.plan import NO_OFFER, DraftPlan, Found, Offer
 from localspec.speculative.ngram import MATCH_CAP
-from localspec.speculative.proposers import EMPTY_DRAFT, Proposer, ProposeSteps, _Drives, found_draft, usable
+from localspec.speculative.lookup import found_draft, usable
+from localspec.speculative.proposers import EMPTY_DRAFT, Proposer, ProposeSteps, _Drives
 from localspec.speculative.sampling import SamplingParams
 
 NGRAM = 3  # tokens a match needs at least (and the n-gram the chains are keyed by)
