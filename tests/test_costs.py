@@ -155,12 +155,14 @@ def test_what_an_engine_keeps_after_a_request_is_written_on_another_thread(tmp_p
     store = CostStore(tmp_path)
     key = {"model": "abc"}
     path = store.path("verify", key)
-    store.save_later(path, key, {"scale": 1})
-    assert writing.wait(30)  # the writer's thread is in the middle of the write ...
-    assert not path.exists()  # ... and the caller went on
-    store.save_later(path, key, {"scale": 2})
-    store.save_later(path, key, {"scale": 3})  # replaces 2, not yet written
-    gate.set()
+    try:
+        store.save_later(path, key, {"scale": 1})
+        assert writing.wait(30)  # the writer's thread is in the middle of the write ...
+        assert not path.exists()  # ... and the caller went on
+        store.save_later(path, key, {"scale": 2})
+        store.save_later(path, key, {"scale": 3})  # replaces 2, not yet written
+    finally:
+        gate.set()  # (the writer is the process's: never leave it held)
     assert store.load("verify", key) == {"scale": 3}
 
     blocked = CostStore(tmp_path / "file" / "costs")
