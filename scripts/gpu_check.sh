@@ -366,6 +366,14 @@ print(f"- host ms a step: the oracle alone {alone['host_ms_per_step']:.3f}, the 
       f" ({default['idle_steps']} of {default['steps']} steps idle; an idle step's target: <= 0.10 ms)")
 EOF
         fi
+        if [[ -f $results/first_token.json ]]; then   # ... and where a request's first token's time goes
+            "$PY" - "$results/first_token.json" <<'EOF' || true
+import json, sys
+d = json.load(open(sys.argv[1]))
+print(f"- first token, the oracle alone: in-process {d['in_process_ms']:.1f} ms (its prompt pass {d['prompt_pass_ms']:.1f}),"
+      f" served and streamed {d['served_ms']:.1f} ms (an HTTP round trip {d['http_round_trip_ms']:.1f})")
+EOF
+        fi
         if [[ -f $results/host_time.json ]]; then   # ... and of a speculative step, the draft's picks made two ways
             "$PY" - "$results/host_time.json" <<'EOF' || true
 import json, sys
@@ -454,7 +462,7 @@ else
     bench_args=(--workload chat,code --max-prompts 2 --max-tokens 256 --reps 1 --mixed-warmup 0
                 --systems baseline,k8,adaptive,lookup,llama.cpp-k4,llama.cpp-k8,llama.cpp-k16)
     clients_args=(--clients 1,4,8 --max-tokens 128 --reps 1
-                  --systems localspec,localspec-no-draft,llama-server,llama-server-draft)
+                  --systems localspec,localspec-no-draft,localspec-no-draft-1-thread,llama-server,llama-server-draft)
 fi
 if ((wide < 2)) && fits "fresh generate processes" 60; then
     PATH="$VENV/bin:$PATH" "$PY" "$REPO/scripts/fresh_generate.py" --out "$results" "${generate_args[@]}" \
@@ -462,7 +470,7 @@ if ((wide < 2)) && fits "fresh generate processes" 60; then
     publish
 fi
 if ((wide < 2)) && fits "bench-smollm2" 60; then run_bench bench-smollm2 "${bench_args[@]}"; fi
-if ((wide < 2)) && fits "clients-smollm2" 60; then run_bench clients-smollm2 "${clients_args[@]}"; fi
+if ((wide < 2)) && fits "clients-smollm2" 80; then run_bench clients-smollm2 "${clients_args[@]}"; fi
 if [[ $target == cuda ]] && ((wide < 2)) && fits "serve-cost" 40; then   # the server's own cost a token, this host's cores
     "$VENV/bin/python" "$REPO/scripts/serve_cost.py" --reps 3 --json "$results/serve_cost.json" \
         2>&1 | tee "$results/serve_cost.log" || bench_rc=1

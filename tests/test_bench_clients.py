@@ -200,6 +200,8 @@ def test_localspec_systems():
     assert argv("localspec-no-prompt-cache")[-4:] == ["--prompt-cache-mib", "0", "--draft", "d"]
     assert argv("localspec-no-caches")[-6:] == ["--suffix-cache-tokens", "0", "--prompt-cache-mib", "0", "--draft", "d"]
     assert "--no-draft" in argv("localspec-no-draft") and "d" not in argv("localspec-no-draft")
+    one = argv("localspec-no-draft-1-thread")  # click takes an option's last value: one thread
+    assert "--no-draft" in one and "d" not in one and one[-2:] == ["--threads", "1"]
     assert argv("localspec")[argv("localspec").index("--ctx") + 1] == "2048"
     assert set(clients.SYSTEMS) == {*clients.LOCALSPEC_SYSTEMS, *clients.LLAMA_SERVER_SYSTEMS}
     with pytest.raises(clients.ServingError):
@@ -307,7 +309,8 @@ def test_the_cli_checks_its_choices():
     with pytest.raises(ValueError):
         command._client_counts("0")
     assert "localspec-base" not in command._client_systems(None, None)  # it needs a checkout to serve from
-    assert command._client_systems(None, "/tree") == list(clients.SYSTEMS)
+    assert command._client_systems(None, "/tree") == [s for s in clients.SYSTEMS if s != "localspec-no-draft-1-thread"]
+    assert "localspec-no-draft-1-thread" in command._client_systems("localspec-no-draft-1-thread", None)  # when named
     assert command._client_systems("localspec-base,localspec", "/tree") == ["localspec-base", "localspec"]
     with pytest.raises(ValueError, match="--base-tree"):
         command._client_systems("localspec-base", None)

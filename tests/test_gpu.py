@@ -1,6 +1,6 @@
 """The GPU check's tests (scripts/gpu_check.sh runs them with `-m gpu`): layers really offloaded,
 the offloaded oracle's logits equal to the CPU's within tolerance, greedy speculative output exact,
-and the host's time per step on record.
+and on record: the host's time per step, and where a request's first token's time goes.
 
 They run where llama.cpp sees a local GPU, or where LOCALSPEC_GPU_CHECK is set (`--cpu` sets it to
 "cpu": the same tests with every layer on the CPU, which is how CI keeps them working); elsewhere
@@ -155,3 +155,61 @@ def test_an_idle_steps_host_time_is_measured(pair_paths):
             out["default" if speculative else "oracle_alone"] = host_figures(stats)
             assert 0 < stats.host_time < stats.total_time
     record("idle_host_time", {"gpu": GPU, **out})
+
+
+def test_the_first_tokens_time_is_measured_in_process_and_served(pair_paths):
+    """A request's time to its first token, the oracle alone as `localspec serve --no-draft` runs it
+    (the prompt cache on): in-process (`Engine.stream`), and served to a streaming client, beside an
+    HTTP round trip's floor (`/health`) and the prompt pass's own time. On the H200, served, it was
+    50 ms against llama-server's 30 at one client (issue 48): this says which part is whose."""
+    import time
+
+    import httpx
+    from serving import ThreadedServer
+
+    from localspec.runtime.engine import Engine
+    from localspec.server.app import create_app
+
+    oracle, _ = pair_paths
+    prompts = [chat(p) for p in PROMPTS]
+    with Engine(oracle, None, n_ctx=2048, gpu_layers=LAYERS, cost_cache=False, prompt_cache_mib=2048) as engine:
+        def in_process(messages) -> tuple[float, float]:
+            t0, first = time.perf_counter(), None
+            for chunk in engine.stream(messages, max_tokens=2):
+                if first is None and chunk.text:
+                    first = time.perf_counter() - t0
+                if chunk.stats is not None:
+                    stats = chunk.stats
+            return first, stats.prompt_time
+
+        in_process(prompts[-1])  # warm-up
+        local = [in_process(m) for _ in range(3) for m in prompts]
+        server = ThreadedServer(create_app(engine, model_name="m"))
+        try:
+            with httpx.Client(base_url=server.url, timeout=60) as client:
+                def served(messages) -> float:
+                    t0, first = time.perf_counter(), None
+                    body = {"model": "m", "messages": messages, "max_tokens": 2, "temperature": 0, "stream": True}
+                    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                        for line in r.iter_lines():  # (read to the end: a client gone early cancels its job)
+                            if first is None and line.startswith("data: {") and '"content":"' in line \
+                                    and '"content":""' not in line:
+                                first = time.perf_counter() - t0
+                    assert first is not None, "no content in the stream"
+                    return first
+
+                def health() -> float:
+                    t0 = time.perf_counter()
+                    client.get("/health").raise_for_status()
+                    return time.perf_counter() - t0
+
+                served(prompts[-1])
+                remote = [served(m) for _ in range(3) for m in prompts]
+                floor = [health() for _ in range(9)]
+        finally:
+            server.stop()
+    ms = lambda xs: 1000 * float(np.median(xs))  # noqa: E731
+    out = {"gpu": GPU, "in_process_ms": ms([t for t, _ in local]), "prompt_pass_ms": ms([p for _, p in local]),
+           "served_ms": ms(remote), "http_round_trip_ms": ms(floor), "requests": len(remote)}
+    assert 0 < out["prompt_pass_ms"] <= out["in_process_ms"] and out["served_ms"] > 0
+    record("first_token", out)

@@ -49,6 +49,8 @@ def test_the_cpu_check_runs_every_step(tmp_path):
     idle = json.loads((results / "idle_host_time.json").read_text())
     assert idle["default"]["host_ms_per_step"] > 0 and idle["oracle_alone"]["host_ms_per_step"] > 0
     assert "host ms a step: the oracle alone" in summary  # the idle step's figure, on the report
+    assert json.loads((results / "first_token.json").read_text())["served_ms"] > 0
+    assert "first token, the oracle alone: in-process" in summary
     assert "the draft picking from its rows' top k on the device" in summary  # ... and a drafting step's, both ways
     assert {"speculative", "speculative_whole_draft_rows", "draft_picks"} <= set(host)
     assert "bench-smollm2, host time's share of the wall: " in summary and "adaptive (chat)" in summary

@@ -46,6 +46,10 @@ LOCALSPEC_SYSTEMS = {"localspec": (), "localspec-no-suffix": ("--suffix-cache-to
                      "localspec-no-prompt-cache": ("--prompt-cache-mib", "0"),
                      "localspec-no-caches": ("--suffix-cache-tokens", "0", "--prompt-cache-mib", "0"),
                      "localspec-no-draft": ("--no-draft",),
+                     # llama.cpp's CPU threads at one (the later --threads wins): where every layer is on a
+                     # GPU they only look up embedding rows, and OpenMP's workers may take the cores the
+                     # server's Python threads need
+                     "localspec-no-draft-1-thread": ("--no-draft", "--threads", "1"),
                      # localspec served from another checkout (`base_tree`: an earlier commit's worktree)
                      "localspec-base": ()}
 # llama-server's --spec-type per system (draft-simple: the draft model; -md alone drafts nothing)
@@ -54,6 +58,7 @@ LLAMA_SERVER_SYSTEMS = {"llama-server": (), "llama-server-draft": ("draft-simple
                         "llama-server-ngram-mod-draft": ("ngram-mod", "draft-simple"),
                         "llama-server-ngram-cache-draft": ("ngram-cache", "draft-simple")}
 SYSTEMS = (*LOCALSPEC_SYSTEMS, *LLAMA_SERVER_SYSTEMS)
+ASKED_ONLY = ("localspec-base", "localspec-no-draft-1-thread")  # not among the defaults: run when named
 WARMUP_TOKENS = 32
 SCHEMA = "localspec-bench-clients/2"
 
@@ -265,7 +270,7 @@ def server_argv(system: str, *, port: int, n_slots: int, oracle: str, draft: str
         argv = [sys.executable, "-m", "localspec.cli", "serve", "--port", str(port), "--parallel", str(n_slots),
                 "--ctx", str(ctx_per_slot), "--threads", str(threads), "--oracle", oracle, "--max-queue", "64",
                 "--model-name", model_name, *LOCALSPEC_SYSTEMS[system]]
-        if system != "localspec-no-draft":
+        if "--no-draft" not in LOCALSPEC_SYSTEMS[system]:
             argv += ["--draft", draft] if draft is not None else ["--no-draft"]
         return argv
     if system not in LLAMA_SERVER_SYSTEMS:

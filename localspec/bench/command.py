@@ -106,12 +106,12 @@ def _client_counts(clients: str) -> list[int]:
 
 
 def _client_systems(given: str | None, base_tree: str | None) -> list[str]:
-    """--systems of the serving benchmark: all but localspec-base by default, which runs only from
-    a --base-tree (then it is among the defaults, and either way asked for it needs one)."""
+    """--systems of the serving benchmark: all but `clients.ASKED_ONLY` by default; localspec-base
+    runs only from a --base-tree (then it is among the defaults, and either way asked for it needs one)."""
     from localspec.bench import clients as cl
 
     if given is None:
-        return [s for s in cl.SYSTEMS if s != "localspec-base" or base_tree]
+        return [s for s in cl.SYSTEMS if s not in cl.ASKED_ONLY or s == "localspec-base" and base_tree]
     names = _names(given, cl.SYSTEMS, "systems")
     if "localspec-base" in names and not base_tree:
         raise ValueError("localspec-base is localspec served from another checkout: give it with --base-tree DIR")

@@ -392,7 +392,8 @@ def serve(ctx: click.Context, host: str, port: int, model_name: str | None, api_
                    "--systems, default all: localspec, localspec-no-suffix, localspec-no-prompt-cache, localspec-no-caches, "
                    "localspec-no-draft, localspec-base (with --base-tree), llama-server, "
                    "llama-server-draft, llama-server-ngram-mod, llama-server-ngram-cache, "
-                   "llama-server-ngram-mod-draft, llama-server-ngram-cache-draft).")
+                   "llama-server-ngram-mod-draft, llama-server-ngram-cache-draft; when named: "
+                   "localspec-no-draft-1-thread, llama.cpp's CPU threads at one).")
 @click.option("--mixed-warmup", type=click.IntRange(0), default=12, show_default=True,
               help="Sampled requests (temperature 1.0 and 0.7, 48 tokens) each drafting localspec system answers "
               "before the greedy runs, as a server answering OpenAI clients does; 0: none.")
