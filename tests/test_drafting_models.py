@@ -118,12 +118,23 @@ def test_a_fresh_process_never_drafts_with_a_draft_as_dear_as_its_oracle(pair_pa
         assert r.text == engine.generate(messages, max_tokens=96, speculative=False).text
 
 
-def test_calibrating_at_load_times_both_models_and_leaves_the_contexts_empty(pair_paths):
+def test_calibrating_at_load_times_both_models_and_leaves_the_contexts_empty(pair_paths, monkeypatch):
     """What the engine does at load on a GPU (`calibrate=None` there), asked for on the CPU: the
     policy knows the oracle's passes (one token and several), the draft's proposals and, with
     several slots, the batched passes and draft rounds before the first request; every sequence is
-    empty after, and the first request's text is the oracle's."""
+    empty after, and the first request's text is the oracle's. Those decodes ran on a thread that
+    has ended (`calibrate.on_a_passing_thread`: no OpenMP pool of theirs is left beside the pool of
+    the thread that generates)."""
+    import threading
+
+    from localspec.llama import context as llama_context
+
+    decoded_on = []
+    real = llama_context.llama_cpp.llama_decode
+    monkeypatch.setattr(llama_context.llama_cpp, "llama_decode",
+                        lambda ctx, batch: decoded_on.append(threading.current_thread()) or real(ctx, batch))
     with Engine(*pair_paths, n_ctx=512, n_threads=2, parallel=2, cost_cache=False, calibrate=True) as engine:
+        assert decoded_on and all(t is not threading.current_thread() and not t.is_alive() for t in decoded_on)
         model = engine.policy.model
         assert engine.policy.needs_costs() == (False, False) and model.learned.draft_round_cost.ready
         assert model.verify_cost.observations >= 5 and model.draft_cost.observations >= 3
@@ -133,6 +144,18 @@ def test_calibrating_at_load_times_both_models_and_leaves_the_contexts_empty(pai
                                                                                 speculative=False).text
     with Engine(*pair_paths, n_ctx=512, n_threads=2, cost_cache=False) as cpu:  # the default on a CPU: none
         assert cpu.policy.needs_costs() == (True, True)
+
+
+def test_a_passing_thread_hands_back_what_it_returned_or_raised():
+    import threading
+
+    from localspec.runtime.calibrate import on_a_passing_thread
+
+    ran_on = []
+    assert on_a_passing_thread(lambda: ran_on.append(threading.current_thread()) or 7) == 7
+    assert ran_on[0] is not threading.current_thread() and not ran_on[0].is_alive()
+    with pytest.raises(ZeroDivisionError):
+        on_a_passing_thread(lambda: 1 / 0)
 
 
 def test_a_decode_nobody_reads_is_waited_for_in_its_own_time(pair_paths, monkeypatch):

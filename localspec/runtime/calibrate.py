@@ -13,12 +13,16 @@ the first request's first step know.
 `measure(policy, oracle, draft)` builds the timers over an engine's contexts (sequence 0, left empty
 after).
 The replay (`localspec.bench.replay`) feeds the same function from its cost tables.
+
+The engine runs these decodes on a thread that ends with them (`on_a_passing_thread`), not on the
+thread that will generate: see there.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 import numpy as np
 
@@ -34,6 +38,33 @@ CONTEXT = 64  # tokens each pass attends to (a short prompt's)
 ROUNDS = 2  # the first round warms up (CUDA graphs, kernels chosen per shape), the last is kept
 
 Timer = Callable[[int], float]  # size -> seconds
+T = TypeVar("T")
+
+
+def on_a_passing_thread(fn: Callable[[], T]) -> T:
+    """`fn()` on a thread of its own that ends when it returns (its exception raised here).
+
+    llama.cpp's CPU backend, built with OpenMP (llama-cpp-python's is), gives every thread that
+    decodes a pool of worker threads, kept until that thread ends. Once the pools' threads outnumber
+    the cores, libgomp stops spinning at its barriers (its throttled spin count) and its workers
+    sleep between the graph's nodes, so every later decode, on any thread, pays their wake-ups: on
+    the 2-core VM a prompt pass took 95-101 ms on one thread after another had decoded, against 80
+    on either alone. Decodes at load run here, so that the thread that generates (the server's
+    worker, the command line's main thread) is left the process's only pool."""
+    out: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # handed to the caller
+            out["error"] = e
+
+    thread = threading.Thread(target=run, name="localspec-load-timing", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]  # type: ignore[misc]
+    return out["value"]  # type: ignore[return-value]
 
 
 def calibrate(policy: LengthPolicy, *, verify: Timer | None, draft: Timer | None = None,

@@ -30,7 +30,7 @@ from localspec.outputs import Chunk, Result, Stats, TokenLogprob
 from localspec.speculative.policy import LengthPolicy, Regime
 from localspec.speculative.proposers import DEVICE_TOP_K, Proposer, draft_model_of
 from localspec.runtime.apply import Apply
-from localspec.runtime.calibrate import PICKS_LENGTH, draft_picks_faster, measure
+from localspec.runtime.calibrate import PICKS_LENGTH, draft_picks_faster, measure, on_a_passing_thread
 from localspec.runtime.prompt_cache import PromptCache
 from localspec.runtime.slots import Slots
 from localspec.runtime.step import Step, text_and_bytes
@@ -111,7 +111,8 @@ class Engine:
         self.draft_picks_seconds: dict[str, float] = {}  # a draft proposal's seconds each way, if timed
         if (self.draft_ctx is not None and draft_model_of(self.proposer) is not None
                 and _offloaded(parts.draft_gpu_layers, self.draft_model)):
-            faster, self.draft_picks_seconds = draft_picks_faster(self.draft_ctx, DEVICE_TOP_K)
+            faster, self.draft_picks_seconds = on_a_passing_thread(  # (not this thread: see there)
+                lambda: draft_picks_faster(self.draft_ctx, DEVICE_TOP_K))
             draft_top = DEVICE_TOP_K if faster else 0
             log.info("the draft picks from %s (a %d-token proposal: %s)",
                      f"its rows' top {DEVICE_TOP_K}, kept on the device" if faster else "whole rows", PICKS_LENGTH,
@@ -125,7 +126,8 @@ class Engine:
                            suffix=self.suffix, clock=clock)
         self.scheduler = Scheduler(self.slots, self.stepper, self.apply)
         if parts.calibrate:  # (where a model runs on a GPU: see runtime.calibrate)
-            measure(self.policy, self.oracle, self.draft_ctx, backend_sampling=backend_sampling, draft_top=draft_top)
+            on_a_passing_thread(lambda: measure(self.policy, self.oracle, self.draft_ctx,
+                                                backend_sampling=backend_sampling, draft_top=draft_top))
 
     @property
     def policy(self) -> LengthPolicy:
