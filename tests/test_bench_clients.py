@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from localspec.runtime.learning import CostStore
 from localspec.bench import client_workloads as cw
 from localspec.bench import clients, clients_report
 
@@ -339,6 +340,7 @@ def test_records_twice_on_localspec_with_and_without_the_suffix_cache(pair_paths
                                    systems=["localspec", "localspec-no-suffix"], workloads=["records"], reps=1,
                                    threads=2, max_tokens=24, max_prompts=4)
     costs = Path(os.environ["LOCALSPEC_COST_CACHE"])  # the suite's cost cache: the user's, here
+    CostStore.flush()  # (what this process's earlier engines handed the writer is not the run's doing)
     before = {p.name: p.read_bytes() for p in costs.glob("*.json")} if costs.is_dir() else {}
     report = clients.run_clients_bench(config, reference=False)
     assert not report["notes"], report["notes"]

@@ -1,6 +1,7 @@
 """Pass-cost models fitted from steps, and their store between processes."""
 
 import json
+import os
 import threading
 
 import numpy as np
@@ -171,6 +172,50 @@ def test_what_an_engine_keeps_after_a_request_is_written_on_another_thread(tmp_p
     store.save_later(path, key, {"scale": 5})
     store.flush()
     assert json.loads(path.read_text())["state"] == {"scale": 5}
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_child_forked_while_a_write_runs_saves_and_flushes_on_its_own(tmp_path, monkeypatch):
+    """A process forked while the writer's thread was in the middle of a write (busy) with another
+    file waiting behind it: the child's load writes what was waiting on a writer of its own instead
+    of waiting for a thread the child does not have."""
+    import time
+
+    from localspec.runtime import learning
+
+    parent, gate, writing = os.getpid(), threading.Event(), threading.Event()
+    real = learning.write_text_atomically
+
+    def slow(path, text):
+        if os.getpid() == parent:
+            writing.set()
+            gate.wait(30)
+        real(path, text)
+
+    monkeypatch.setattr(learning, "write_text_atomically", slow)
+    store, key = CostStore(tmp_path), {"model": "abc"}
+    try:
+        store.save_later(store.path("verify", key), key, {"scale": 1})
+        assert writing.wait(30)
+        store.save_later(store.path("draft", key), key, {"scale": 2})  # waits behind it
+        pid = os.fork()
+        if pid == 0:  # the child: report by exit code, never return into pytest
+            code = 1
+            try:
+                code = 0 if store.load("draft", key) == {"scale": 2} else 2
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + 15
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if done[0] == 0:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung on its writer")
+        assert os.waitstatus_to_exitcode(done[1]) == 0
+    finally:
+        gate.set()
+    assert store.load("verify", key) == {"scale": 1} and store.load("draft", key) == {"scale": 2}
 
 
 def test_an_unwritable_store_does_not_fail_the_caller(tmp_path):

@@ -146,14 +146,25 @@ class _Writer:
     def put(self, path: Path, text: Callable[[], str]) -> None:
         with self._cv:
             self._pending[path] = text  # a newer state of the same file replaces one not written yet
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="localspec-costs", daemon=True)
-                self._thread.start()
+            self._running()
             self._cv.notify_all()
 
     def flush(self, timeout: float | None = None) -> None:
         with self._cv:
+            if self._pending:
+                self._running()
             self._cv.wait_for(lambda: not self._pending and not self._busy, timeout)
+
+    def _running(self) -> None:
+        """The thread, started if it is not running (the first save, or a process forked since)."""
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="localspec-costs", daemon=True)
+            self._thread.start()
+
+    def _after_fork(self) -> None:
+        """In a forked child: a lock of its own (the parent's writer may have held the old one);
+        what was pending is written by the child's own thread when it next saves or flushes."""
+        self._cv, self._thread, self._busy = threading.Condition(), None, False
 
     def _run(self) -> None:
         while True:
@@ -174,6 +185,8 @@ class _Writer:
 
 _WRITER = _Writer()
 atexit.register(_WRITER.flush, 30.0)  # what the last request learned, before the process ends
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_WRITER._after_fork)
 
 
 class CostBook:
