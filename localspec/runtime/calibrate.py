@@ -20,8 +20,8 @@ thread that will generate: see there.
 
 from __future__ import annotations
 
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence, TypeVar
 
 import numpy as np
@@ -51,20 +51,8 @@ def on_a_passing_thread(fn: Callable[[], T]) -> T:
     the 2-core VM a prompt pass took 95-101 ms on one thread after another had decoded, against 80
     on either alone. Decodes at load run here, so that the thread that generates (the server's
     worker, the command line's main thread) is left the process's only pool."""
-    out: dict[str, object] = {}
-
-    def run() -> None:
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # handed to the caller
-            out["error"] = e
-
-    thread = threading.Thread(target=run, name="localspec-load-timing", daemon=True)
-    thread.start()
-    thread.join()
-    if "error" in out:
-        raise out["error"]  # type: ignore[misc]
-    return out["value"]  # type: ignore[return-value]
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="localspec-load-timing") as pool:
+        return pool.submit(fn).result()  # (leaving the block joins the thread)
 
 
 def calibrate(policy: LengthPolicy, *, verify: Timer | None, draft: Timer | None = None,
