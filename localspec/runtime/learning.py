@@ -4,9 +4,9 @@ moves it); the key holds everything that changes the costs (model file, threads,
 and backends, CPU model, attention kernel, GPU offload), so a changed setting starts afresh.
 `CostBook` is an engine's: the store and the key of each kind of state (see
 `speculative.policy.Learning.cost_state`), written after each request by a thread of its own
-(`_Writer`: the engine's thread does not wait for the files). `Learner` is the engine's learning: the policy requests
-fork, where its state is kept, and what the costs every request shares learn from each pass (on
-landing, `runtime.apply`). The policy's state itself is `speculative.costs`' fit and
+(`_Writer`: the engine's thread does not wait for the files). `Learner` is the engine's learning:
+the policy requests fork, where its state is kept, and what the costs every request shares learn
+from each pass (on landing, `runtime.apply`). The policy's state itself is `speculative.costs`' fit and
 `speculative.policy`'s estimates.
 """
 
